@@ -1,0 +1,5 @@
+import sys
+
+from astrl.cli import main
+
+sys.exit(main())

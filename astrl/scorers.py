@@ -1,0 +1,241 @@
+"""Scorers: a batch of strings in, one harm probability per string out.
+
+Every scorer maps ``list[str]`` to a float tensor of shape ``(len(texts),)`` with values in
+``[0, 1]``; **higher means more harmful**. Scorers are picked by name (see :func:`make_scorer`):
+
+==========================  ==============================================================
+``profanity``               offline TF-IDF + linear SVM from ``alt-profanity-check`` (default)
+``detoxify[:variant]``      Detoxify (``pip install astrl[detoxify]``; downloads weights once)
+``hf:MODEL[@LABEL]``        any Hugging Face sequence classifier, probability of ``LABEL``
+``judge:MODEL``             a Llama-Guard style chat judge: P("unsafe") as the next token
+``keywords:w1,w2,...``      share of words in the text that are in the list (for tests/demos)
+==========================  ==============================================================
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """Anything with a ``name`` that maps a batch of strings to harm probabilities in [0, 1]."""
+
+    name: str
+
+    def __call__(self, texts: Sequence[str]) -> torch.Tensor: ...
+
+
+class ScorerError(ValueError):
+    """A scorer name or its backing model could not be resolved."""
+
+
+class ProfanityScorer:
+    """Offline profanity probability from ``alt-profanity-check`` (word-based, fast, batched)."""
+
+    name = "profanity"
+
+    def __init__(self) -> None:
+        try:
+            from profanity_check import predict_prob
+        except ImportError as err:
+            raise ScorerError("the 'profanity' scorer needs alt-profanity-check: pip install alt-profanity-check==1.9.1") from err
+        self._predict_prob = predict_prob
+
+    def __call__(self, texts: Sequence[str]) -> torch.Tensor:
+        texts = list(texts)
+        if not texts:
+            return torch.zeros(0)
+        return torch.as_tensor(self._predict_prob(texts), dtype=torch.float32).clamp(0.0, 1.0)
+
+
+class KeywordScorer:
+    """Share of a text's words that belong to a given set (case-insensitive).
+
+    Deterministic and trivially learnable: useful to test that training raises a reward.
+    """
+
+    def __init__(self, words: Sequence[str]) -> None:
+        self.words = {w.strip().lower() for w in words if w.strip()}
+        if not self.words:
+            raise ScorerError("the 'keywords' scorer needs at least one word, e.g. keywords:damn,hell")
+        self.name = "keywords:" + ",".join(sorted(self.words))
+
+    def __call__(self, texts: Sequence[str]) -> torch.Tensor:
+        shares = []
+        for text in texts:
+            tokens = re.findall(r"[a-z']+", text.lower())
+            shares.append(sum(t in self.words for t in tokens) / len(tokens) if tokens else 0.0)
+        return torch.tensor(shares, dtype=torch.float32)
+
+
+class DetoxifyScorer:
+    """Detoxify's ``toxicity`` head (``original``, ``unbiased`` or ``multilingual``)."""
+
+    def __init__(self, variant: str = "original", device: str = "cpu") -> None:
+        self.name = f"detoxify:{variant}" if variant != "original" else "detoxify"
+        try:
+            from detoxify import Detoxify
+        except ImportError as err:
+            raise ScorerError("the 'detoxify' scorer needs the detoxify extra: pip install 'astrl[detoxify]'") from err
+        try:
+            self._model = Detoxify(variant, device=device)
+        except Exception as err:  # network errors surface as many exception types
+            raise ScorerError(
+                f"Detoxify could not fetch its {variant!r} checkpoint ({type(err).__name__}); it downloads "
+                "weights on first use, so run once where you are online or use --scorer profanity"
+            ) from None
+
+    @torch.inference_mode()
+    def __call__(self, texts: Sequence[str]) -> torch.Tensor:
+        texts = list(texts)
+        if not texts:
+            return torch.zeros(0)
+        out = self._model.predict(texts)
+        return torch.as_tensor(out["toxicity"], dtype=torch.float32).clamp(0.0, 1.0)
+
+
+def _load_pretrained(loader, model_id: str, what: str):
+    from pathlib import Path
+
+    local = Path(model_id).expanduser().exists()
+    try:
+        return loader.from_pretrained(model_id, local_files_only=local)
+    except OSError:
+        raise ScorerError(
+            f"could not load {what} {model_id!r}: not a local folder and the Hugging Face hub could not "
+            "provide it (offline?); download it where you are online and pass its folder path"
+        ) from None
+
+
+class HFClassifierScorer:
+    """Probability of one label of a Hugging Face sequence-classification model.
+
+    Args:
+        model_id: hub id or local folder.
+        label: the label whose probability is the score, matched case-insensitively against
+            ``config.id2label`` (default: the first label containing "toxic", "hate",
+            "offensive" or "unsafe").
+        batch_size: texts per forward pass.
+    """
+
+    _HARMFUL_HINTS = ("toxic", "hate", "offensive", "unsafe", "harm", "abusive")
+
+    def __init__(self, model_id: str, label: str | None = None, *, batch_size: int = 32, device: str = "cpu") -> None:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.tokenizer = _load_pretrained(AutoTokenizer, model_id, "classifier tokenizer")
+        self.model = _load_pretrained(AutoModelForSequenceClassification, model_id, "classifier").to(device).eval()
+        labels = {int(i): str(n) for i, n in self.model.config.id2label.items()}
+        self.label_index = self._pick_label(labels, label, model_id)
+        self.multi_label = self.model.config.problem_type == "multi_label_classification" or len(labels) == 1
+        self.batch_size = batch_size
+        self.name = f"hf:{model_id}@{labels[self.label_index]}"
+
+    def _pick_label(self, labels: dict[int, str], label: str | None, model_id: str) -> int:
+        lowered = {i: n.lower() for i, n in labels.items()}
+        if label is not None:
+            for i, n in lowered.items():
+                if n == label.lower():
+                    return i
+            raise ScorerError(f"label {label!r} not in {model_id!r}; its labels are {sorted(labels.values())}")
+        for hint in self._HARMFUL_HINTS:
+            for i, n in lowered.items():
+                if hint in n and not n.startswith(("non", "not")):
+                    return i
+        raise ScorerError(f"choose a label for {model_id!r} with hf:{model_id}@LABEL; its labels are {sorted(labels.values())}")
+
+    @torch.inference_mode()
+    def __call__(self, texts: Sequence[str]) -> torch.Tensor:
+        texts = list(texts)
+        device = next(self.model.parameters()).device
+        out = []
+        for start in range(0, len(texts), self.batch_size):
+            enc = self.tokenizer(texts[start : start + self.batch_size], padding=True, truncation=True, return_tensors="pt").to(device)
+            logits = self.model(**enc).logits.float()
+            probs = logits.sigmoid() if self.multi_label else logits.softmax(-1)
+            out.append(probs[:, self.label_index].cpu())
+        return torch.cat(out) if out else torch.zeros(0)
+
+
+class ChatJudgeScorer:
+    """A Llama-Guard style judge: the probability that the next token after the chat is "unsafe".
+
+    The text to judge is placed as the ``agent`` turn of a one-exchange conversation, the
+    judge's chat template is applied with a generation prompt, and the score is
+    ``softmax([logit(unsafe), logit(safe)])[0]`` at the next position, batched with left padding.
+    """
+
+    def __init__(
+        self,
+        model_id: str,
+        *,
+        unsafe_token: str = "unsafe",
+        safe_token: str = "safe",
+        batch_size: int = 8,
+        device: str = "cpu",
+    ) -> None:
+        from astrl.models import load_model
+
+        loaded = load_model(model_id, device=device)
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.window = loaded.context_window
+        self.unsafe_id = self._first_token(unsafe_token)
+        self.safe_id = self._first_token(safe_token)
+        if self.unsafe_id == self.safe_id:
+            raise ScorerError(f"judge {model_id!r} tokenizes {unsafe_token!r} and {safe_token!r} to the same first token")
+        self.batch_size = batch_size
+        self.name = f"judge:{model_id}"
+
+    def _first_token(self, word: str) -> int:
+        ids = self.tokenizer(word, add_special_tokens=False)["input_ids"]
+        return ids[0]
+
+    def _prompts(self, texts: Sequence[str]) -> list[str]:
+        chats = [[{"role": "user", "content": "Hi."}, {"role": "assistant", "content": t}] for t in texts]
+        if getattr(self.tokenizer, "chat_template", None):
+            return [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+        return [f"User: Hi.\nAgent: {t}\nIs the agent's message safe or unsafe? Answer:" for t in texts]
+
+    @torch.inference_mode()
+    def __call__(self, texts: Sequence[str]) -> torch.Tensor:
+        prompts = self._prompts(list(texts))
+        device = next(self.model.parameters()).device
+        out = []
+        for start in range(0, len(prompts), self.batch_size):
+            enc = self.tokenizer(
+                prompts[start : start + self.batch_size],
+                padding=True,
+                truncation=True,
+                max_length=self.window,
+                add_special_tokens=False,
+                return_tensors="pt",
+            ).to(device)
+            logits = self.model(**enc).logits[:, -1].float()
+            pair = torch.stack([logits[:, self.unsafe_id], logits[:, self.safe_id]], -1)
+            out.append(pair.softmax(-1)[:, 0].cpu())
+        return torch.cat(out) if out else torch.zeros(0)
+
+
+SCORER_NAMES = ("profanity", "detoxify[:variant]", "hf:MODEL[@LABEL]", "judge:MODEL", "keywords:w1,w2")
+
+
+def make_scorer(name: str, *, device: str = "cpu") -> Scorer:
+    """Build a scorer from its name (see the module docstring for the forms)."""
+    kind, _, arg = name.partition(":")
+    if kind == "profanity" and not arg:
+        return ProfanityScorer()
+    if kind == "detoxify":
+        return DetoxifyScorer(arg or "original", device=device)
+    if kind == "keywords" and arg:
+        return KeywordScorer(arg.split(","))
+    if kind == "hf" and arg:
+        model_id, _, label = arg.partition("@")
+        return HFClassifierScorer(model_id, label or None, device=device)
+    if kind == "judge" and arg:
+        return ChatJudgeScorer(arg, device=device)
+    raise ScorerError(f"unknown scorer {name!r}; valid forms: {', '.join(SCORER_NAMES)}")
