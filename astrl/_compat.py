@@ -1,50 +1,24 @@
-"""Workarounds for TorchRL 0.14.1 LLM-stack bugs, kept in one place.
+"""Workarounds for TorchRL 0.14.1 LLM-stack behaviour, kept in one place.
 
-Each helper names the upstream behaviour it works around; ``tests/test_compat.py`` holds a
-test per workaround that fails if the workaround is removed while the bug remains.
+``tests/test_compat.py`` checks both that each upstream behaviour is still there and that the
+workaround handles it, so each workaround can go when upstream changes.
 
-1. ``History`` objects need ``tensordict.set_list_to_stack(True)`` to stack lists of messages.
-2. A batch of histories with different message counts crashes ``History`` stacking and
-   ``apply_chat_template`` (``zip() argument 2 is shorter``): pad the shorter conversations
-   with ``"<none>"`` placeholder messages, which ``apply_chat_template`` drops.
-3. ``History.from_chats`` keeps per-message python lists; converting back to plain chats
-   needs ``tolist`` on each field, done by :func:`history_to_chats`.
+1. ``TransformersWrapper`` (history mode) crashes with ``zip() argument 2 is longer`` when the
+   conversations of a batch have different message counts, and ``"<none>"`` placeholder padding
+   makes it lose the generated reply when it parses the decoded text back into a ``History``.
+   astrl therefore keeps every batch aligned: conversations advance in lockstep and
+   :func:`astrl.envs.truncation.fit_chats` drops the same number of messages from each.
+   :func:`chats_to_history` refuses a ragged batch with a clear error instead of a crash later.
+2. ``TransformersWrapper`` text outputs keep special tokens and the padding that follows an early
+   EOS; astrl decodes replies from the generated ids, cut at the first EOS
+   (:func:`astrl.envs.transforms.clean_responses`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import tensordict
-
-PLACEHOLDER_ROLE = "<none>"
-
 Chat = list[dict[str, str]]
-
-
-def enable_list_to_stack() -> None:
-    """Let ``History`` stack lists of messages (TorchRL 0.14.1 warns or fails without it)."""
-    tensordict.set_list_to_stack(True).set()
-
-
-def placeholder() -> dict[str, str]:
-    """A message that ``History.apply_chat_template`` removes before templating."""
-    return {"role": PLACEHOLDER_ROLE, "content": ""}
-
-
-def pad_chats(chats: Sequence[Chat]) -> list[Chat]:
-    """Give every conversation the same message count by inserting placeholders.
-
-    Placeholders go right after a leading system message (or at the start), so the
-    last messages, which the model reads last, stay aligned across the batch.
-    """
-    longest = max((len(c) for c in chats), default=0)
-    padded = []
-    for chat in chats:
-        missing = longest - len(chat)
-        head = 1 if chat and chat[0]["role"] == "system" else 0
-        padded.append(list(chat[:head]) + [placeholder() for _ in range(missing)] + list(chat[head:]))
-    return padded
 
 
 def history_to_chats(history) -> list[Chat]:
@@ -60,13 +34,13 @@ def history_to_chats(history) -> list[Chat]:
 
 
 def chats_to_history(chats: Sequence[Chat]):
-    """Build a batched ``History`` from plain chats, padding them to a common length first."""
+    """Build a batched ``History`` from plain chats that all have the same message count."""
     from torchrl.data.llm import History
 
-    enable_list_to_stack()
-    return History.from_chats(pad_chats(chats))
-
-
-def drop_placeholders(chat: Chat) -> Chat:
-    """The real messages of a conversation."""
-    return [m for m in chat if m["role"] != PLACEHOLDER_ROLE]
+    counts = sorted({len(c) for c in chats})
+    if len(counts) > 1:
+        raise ValueError(
+            f"conversations in a batch must have the same number of messages (got {counts}); "
+            "TorchRL 0.14.1 TransformersWrapper cannot generate from a ragged History batch"
+        )
+    return History.from_chats([list(c) for c in chats])

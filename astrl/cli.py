@@ -17,14 +17,23 @@ def _add_rollout(sub) -> None:
     p = sub.add_parser("rollout", help="run tester-vs-target conversations and write one JSON line per turn")
     p.add_argument("--tester", default="smollm2-135m", help="embedded name, local folder or hub id (default: smollm2-135m)")
     p.add_argument("--target", default="smollm2-135m", help="embedded name, local folder or hub id (default: smollm2-135m)")
-    p.add_argument("--scorer", action="append", dest="scorers", metavar="NAME",
-                   help="scorer of the target's replies, repeatable; the first gives the reward (default: profanity)")
-    p.add_argument("--prompts", default="builtin", help="builtin, rtp[:CATEGORY], harmbench, chatterbot, hf:ID or a .txt/.jsonl file")
+    p.add_argument(
+        "--scorer",
+        action="append",
+        dest="scorers",
+        metavar="NAME",
+        help="scorer of the target's replies, repeatable; the first gives the reward (default: profanity)",
+    )
+    p.add_argument(
+        "--prompts", default="builtin", help="builtin, rtp[:CATEGORY], harmbench, chatterbot, hf:ID or a .txt/.jsonl file"
+    )
     p.add_argument("--split", default="all", choices=["train", "dev", "test", "all"], help="prompt split (seeded)")
     p.add_argument("--num-conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=3, help="tester turns per conversation")
     p.add_argument("--batch-size", type=int, default=8, help="conversations generated together")
-    p.add_argument("--mode", default="chat", choices=["chat", "text"], help="chat templates (chat) or plain-text continuation (text)")
+    p.add_argument(
+        "--mode", default="chat", choices=["chat", "text"], help="chat templates (chat) or plain-text continuation (text)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per tester turn (and per target turn unless set)")
     p.add_argument("--target-max-new-tokens", type=int, default=None)
     p.add_argument("--temperature", type=float, default=1.0)

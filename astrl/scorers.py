@@ -155,7 +155,9 @@ class HFClassifierScorer:
         device = next(self.model.parameters()).device
         out = []
         for start in range(0, len(texts), self.batch_size):
-            enc = self.tokenizer(texts[start : start + self.batch_size], padding=True, truncation=True, return_tensors="pt").to(device)
+            enc = self.tokenizer(texts[start : start + self.batch_size], padding=True, truncation=True, return_tensors="pt").to(
+                device
+            )
             logits = self.model(**enc).logits.float()
             probs = logits.sigmoid() if self.multi_label else logits.softmax(-1)
             out.append(probs[:, self.label_index].cpu())

@@ -21,7 +21,6 @@ from torchrl.envs import Compose, StepCounter, TransformedEnv
 from torchrl.envs.llm import ChatEnv
 from torchrl.envs.llm.transforms import DataLoadingPrimer
 
-from astrl._compat import enable_list_to_stack
 from astrl.envs.transforms import Advance, ScoreReward, TargetTurn, policy_limits
 from astrl.prompts import PromptStream
 from astrl.scorers import Scorer
@@ -54,7 +53,6 @@ class RedTeamEnv(ChatEnv):
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        enable_list_to_stack()
         self.mode = mode
         super().__init__(
             input_mode="history" if mode == "chat" else "text",

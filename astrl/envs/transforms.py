@@ -38,8 +38,7 @@ def policy_limits(policy, name: str) -> tuple[object, int, int]:
     generation = getattr(policy, "generation", None)
     if tokenizer is None or window is None or generation is None:
         raise TypeError(
-            f"the {name} policy needs .tokenizer, .context_window and .generation "
-            "(build it with astrl.policies.make_policy)"
+            f"the {name} policy needs .tokenizer, .context_window and .generation (build it with astrl.policies.make_policy)"
         )
     return tokenizer, int(window), int(generation.max_new_tokens)
 
@@ -51,7 +50,9 @@ def target_view(tester_chat: Chat, system_prompt: str | None) -> Chat:
     return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + messages
 
 
-def clean_responses(tokens: Sequence[torch.Tensor], tokenizer, max_new_tokens: int) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+def clean_responses(
+    tokens: Sequence[torch.Tensor], tokenizer, max_new_tokens: int
+) -> tuple[list[str], torch.Tensor, torch.Tensor]:
     """Cut generated ids at the first EOS/pad, decode them, and pad them to ``max_new_tokens``.
 
     Returns the texts, the ids (EOS kept, right-padded with the pad id) and their mask.
@@ -126,7 +127,9 @@ class TargetTurn(Transform):
         n = shape.numel()
         tensordict_reset.set(PROBE_KEY, [""] * n)
         tensordict_reset.set(RESPONSE_KEY, [""] * n)
-        tensordict_reset.set(RESPONSE_TOKENS_KEY, torch.full((*shape, self.target_max_new_tokens), self.target_tokenizer.pad_token_id))
+        tensordict_reset.set(
+            RESPONSE_TOKENS_KEY, torch.full((*shape, self.target_max_new_tokens), self.target_tokenizer.pad_token_id)
+        )
         tensordict_reset.set(RESPONSE_MASK_KEY, torch.zeros((*shape, self.target_max_new_tokens), dtype=torch.bool))
         if self.mode == "chat":
             chats = fit_chats(history_to_chats(tensordict_reset["history"].prompt), self.tester_tokenizer, self.tester_budget)
@@ -200,7 +203,9 @@ class ScoreReward(Transform):
     (default: the first one).
     """
 
-    def __init__(self, scorers: Mapping[str, Scorer] | Sequence[Scorer], *, reward_scorer: str | None = None, in_key: str = RESPONSE_KEY) -> None:
+    def __init__(
+        self, scorers: Mapping[str, Scorer] | Sequence[Scorer], *, reward_scorer: str | None = None, in_key: str = RESPONSE_KEY
+    ) -> None:
         super().__init__()
         if not isinstance(scorers, Mapping):
             scorers = {s.name: s for s in scorers}

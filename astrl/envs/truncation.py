@@ -64,7 +64,9 @@ def fit_chats(chats: Sequence[Chat], tokenizer, budget: int, *, drop_unit: int =
             last = chat[-1]
             overflow = length - budget
             content_len = len(tokenizer(last["content"], add_special_tokens=False)["input_ids"])
-            chat = chat[:-1] + [{"role": last["role"], "content": clip_text_left(last["content"], tokenizer, content_len - overflow)}]
+            chat = chat[:-1] + [
+                {"role": last["role"], "content": clip_text_left(last["content"], tokenizer, content_len - overflow)}
+            ]
         clipped.append(chat)
     if max(count_chat_tokens(tokenizer, clipped)) > budget:
         raise ValueError(

@@ -1,0 +1,90 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from astrl.cli import main
+
+
+def _run(tmp_path, model_dir, *extra, out="r.jsonl"):
+    path = tmp_path / out
+    code = main(
+        [
+            "rollout",
+            "--tester",
+            str(model_dir),
+            "--target",
+            str(model_dir),
+            "--scorer",
+            "profanity",
+            "--scorer",
+            "keywords:the,you",
+            "--prompts",
+            "builtin",
+            "--num-conversations",
+            "3",
+            "--turns",
+            "2",
+            "--batch-size",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--system-prompt",
+            "Be rude.",
+            "--seed",
+            "0",
+            "--quiet",
+            "--out",
+            str(path),
+            *extra,
+        ]
+    )
+    return code, path
+
+
+def test_rollout_writes_one_record_per_turn_and_is_seeded(tmp_path, tiny_model_dir, capsys):
+    code, path = _run(tmp_path, tiny_model_dir)
+    assert code == 0
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["conversation"], r["turn"]) for r in records] == [(c, t) for c in range(3) for t in range(2)]
+    for r in records:
+        assert set(r) >= {"conversation", "turn", "prompt", "probe", "response", "scores", "reward"}
+        assert set(r["scores"]) == {"profanity", "keywords:the,you"}
+        assert r["reward"] == r["scores"]["profanity"]
+    assert len({r["prompt"] for r in records}) == 3
+    assert "wrote 6 turns of 3 conversations" in capsys.readouterr().out
+    _, again = _run(tmp_path, tiny_model_dir, out="again.jsonl")
+    assert again.read_text() == path.read_text()
+    _, other = _run(tmp_path, tiny_model_dir, "--seed", "1", out="other.jsonl")
+    assert other.read_text() != path.read_text()
+
+
+def test_text_mode_from_the_cli(tmp_path, tiny_model_dir):
+    code, path = _run(tmp_path, tiny_model_dir, "--mode", "text")
+    assert code == 0 and len(path.read_text().splitlines()) == 6
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--scorer", "toxicity"], "unknown scorer 'toxicity'"),
+        (["--turns", "0"], "turns must be >= 1"),
+        (["--prompts", "missing.txt"], "'missing.txt'"),
+        (["--tester", "/no/such/model"], "'/no/such/model'"),
+        (["--max-new-tokens", "0"], "max_new_tokens"),
+    ],
+)
+def test_bad_arguments_give_one_error_line(tmp_path, tiny_model_dir, capsys, args, message):
+    code, _ = _run(tmp_path, tiny_model_dir, *args)
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and err.startswith("astrl: error:") and message in err
+
+
+def test_console_script_lists_commands():
+    out = subprocess.run([sys.executable, "-m", "astrl", "--help"], capture_output=True, text=True, check=True).stdout
+    for command in ("rollout", "train", "eval", "demo"):
+        assert command in out
+    later = subprocess.run([sys.executable, "-m", "astrl", "train"], capture_output=True, text=True)
+    assert later.returncode == 2 and "not available" in later.stderr

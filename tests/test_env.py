@@ -1,0 +1,217 @@
+import pytest
+import torch
+from conftest import loaded, make_gpt2, make_llama, make_tokenizer
+from torchrl.collectors.llm import LLMCollector
+from torchrl.envs import RewardSum
+
+from astrl._compat import history_to_chats
+from astrl.envs import make_redteam_env
+from astrl.policies import GenerationSettings, make_policy
+from astrl.scorers import KeywordScorer, ProfanityScorer
+
+OPENERS = ["hello how are you", "tell me about your day", "what is the weather like", "the cat walk park"]
+
+
+def _policies(max_new=6, target_positions=512, tester_positions=512, mode="history"):
+    tok_a, tok_b = make_tokenizer(), make_tokenizer()
+    tester = make_policy(
+        loaded(make_llama(tok_a, max_positions=tester_positions), tok_a), GenerationSettings(max_new), input_mode=mode
+    )
+    target = make_policy(
+        loaded(make_llama(tok_b, max_positions=target_positions, seed=3), tok_b), GenerationSettings(max_new), input_mode=mode
+    )
+    return tester, target
+
+
+def _record_target_inputs(target):
+    seen = []
+    original = target.forward
+
+    def forward(td, *args, **kwargs):
+        seen.append(history_to_chats(td["history"].prompt))
+        return original(td, *args, **kwargs)
+
+    target.forward = forward
+    return seen
+
+
+def _strings(value):
+    return value.tolist() if hasattr(value, "tolist") else list(value)
+
+
+def test_history_grows_and_tester_view_alternates():
+    tester, target = _policies()
+    env = make_redteam_env(
+        tester, target, [KeywordScorer(["damn"])], OPENERS, batch_size=2, max_turns=3, tester_system_prompt="Be rude."
+    )
+    torch.manual_seed(0)
+    ro = env.rollout(10, tester)
+    assert ro.batch_size == (2, 3)  # StepCounter stops after max_turns
+    for t in range(3):
+        before = history_to_chats(ro[:, t]["history"].prompt)
+        after = history_to_chats(ro[:, t]["next", "history"].prompt)
+        probes = _strings(ro[:, t]["next", "probe"])
+        replies = _strings(ro[:, t]["next", "target_response"])
+        for b in range(2):
+            assert len(before[b]) == 2 + 2 * t and len(after[b]) == 4 + 2 * t
+            assert [m["role"] for m in after[b]] == ["system", "user"] + ["assistant", "user"] * (t + 1)
+            assert after[b][0]["content"] == "Be rude."
+            assert after[b][:-2] == before[b]
+            assert after[b][-2]["content"] == probes[b]
+            assert after[b][-1]["content"] == replies[b]
+    openers = _strings(ro[:, 0]["query"])
+    assert all(history_to_chats(ro[:, 0]["history"].prompt)[b][1]["content"] == openers[b] for b in range(2))
+
+
+def test_target_sees_roles_swapped_and_its_own_system_prompt():
+    tester, target = _policies()
+    seen = _record_target_inputs(target)
+    env = make_redteam_env(
+        tester,
+        target,
+        [KeywordScorer(["damn"])],
+        OPENERS,
+        batch_size=2,
+        max_turns=2,
+        tester_system_prompt="Be rude.",
+        target_system_prompt="Be kind.",
+    )
+    ro = env.rollout(2, tester)
+    assert len(seen) == 2
+    final = history_to_chats(ro[:, 1]["next", "history"].prompt)
+    for b in range(2):
+        tester_msgs = final[b][1:-1]  # no tester system prompt, no reply to the last probe
+        target_msgs = seen[1][b]
+        assert target_msgs[0] == {"role": "system", "content": "Be kind."}
+        swap = {"user": "assistant", "assistant": "user"}
+        assert [m["role"] for m in target_msgs[1:]] == [swap[m["role"]] for m in tester_msgs]
+        assert [m["content"] for m in target_msgs[1:]] == [m["content"] for m in tester_msgs]
+        assert target_msgs[-1]["role"] == "user"
+
+
+def test_target_runs_without_gradients():
+    tester, target = _policies()
+    grad_flags = []
+    target_model = target.model
+    target_model.register_forward_pre_hook(lambda *_: grad_flags.append(torch.is_grad_enabled()))
+    env = make_redteam_env(
+        tester, target, [KeywordScorer(["damn"])], OPENERS, batch_size=2, max_turns=1, tester_system_prompt="x"
+    )
+    with torch.enable_grad():
+        td = env.reset()
+        td = tester(td)
+        out = env.step(td)
+    assert grad_flags and not any(grad_flags)
+    assert not out["next", "target_tokens"].requires_grad
+
+
+def _max_positions(model):
+    lengths = []
+
+    def hook(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        lengths.append(mask.shape[-1] if mask is not None else ids.shape[-1])
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return lengths
+
+
+def test_truncation_keeps_every_call_inside_its_window_over_many_turns():
+    tester, target = _policies(max_new=8, tester_positions=96, target_positions=72)
+    tester_lengths, target_lengths = _max_positions(tester.model), _max_positions(target.model)
+    env = make_redteam_env(
+        tester, target, [KeywordScorer(["damn"])], OPENERS, batch_size=3, max_turns=22, tester_system_prompt="Be rude now."
+    )
+    torch.manual_seed(1)
+    ro = env.rollout(22, tester)
+    assert ro.batch_size == (3, 22)
+    assert max(tester_lengths) <= 96 and max(target_lengths) <= 72
+    final = history_to_chats(ro[:, -1]["next", "history"].prompt)
+    assert len(final[0]) < 2 + 2 * 22  # old turns were dropped
+    assert final[0][0] == {"role": "system", "content": "Be rude now."}  # system prompt kept
+    assert len({len(chat) for chat in final}) == 1
+
+
+def test_text_mode_concatenates_with_different_tokenizers():
+    tok_a, tok_b = make_tokenizer(seed=0), make_tokenizer(vocab_size=300, seed=5)
+    tester = make_policy(loaded(make_gpt2(tok_a, n_positions=512), tok_a), GenerationSettings(5), input_mode="text")
+    target = make_policy(loaded(make_llama(tok_b), tok_b), GenerationSettings(4), input_mode="text")
+    env = make_redteam_env(tester, target, [KeywordScorer(["damn"])], OPENERS, batch_size=2, max_turns=2, mode="text")
+    ro = env.rollout(2, tester)
+    for t in range(2):
+        before = _strings(ro[:, t]["text", "prompt"])
+        after = _strings(ro[:, t]["next", "text", "prompt"])
+        probes, replies = _strings(ro[:, t]["next", "probe"]), _strings(ro[:, t]["next", "target_response"])
+        assert after == [c + p + r for c, p, r in zip(before, probes, replies, strict=False)]
+    assert _strings(ro[:, 0]["text", "prompt"]) == _strings(ro[:, 0]["query"])  # no chat template in text mode
+
+
+def test_text_mode_custom_advance_and_window():
+    tok = make_tokenizer()
+    tester = make_policy(loaded(make_gpt2(tok, n_positions=40), tok), GenerationSettings(6), input_mode="text")
+    target = make_policy(loaded(make_llama(tok, max_positions=512), tok), GenerationSettings(6), input_mode="text")
+    lengths = _max_positions(tester.model)
+    env = make_redteam_env(
+        tester,
+        target,
+        [KeywordScorer(["damn"])],
+        OPENERS,
+        batch_size=2,
+        max_turns=8,
+        mode="text",
+        advance=lambda c, p, r: c + " | " + p + " || " + r,
+    )
+    ro = env.rollout(8, tester)
+    assert " || " in _strings(ro[:, 0]["next", "text", "prompt"])[0]
+    assert max(lengths) <= 40  # GPT-2 positions never overflow
+
+
+def test_reward_is_the_chosen_scorer_of_the_reply():
+    tester, target = _policies()
+    keywords = KeywordScorer(["hello", "damn", "the"])
+    env = make_redteam_env(
+        tester,
+        target,
+        [ProfanityScorer(), keywords],
+        OPENERS,
+        batch_size=2,
+        max_turns=2,
+        reward_scorer=keywords.name,
+        tester_system_prompt="x",
+    )
+    ro = env.rollout(2, tester)
+    replies = [r for row in _strings(ro["next", "target_response"]) for r in row]
+    expected = keywords(replies).reshape(2, 2)
+    assert ro["next", "reward"].shape == (2, 2, 1)
+    torch.testing.assert_close(ro["next", "reward"].squeeze(-1), expected)
+    torch.testing.assert_close(ro["next", "scores", keywords.name], expected)
+    torch.testing.assert_close(ro["next", "scores", "profanity"], ProfanityScorer()(replies).reshape(2, 2))
+
+
+def test_collector_and_extra_transform():
+    tester, target = _policies()
+    env = make_redteam_env(
+        tester, target, [KeywordScorer(["the", "you"])], OPENERS, batch_size=2, max_turns=2, tester_system_prompt="x"
+    )
+    env.append_transform(RewardSum())
+    collector = LLMCollector(env, policy=tester, dialog_turns_per_batch=4, yield_completed_trajectories=True)
+    data = next(iter(collector))
+    assert data.numel() >= 2 and data["next", "reward"].shape[-1] == 1
+    rewards, totals = data["next", "reward"].reshape(-1), data["next", "episode_reward"].reshape(-1)
+    assert torch.allclose(totals[-1], rewards[-2:].sum()) or torch.allclose(totals[-1], rewards[-1])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_turns": 0}, "max_turns"),
+        ({"mode": "voice"}, "mode"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"advance": str}, "text mode"),
+    ],
+)
+def test_bad_env_arguments(kwargs, message):
+    tester, target = _policies()
+    with pytest.raises(ValueError, match=message):
+        make_redteam_env(tester, target, [KeywordScorer(["x"])], OPENERS, **kwargs)

@@ -1,0 +1,61 @@
+import json
+
+import pytest
+
+from astrl.prompts import PromptSourceError, PromptStream, builtin_openers, load_prompts, split_prompts
+
+
+def test_builtin_has_at_least_100_unique_openers():
+    openers = builtin_openers()
+    assert len(openers) >= 100 and len(set(openers)) == len(openers)
+
+
+def test_splits_are_deterministic_disjoint_and_cover_everything():
+    prompts = load_prompts("builtin")
+    parts = {s: split_prompts(prompts, s, seed=3) for s in ("train", "dev", "test")}
+    assert parts == {s: split_prompts(prompts, s, seed=3) for s in ("train", "dev", "test")}
+    assert not set(parts["train"]) & set(parts["test"]) and not set(parts["dev"]) & set(parts["test"])
+    assert not set(parts["train"]) & set(parts["dev"])
+    assert sorted(parts["train"] + parts["dev"] + parts["test"]) == sorted(prompts)
+    assert split_prompts(prompts, "test", seed=4) != parts["test"]
+
+
+def test_text_and_jsonl_files(tmp_path):
+    txt = tmp_path / "p.txt"
+    txt.write_text("first\n\nsecond\nfirst\n")
+    assert load_prompts(str(txt)) == ["first", "second"]
+    jl = tmp_path / "p.jsonl"
+    jl.write_text(
+        json.dumps({"prompt": "a"}) + "\n" + json.dumps({"text": "b"}) + "\n" + json.dumps({"prompt": {"text": "c"}}) + "\n"
+    )
+    assert load_prompts(str(jl)) == ["a", "b", "c"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{nope\n")
+    with pytest.raises(PromptSourceError, match="bad.jsonl:1"):
+        load_prompts(str(bad))
+
+
+def test_missing_source_is_a_clear_error():
+    with pytest.raises(PromptSourceError, match="no/such/file.txt"):
+        load_prompts("no/such/file.txt")
+
+
+def test_package_sources():
+    rtp = load_prompts("rtp:insult")
+    assert len(rtp) == 100
+    assert len(load_prompts("rtp")) > len(rtp)
+    with pytest.raises(PromptSourceError, match="insult"):
+        load_prompts("rtp:nonsense")
+    assert len(load_prompts("chatterbot")) > 100
+
+
+def test_prompt_stream_resumes_where_it_stopped():
+    prompts = [f"p{i}" for i in range(7)]
+    a = PromptStream(prompts, 3, seed=1)
+    first = [a.next_batch() for _ in range(2)]
+    state = a.state_dict()
+    rest = [a.next_batch() for _ in range(3)]
+    b = PromptStream(prompts, 3, seed=1)
+    b.load_state_dict(state)
+    assert [b.next_batch() for _ in range(3)] == rest
+    assert sorted(sum(first, [])[:7]) == sorted(prompts[:7]) or len(set(sum(first, [])[:6])) == 6

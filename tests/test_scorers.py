@@ -1,0 +1,92 @@
+import pytest
+import torch
+from conftest import make_llama, make_tokenizer
+
+from astrl.scorers import ChatJudgeScorer, HFClassifierScorer, KeywordScorer, ScorerError, make_scorer
+
+
+def test_profanity_scores_profane_text_higher_and_stays_in_unit_interval():
+    scorer = make_scorer("profanity")
+    scores = scorer(["have a lovely afternoon", "you are a fucking idiot, shit"])
+    assert scores.shape == (2,) and scores.dtype == torch.float32
+    assert 0 <= scores.min() and scores.max() <= 1
+    assert scores[1] > 0.5 > scores[0]
+
+
+def test_keyword_share_values():
+    scorer = make_scorer("keywords:damn,Hell")
+    torch.testing.assert_close(scorer(["Damn it to hell now", "nothing", ""]), torch.tensor([0.4, 0.0, 0.0]))
+    assert scorer.name == "keywords:damn,hell"
+
+
+@pytest.mark.parametrize("name", ["toxicity", "keywords:", "hf:", "judge:"])
+def test_unknown_scorer_names_list_the_valid_forms(name):
+    with pytest.raises(ScorerError, match="valid forms"):
+        make_scorer(name)
+
+
+def test_keyword_scorer_needs_words():
+    with pytest.raises(ScorerError):
+        KeywordScorer([" "])
+
+
+@pytest.fixture(scope="module")
+def classifier_dir(tmp_path_factory):
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    folder = tmp_path_factory.mktemp("clf")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "damn", "you", "nice"]
+    (folder / "vocab.txt").write_text("\n".join(vocab))
+    tok = BertTokenizerFast(vocab_file=str(folder / "vocab.txt"))
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_labels=2,
+        id2label={0: "neutral", 1: "toxic"},
+        label2id={"neutral": 0, "toxic": 1},
+    )
+    BertForSequenceClassification(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_hf_classifier_picks_the_harmful_label_and_matches_a_manual_softmax(classifier_dir):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    scorer = make_scorer(f"hf:{classifier_dir}")
+    assert scorer.name.endswith("@toxic")
+    texts = ["hello nice", "damn you damn"]
+    model = AutoModelForSequenceClassification.from_pretrained(classifier_dir).eval()
+    enc = AutoTokenizer.from_pretrained(classifier_dir)(texts, padding=True, return_tensors="pt")
+    expected = model(**enc).logits.softmax(-1)[:, 1]
+    torch.testing.assert_close(scorer(texts), expected.detach())
+    neutral = HFClassifierScorer(str(classifier_dir), "NEUTRAL")
+    torch.testing.assert_close(neutral(texts) + scorer(texts), torch.ones(2))
+    with pytest.raises(ScorerError, match="toxic"):
+        HFClassifierScorer(str(classifier_dir), "insult")
+
+
+def test_chat_judge_is_p_unsafe_over_safe_at_the_next_token(tmp_path):
+    tok = make_tokenizer()
+    model = make_llama(tok)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    judge = ChatJudgeScorer(str(tmp_path), unsafe_token="bad", safe_token="good", batch_size=1)
+    texts = ["you idiot", "hello friend how are you today"]
+    scores = judge(texts)
+    # independent computation, one text at a time, no padding
+    unsafe = tok("bad", add_special_tokens=False)["input_ids"][0]
+    safe = tok("good", add_special_tokens=False)["input_ids"][0]
+    for text, score in zip(texts, scores, strict=False):
+        chat = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": text}]
+        ids = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        ids = torch.tensor([tok(ids, add_special_tokens=False)["input_ids"]])
+        logits = model(ids).logits[0, -1]
+        expected = torch.stack([logits[unsafe], logits[safe]]).softmax(-1)[0]
+        torch.testing.assert_close(score, expected.detach(), atol=1e-5, rtol=1e-4)
+    batched = ChatJudgeScorer(str(tmp_path), unsafe_token="bad", safe_token="good", batch_size=8)(texts)
+    torch.testing.assert_close(batched, scores, atol=1e-4, rtol=1e-3)
