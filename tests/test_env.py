@@ -189,17 +189,25 @@ def test_reward_is_the_chosen_scorer_of_the_reply():
     torch.testing.assert_close(ro["next", "scores", "profanity"], ProfanityScorer()(replies).reshape(2, 2))
 
 
+class _LengthScorer:
+    name = "length"
+
+    def __call__(self, texts):
+        return torch.tensor([(len(t) % 7) / 7 for t in texts])
+
+
 def test_collector_and_extra_transform():
     tester, target = _policies()
-    env = make_redteam_env(
-        tester, target, [KeywordScorer(["the", "you"])], OPENERS, batch_size=2, max_turns=2, tester_system_prompt="x"
-    )
+    env = make_redteam_env(tester, target, [_LengthScorer()], OPENERS, batch_size=2, max_turns=2, tester_system_prompt="x")
     env.append_transform(RewardSum())
     collector = LLMCollector(env, policy=tester, dialog_turns_per_batch=4, yield_completed_trajectories=True)
     data = next(iter(collector))
-    assert data.numel() >= 2 and data["next", "reward"].shape[-1] == 1
-    rewards, totals = data["next", "reward"].reshape(-1), data["next", "episode_reward"].reshape(-1)
-    assert torch.allclose(totals[-1], rewards[-2:].sum()) or torch.allclose(totals[-1], rewards[-1])
+    rewards = data["next", "reward"].reshape(-1)
+    totals = data["next", "episode_reward"].reshape(-1)
+    ends = data["next", "done"].reshape(-1).nonzero().squeeze(-1)
+    assert data["step_count"].reshape(-1).tolist() == [0, 1] * (data.numel() // 2)
+    assert ends.tolist() == list(range(1, data.numel(), 2)) and rewards.abs().sum() > 0
+    torch.testing.assert_close(totals[ends], rewards[ends] + rewards[ends - 1])
 
 
 @pytest.mark.parametrize(
