@@ -21,12 +21,14 @@ from collections.abc import Sequence
 Chat = list[dict[str, str]]
 
 
+def as_list(value) -> list:
+    """A python list from a ``NonTensorStack`` / ``LinkedList`` of strings or a plain sequence."""
+    return value.tolist() if hasattr(value, "tolist") else list(value)
+
+
 def history_to_chats(history) -> list[Chat]:
     """Turn a batched ``History`` of shape ``(B, n)`` into ``B`` lists of message dicts."""
-    roles = history.role
-    contents = history.content
-    roles = roles.tolist() if hasattr(roles, "tolist") else roles
-    contents = contents.tolist() if hasattr(contents, "tolist") else contents
+    roles, contents = as_list(history.role), as_list(history.content)
     return [
         [{"role": r, "content": c} for r, c in zip(role_row, content_row, strict=True)]
         for role_row, content_row in zip(roles, contents, strict=True)

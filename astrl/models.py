@@ -119,7 +119,12 @@ def _embedded_folder(name: str) -> Path:
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.replace(target) if not target.exists() else None
+    if target.exists():  # another process converted it meanwhile
+        import shutil
+
+        shutil.rmtree(tmp)
+    else:
+        tmp.replace(target)
     return target
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from tensordict import TensorDictBase
 
+from astrl._compat import as_list
 from astrl.envs import make_redteam_env
 from astrl.envs.transforms import PROBE_KEY, RESPONSE_KEY, SCORES_KEY
 from astrl.models import LoadedModel, load_model
@@ -52,14 +53,10 @@ class RolloutConfig:
             raise ValueError("at least one scorer is needed")
 
 
-def _as_list(value) -> list:
-    return value.tolist() if hasattr(value, "tolist") else list(value)
-
-
 def records_from_rollout(rollout: TensorDictBase, openers: Sequence[str], first_conversation: int = 0) -> list[dict]:
     """One JSON-ready dict per tester turn from an ``env.rollout`` output of shape ``(B, T)``."""
     nxt = rollout["next"]
-    probes, replies = _as_list(nxt[PROBE_KEY]), _as_list(nxt[RESPONSE_KEY])
+    probes, replies = as_list(nxt[PROBE_KEY]), as_list(nxt[RESPONSE_KEY])
     rewards = nxt["reward"].squeeze(-1).tolist()
     scores = {name: nxt[SCORES_KEY, name].tolist() for name in nxt[SCORES_KEY].keys()}
     records = []
@@ -113,7 +110,7 @@ def iter_rollouts(config: RolloutConfig, on_turn: Callable[[], None] | None = No
     for _ in range(math.ceil(config.num_conversations / batch)):
         with torch.no_grad():
             reset = env.reset()
-            openers = _as_list(reset["query"])
+            openers = as_list(reset["query"])
             rollout = env.rollout(config.turns, tester, tensordict=reset, auto_reset=False, callback=callback)
         records = records_from_rollout(rollout, openers, done)
         keep = min(batch, config.num_conversations - done)

@@ -4,7 +4,7 @@ from conftest import loaded, make_gpt2, make_llama, make_tokenizer
 from torchrl.collectors.llm import LLMCollector
 from torchrl.envs import RewardSum
 
-from astrl._compat import history_to_chats
+from astrl._compat import as_list, history_to_chats
 from astrl.envs import make_redteam_env
 from astrl.policies import GenerationSettings, make_policy
 from astrl.scorers import KeywordScorer, ProfanityScorer
@@ -36,7 +36,7 @@ def _record_target_inputs(target):
 
 
 def _strings(value):
-    return value.tolist() if hasattr(value, "tolist") else list(value)
+    return as_list(value)
 
 
 def test_history_grows_and_tester_view_alternates():

@@ -58,4 +58,4 @@ def test_prompt_stream_resumes_where_it_stopped():
     b = PromptStream(prompts, 3, seed=1)
     b.load_state_dict(state)
     assert [b.next_batch() for _ in range(3)] == rest
-    assert sorted(sum(first, [])[:7]) == sorted(prompts[:7]) or len(set(sum(first, [])[:6])) == 6
+    assert len(set(sum(first, []))) == 6  # within one epoch no prompt repeats

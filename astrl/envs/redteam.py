@@ -21,6 +21,7 @@ from torchrl.envs import Compose, StepCounter, TransformedEnv
 from torchrl.envs.llm import ChatEnv
 from torchrl.envs.llm.transforms import DataLoadingPrimer
 
+from astrl._compat import as_list
 from astrl.envs.transforms import Advance, ScoreReward, TargetTurn, policy_limits
 from astrl.prompts import PromptStream
 from astrl.scorers import Scorer
@@ -65,8 +66,7 @@ class RedTeamEnv(ChatEnv):
         from torchrl.modules.llm.policies import Text
 
         query = tensordict.get(self.data_key)
-        query = query.tolist() if hasattr(query, "tolist") else query
-        query = [query] * self.batch_size[0] if isinstance(query, str) else list(query)
+        query = [query] * self.batch_size[0] if isinstance(query, str) else as_list(query)
         return tensordict.empty(device=self.device).set("text", Text(prompt=query, batch_size=self.batch_size))
 
 

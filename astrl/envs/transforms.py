@@ -13,7 +13,7 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.data import Composite, NonTensor, Unbounded
 from torchrl.envs import Transform
 
-from astrl._compat import Chat, chats_to_history, history_to_chats
+from astrl._compat import Chat, as_list, chats_to_history, history_to_chats
 from astrl.envs.truncation import fit_chats, fit_texts
 from astrl.scorers import Scorer
 
@@ -135,8 +135,7 @@ class TargetTurn(Transform):
             chats = fit_chats(history_to_chats(tensordict_reset["history"].prompt), self.tester_tokenizer, self.tester_budget)
             self._set_tester_view(tensordict_reset, chats)
         else:
-            prompts = tensordict_reset["text", "prompt"]
-            prompts = prompts.tolist() if hasattr(prompts, "tolist") else list(prompts)
+            prompts = as_list(tensordict_reset["text", "prompt"])
             tensordict_reset["text", "prompt"] = fit_texts(prompts, self.tester_tokenizer, self.tester_budget)
         return tensordict_reset
 
@@ -182,10 +181,7 @@ class TargetTurn(Transform):
     def _step_text(self, td: TensorDictBase, next_td: TensorDictBase):
         from torchrl.modules.llm.policies import Text
 
-        contexts = td["text", "prompt"]
-        contexts = contexts.tolist() if hasattr(contexts, "tolist") else list(contexts)
-        probes = td["text", "response"]
-        probes = probes.tolist() if hasattr(probes, "tolist") else list(probes)
+        contexts, probes = as_list(td["text", "prompt"]), as_list(td["text", "response"])
         target_text = fit_texts([c + p for c, p in zip(contexts, probes, strict=True)], self.target_tokenizer, self.target_budget)
         batch = next_td.batch_size
         target_input = TensorDict(text=Text(prompt=target_text, batch_size=batch), batch_size=batch)
@@ -233,8 +229,7 @@ class ScoreReward(Transform):
         return reward_spec
 
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
-        texts = next_tensordict[self.in_key]
-        texts = texts.tolist() if hasattr(texts, "tolist") else list(texts)
+        texts = as_list(next_tensordict[self.in_key])
         shape = next_tensordict.batch_size
         scores = TensorDict({name: scorer(texts).reshape(shape) for name, scorer in self.scorers.items()}, batch_size=shape)
         next_tensordict.set(SCORES_KEY, scores)
