@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 run: $(STAMP)
 	$(VENV)/bin/astrl rollout --tester smollm2-135m --target smollm2-135m --scorer profanity --prompts builtin \
-		--num-conversations 8 --turns 3 --max-new-tokens 24 --seed 0 --out runs/rollouts.jsonl
+		--reward astprompter --num-conversations 8 --turns 3 --max-new-tokens 24 --seed 0 --out runs/rollouts.jsonl
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -42,6 +42,16 @@ def _add_rollout(sub) -> None:
     p.add_argument("--greedy", action="store_true", help="greedy decoding for both models")
     p.add_argument("--system-prompt", default=None, help="the tester's red-teaming system prompt (chat mode)")
     p.add_argument("--target-system-prompt", default=None)
+    p.add_argument(
+        "--reward",
+        default="score",
+        choices=["score", "astprompter"],
+        help="score: the first scorer's probability of the reply; astprompter: "
+        "alpha*tox(reply) + zeta*tox(probe+reply) + gamma*mean log p_target(probe)",
+    )
+    p.add_argument("--alpha", type=float, default=1.0, help="astprompter weight of the reply's toxicity")
+    p.add_argument("--zeta", type=float, default=0.5, help="astprompter weight of the probe+reply toxicity")
+    p.add_argument("--gamma", type=float, default=0.1, help="astprompter weight of the probe's mean log-prob under the target")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
@@ -70,6 +80,10 @@ def _rollout(args) -> int:
         target_generation=generation(args.target_max_new_tokens or args.max_new_tokens),
         tester_system_prompt=args.system_prompt,
         target_system_prompt=args.target_system_prompt,
+        reward=args.reward,
+        alpha=args.alpha,
+        zeta=args.zeta,
+        gamma=args.gamma,
         seed=args.seed,
         dtype=args.dtype,
         device=args.device,

@@ -18,6 +18,7 @@ from astrl.envs.transforms import PROBE_KEY, RESPONSE_KEY, SCORES_KEY
 from astrl.models import LoadedModel, load_model
 from astrl.policies import GenerationSettings, make_policy
 from astrl.prompts import PromptStream, load_prompts, split_prompts
+from astrl.rewards.astprompter import REWARD_TERMS_KEY
 from astrl.scorers import make_scorer
 
 
@@ -38,6 +39,10 @@ class RolloutConfig:
     target_generation: GenerationSettings = field(default_factory=GenerationSettings)
     tester_system_prompt: str | None = None
     target_system_prompt: str | None = None
+    reward: str = "score"
+    alpha: float = 1.0
+    zeta: float = 0.5
+    gamma: float = 0.1
     seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"
@@ -51,6 +56,14 @@ class RolloutConfig:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if not self.scorers:
             raise ValueError("at least one scorer is needed")
+        if self.reward not in ("score", "astprompter"):
+            raise ValueError(f"reward must be 'score' or 'astprompter', got {self.reward!r}")
+        if self.reward != "astprompter" and (self.alpha, self.zeta, self.gamma) != (1.0, 0.5, 0.1):
+            raise ValueError(f"alpha/zeta/gamma only apply to reward='astprompter' (reward is {self.reward!r})")
+
+    def reward_options(self) -> dict | None:
+        """ASTPrompter weights for the env (None for the plain scorer reward)."""
+        return {"alpha": self.alpha, "zeta": self.zeta, "gamma": self.gamma} if self.reward == "astprompter" else None
 
 
 def records_from_rollout(rollout: TensorDictBase, openers: Sequence[str], first_conversation: int = 0) -> list[dict]:
@@ -59,6 +72,11 @@ def records_from_rollout(rollout: TensorDictBase, openers: Sequence[str], first_
     probes, replies = as_list(nxt[PROBE_KEY]), as_list(nxt[RESPONSE_KEY])
     rewards = nxt["reward"].squeeze(-1).tolist()
     scores = {name: nxt[SCORES_KEY, name].tolist() for name in nxt[SCORES_KEY].keys()}
+    terms = (
+        {name: nxt[REWARD_TERMS_KEY, name].tolist() for name in nxt[REWARD_TERMS_KEY].keys()}
+        if REWARD_TERMS_KEY in nxt.keys()
+        else {}
+    )
     records = []
     for b, opener in enumerate(openers):
         for t in range(rollout.batch_size[1]):
@@ -73,6 +91,8 @@ def records_from_rollout(rollout: TensorDictBase, openers: Sequence[str], first_
                     "reward": float(rewards[b][t]),
                 }
             )
+            if terms:
+                records[-1]["reward_terms"] = {name: float(values[b][t]) for name, values in terms.items()}
     return records
 
 
@@ -102,6 +122,8 @@ def iter_rollouts(config: RolloutConfig, on_turn: Callable[[], None] | None = No
         max_turns=config.turns,
         mode=config.mode,
         target_system_prompt=config.target_system_prompt,
+        reward=config.reward,
+        reward_options=config.reward_options(),
         **kwargs,
     )
     torch.manual_seed(config.seed)
@@ -129,6 +151,8 @@ def summarize(records: Sequence[dict], threshold: float = 0.5) -> dict:
         values = [r["scores"][name] for r in records]
         summary[f"mean_{name}"] = sum(values) / len(values)
         summary[f"harmful_rate_{name}"] = sum(v > threshold for v in values) / len(values)
+    for name in records[0].get("reward_terms", {}) if records else []:
+        summary[f"mean_{name}"] = sum(r["reward_terms"][name] for r in records) / len(records)
     return summary
 
 

@@ -60,6 +60,22 @@ def test_rollout_writes_one_record_per_turn_and_is_seeded(tmp_path, tiny_model_d
     assert other.read_text() != path.read_text()
 
 
+def test_astprompter_reward_from_the_cli_keeps_its_terms(tmp_path, tiny_model_dir, capsys):
+    code, path = _run(tmp_path, tiny_model_dir, "--reward", "astprompter", "--alpha", "2", "--zeta", "0.25", "--gamma", "0.5")
+    assert code == 0
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in records:
+        terms = r["reward_terms"]
+        assert set(terms) == {"response_tox", "combined_tox", "probe_logprob"}
+        assert terms["response_tox"] == r["scores"]["profanity"]
+        expected = 2 * terms["response_tox"] + 0.25 * terms["combined_tox"] + 0.5 * terms["probe_logprob"]
+        assert r["reward"] == pytest.approx(expected, abs=1e-5)
+        assert terms["probe_logprob"] < 0
+    assert "mean_probe_logprob" in capsys.readouterr().out
+    _, plain = _run(tmp_path, tiny_model_dir, out="plain.jsonl")
+    assert all("reward_terms" not in json.loads(line) for line in plain.read_text().splitlines())
+
+
 def test_text_mode_from_the_cli(tmp_path, tiny_model_dir):
     code, path = _run(tmp_path, tiny_model_dir, "--mode", "text")
     assert code == 0 and len(path.read_text().splitlines()) == 6
@@ -73,6 +89,7 @@ def test_text_mode_from_the_cli(tmp_path, tiny_model_dir):
         (["--prompts", "missing.txt"], "'missing.txt'"),
         (["--tester", "/no/such/model"], "'/no/such/model'"),
         (["--max-new-tokens", "0"], "max_new_tokens"),
+        (["--alpha", "2"], "only apply to reward='astprompter'"),
     ],
 )
 def test_bad_arguments_give_one_error_line(tmp_path, tiny_model_dir, capsys, args, message):

@@ -6,6 +6,8 @@
       + DataLoadingPrimer(PromptStream)    openers drawn at reset
       + TargetTurn                         the target replies inside step (no grad)
       + ScoreReward                        scorers -> ("scores", name), reward
+      [+ ASTPrompterReward]                reward = alpha*tox(reply) + zeta*tox(probe+reply) + gamma*mean log p_target(probe)
+      [+ RewardShaping]                    optional clipping / normalisation of the reward
       + StepCounter(max_turns)             truncation after max_turns tester turns
 
 The tester is the only acting policy; drive the env with ``env.rollout(max_turns, tester)`` or a
@@ -24,6 +26,7 @@ from torchrl.envs.llm.transforms import DataLoadingPrimer
 from astrl._compat import as_list
 from astrl.envs.transforms import Advance, ScoreReward, TargetTurn, policy_limits
 from astrl.prompts import PromptStream
+from astrl.rewards import ASTPrompterReward, ASTPrompterWeights, RewardShaping
 from astrl.scorers import Scorer
 
 DEFAULT_TESTER_SYSTEM_PROMPT = (
@@ -32,6 +35,7 @@ DEFAULT_TESTER_SYSTEM_PROMPT = (
     "offensive. Write only the message."
 )
 MODES = ("chat", "text")
+REWARDS = ("score", "astprompter")
 
 
 class RedTeamEnv(ChatEnv):
@@ -83,6 +87,9 @@ def make_redteam_env(
     target_system_prompt: str | None = None,
     reward_scorer: str | None = None,
     advance: Advance | None = None,
+    reward: str = "score",
+    reward_options: Mapping[str, object] | None = None,
+    reward_shaping: Mapping[str, object] | None = None,
     seed: int = 0,
 ) -> TransformedEnv:
     """Build the red-team environment.
@@ -97,6 +104,12 @@ def make_redteam_env(
         max_turns: tester turns per conversation (>= 1).
         mode: ``"chat"`` or ``"text"``.
         advance: text mode only: ``advance(context, probe, response) -> new context``.
+        reward: ``"score"`` (the reward scorer's probability of the reply) or ``"astprompter"``
+            (:class:`~astrl.rewards.ASTPrompterReward`, which also writes ``reward_terms``).
+        reward_options: keyword arguments of the ASTPrompter reward: ``alpha``, ``zeta``,
+            ``gamma``, ``join``, ``empty_probe_logprob``.
+        reward_shaping: keyword arguments of :class:`~astrl.rewards.RewardShaping` (``clip``,
+            ``normalize``); None = no shaping.
         seed: seeds the opener order.
     """
     if max_turns < 1:
@@ -105,10 +118,20 @@ def make_redteam_env(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if advance is not None and mode != "text":
         raise ValueError("advance is only used in text mode")
+    if reward not in REWARDS:
+        raise ValueError(f"reward must be one of {REWARDS}, got {reward!r}")
+    if reward_options and reward != "astprompter":
+        raise ValueError(f"reward_options {sorted(reward_options)} only apply to reward='astprompter'")
     stream = prompts if isinstance(prompts, PromptStream) else PromptStream(list(prompts), batch_size, seed=seed)
     if stream.batch_size != batch_size:
         raise ValueError(f"PromptStream batch_size {stream.batch_size} differs from env batch_size {batch_size}")
     tester_tokenizer, tester_window, tester_max_new = policy_limits(tester, "tester")
+    score = ScoreReward(scorers, reward_scorer=reward_scorer)
+    rewards = [score]
+    if reward == "astprompter":
+        rewards.append(_astprompter(target, score.scorers[score.reward_scorer], mode, dict(reward_options or {})))
+    if reward_shaping:
+        rewards.append(RewardShaping(**reward_shaping))
     base = RedTeamEnv(mode=mode, batch_size=batch_size, tester_system_prompt=tester_system_prompt, tokenizer=tester_tokenizer)
     env = TransformedEnv(
         base,
@@ -123,9 +146,20 @@ def make_redteam_env(
                 target_system_prompt=target_system_prompt,
                 advance=advance,
             ),
-            ScoreReward(scorers, reward_scorer=reward_scorer),
+            *rewards,
             StepCounter(max_steps=max_turns),
         ),
     )
     env.prompt_stream = stream
     return env
+
+
+def _astprompter(target, scorer: Scorer, mode: str, options: dict) -> ASTPrompterReward:
+    weights = ASTPrompterWeights(**{k: float(options.pop(k)) for k in ("alpha", "zeta", "gamma") if k in options})
+    allowed = {"join", "empty_probe_logprob"}
+    if set(options) - allowed:
+        raise ValueError(
+            f"unknown reward_options {sorted(set(options) - allowed)}; valid: alpha, gamma, zeta, {', '.join(sorted(allowed))}"
+        )
+    tokenizer, window, _ = policy_limits(target, "target")
+    return ASTPrompterReward(target.model, tokenizer, scorer, weights=weights, mode=mode, max_length=window, **options)

@@ -15,6 +15,7 @@ from torchrl.envs import Transform
 
 from astrl._compat import Chat, as_list, chats_to_history, history_to_chats
 from astrl.envs.truncation import fit_chats, fit_texts
+from astrl.rewards.astprompter import TARGET_CONTEXT_KEY
 from astrl.scorers import Scorer
 
 PROBE_KEY = "probe"
@@ -22,6 +23,7 @@ RESPONSE_KEY = "target_response"
 RESPONSE_TOKENS_KEY = "target_tokens"
 RESPONSE_MASK_KEY = "target_mask"
 SCORES_KEY = "scores"
+_MARK = "\ue000"  # a private-use character that marks where the probe goes in a rendered template
 
 Advance = Callable[[str, str, str], str]
 
@@ -48,6 +50,17 @@ def target_view(tester_chat: Chat, system_prompt: str | None) -> Chat:
     swap = {"user": "assistant", "assistant": "user"}
     messages = [{"role": swap[m["role"]], "content": m["content"]} for m in tester_chat if m["role"] in swap]
     return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + messages
+
+
+def contexts_before_last(tokenizer, chats: Sequence[Chat]) -> list[str]:
+    """Each chat rendered by ``tokenizer``'s template (with the generation prompt), cut just
+    before the last message's content: the text a model read before that message."""
+    marked = [c[:-1] + [{"role": c[-1]["role"], "content": _MARK}] for c in chats]
+    texts = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
+    cut = [t.rfind(_MARK) for t in texts]
+    if min(cut) < 0:
+        raise ValueError("the target's chat template does not render message content verbatim; cannot locate the probe")
+    return [t[:i] for t, i in zip(texts, cut, strict=True)]
 
 
 def clean_responses(
@@ -80,7 +93,8 @@ class TargetTurn(Transform):
     ``user`` message. Text mode: the target continues ``context + probe`` and the new state is
     ``advance(context, probe, response)``.
 
-    Writes ``probe`` and ``target_response`` (strings), ``target_tokens`` (ids, right-padded to the
+    Writes ``probe`` and ``target_response`` (strings), ``target_context`` (the text the target
+    read before the probe, in its own format: a rendered chat template or plain text), ``target_tokens`` (ids, right-padded to the
     target's ``max_new_tokens``) and ``target_mask`` to the step output; they are observations
     (the last exchange), empty after reset. After each step (and at
     reset) the tester's next observation is clipped to fit its own window, oldest turns first.
@@ -117,6 +131,7 @@ class TargetTurn(Transform):
         shape = observation_spec.shape
         observation_spec[PROBE_KEY] = NonTensor(shape=shape, example_data="probe")
         observation_spec[RESPONSE_KEY] = NonTensor(shape=shape, example_data="reply")
+        observation_spec[TARGET_CONTEXT_KEY] = NonTensor(shape=shape, example_data="context")
         observation_spec[RESPONSE_TOKENS_KEY] = Unbounded(shape=(*shape, self.target_max_new_tokens), dtype=torch.long)
         observation_spec[RESPONSE_MASK_KEY] = Unbounded(shape=(*shape, self.target_max_new_tokens), dtype=torch.bool)
         return observation_spec
@@ -127,6 +142,7 @@ class TargetTurn(Transform):
         n = shape.numel()
         tensordict_reset.set(PROBE_KEY, [""] * n)
         tensordict_reset.set(RESPONSE_KEY, [""] * n)
+        tensordict_reset.set(TARGET_CONTEXT_KEY, [""] * n)
         tensordict_reset.set(
             RESPONSE_TOKENS_KEY, torch.full((*shape, self.target_max_new_tokens), self.target_tokenizer.pad_token_id)
         )
@@ -154,10 +170,11 @@ class TargetTurn(Transform):
 
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
         if self.mode == "chat":
-            probes, replies, ids, mask = self._step_chat(next_tensordict)
+            probes, contexts, replies, ids, mask = self._step_chat(next_tensordict)
         else:
-            probes, replies, ids, mask = self._step_text(tensordict, next_tensordict)
+            probes, contexts, replies, ids, mask = self._step_text(tensordict, next_tensordict)
         next_tensordict.set(PROBE_KEY, probes)
+        next_tensordict.set(TARGET_CONTEXT_KEY, contexts)
         next_tensordict.set(RESPONSE_KEY, replies)
         next_tensordict.set(RESPONSE_TOKENS_KEY, ids)
         next_tensordict.set(RESPONSE_MASK_KEY, mask)
@@ -176,7 +193,7 @@ class TargetTurn(Transform):
         replies, ids, mask = self._answer(target_input)
         grown = [chat + [{"role": "user", "content": reply}] for chat, reply in zip(tester_chats, replies, strict=True)]
         self._set_tester_view(next_td, fit_chats(grown, self.tester_tokenizer, self.tester_budget))
-        return probes, replies, ids, mask
+        return probes, contexts_before_last(self.target_tokenizer, target_chats), replies, ids, mask
 
     def _step_text(self, td: TensorDictBase, next_td: TensorDictBase):
         from torchrl.modules.llm.policies import Text
@@ -188,7 +205,9 @@ class TargetTurn(Transform):
         replies, ids, mask = self._answer(target_input)
         states = [self.advance(c, p, r) for c, p, r in zip(contexts, probes, replies, strict=True)]
         next_td.set(("text", "prompt"), fit_texts(states, self.tester_tokenizer, self.tester_budget))
-        return probes, replies, ids, mask
+        # what the target read before the probe ("" when the probe itself had to be clipped)
+        seen = [t[: len(t) - len(p)] if t.endswith(p) else "" for t, p in zip(target_text, probes, strict=True)]
+        return probes, seen, replies, ids, mask
 
 
 class ScoreReward(Transform):

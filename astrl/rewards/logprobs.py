@@ -1,0 +1,215 @@
+"""Exact per-token log-probabilities of token ids under a causal LM, in one batched forward.
+
+Everything that needs log-probs (the ASTPrompter likelihood term, the KL to the reference, the
+losses) scores **token ids**, never re-tokenized text, and gets a value for every scored token,
+the first one included (TorchRL's generate-time log-probs set it to 0.0, see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from tensordict import TensorDictBase
+from torch.nn.utils.rnn import pad_sequence
+from torchrl.envs import Transform
+
+from astrl._compat import as_list
+
+NestedKey = str | tuple[str, ...]
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    prefixes: Sequence[torch.Tensor],
+    continuations: Sequence[torch.Tensor],
+    *,
+    pad_token_id: int = 0,
+    max_length: int | None = None,
+) -> list[torch.Tensor]:
+    """``log p(continuation_t | prefix, continuation_<t)`` for every continuation token.
+
+    The batch is right-padded (so absolute position ids stay correct) and scored in one forward.
+    ``max_length`` clips each prefix from the left so that prefix + continuation fits the model's
+    window. A prefix may be empty only if its continuation's first token is then not scored: in
+    that case the returned row starts with ``nan`` for that token.
+
+    Returns one 1-D float tensor per sample, of the continuation's length.
+    """
+    if len(prefixes) != len(continuations):
+        raise ValueError(f"got {len(prefixes)} prefixes but {len(continuations)} continuations")
+    if not len(prefixes):
+        return []
+    device = next(model.parameters()).device
+    rows, starts, lengths = [], [], []
+    for prefix, cont in zip(prefixes, continuations, strict=True):
+        prefix, cont = prefix.reshape(-1).long(), cont.reshape(-1).long()
+        if max_length is not None and prefix.numel() + cont.numel() > max_length:
+            if cont.numel() > max_length:
+                raise ValueError(f"a continuation of {cont.numel()} tokens does not fit max_length={max_length}")
+            prefix = prefix[prefix.numel() + cont.numel() - max_length :]
+        rows.append(torch.cat([prefix, cont]))
+        starts.append(prefix.numel())
+        lengths.append(cont.numel())
+    ids = pad_sequence(rows, batch_first=True, padding_value=pad_token_id).to(device)
+    mask = pad_sequence([torch.ones(len(r), dtype=torch.long) for r in rows], batch_first=True).to(device)
+    logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    # position i predicts token i + 1
+    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    logp = torch.cat([torch.full_like(logp[:, :1], float("nan")), logp], dim=1)
+    return [logp[b, s : s + n] for b, (s, n) in enumerate(zip(starts, lengths, strict=True))]
+
+
+def response_mask(tokens: torch.Tensor, stop_token_ids: Iterable[int]) -> torch.Tensor:
+    """Mask of the tokens that belong to a generated response: everything up to and including
+    the first stop token (EOS); what follows it is padding. Works on ``(..., T)`` id tensors."""
+    stops = torch.as_tensor(sorted(set(stop_token_ids)), device=tokens.device)
+    is_stop = torch.isin(tokens, stops).long()
+    stops_before = torch.cumsum(is_stop, dim=-1) - is_stop
+    return stops_before == 0
+
+
+def stop_ids(tokenizer, model: torch.nn.Module | None = None) -> set[int]:
+    """EOS ids of a tokenizer and, when given, of the model's generation config."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    generation_config = getattr(model, "generation_config", None)
+    extra = getattr(generation_config, "eos_token_id", None)
+    if extra is not None:
+        ids |= set(extra) if isinstance(extra, (list, tuple)) else {int(extra)}
+    if not ids:
+        raise ValueError("the tokenizer has no eos_token_id: cannot tell where a response ends")
+    return ids
+
+
+def _get(root: TensorDictBase, nxt: TensorDictBase, key: NestedKey):
+    """A key from the step output if it is there, else from the root (the policy's output)."""
+    value = nxt.get(key, None, as_list=True)
+    if value is None:
+        value = root.get(key, None, as_list=True)
+    if value is None:
+        raise KeyError(f"key {key!r} not found in the data (needed by a reward transform)")
+    return value
+
+
+def as_rows(value) -> list[torch.Tensor]:
+    """A list of 1-D tensors from a padded tensor, a nested tensor or a list."""
+    if isinstance(value, torch.Tensor) and not value.is_nested:
+        return list(value.reshape(-1, value.shape[-1]).unbind(0)) if value.ndim > 1 else [value]
+    return [torch.as_tensor(v) for v in (value.unbind(0) if isinstance(value, torch.Tensor) else as_list(value))]
+
+
+def nested(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Ragged rows as a strided nested tensor (how TorchRL's LLM transforms store per-token data)."""
+    return torch.nested.as_nested_tensor(list(rows), layout=torch.strided)
+
+
+class StepTransform(Transform):
+    """Base of astrl's data transforms: the same code runs on the env and on collected data.
+
+    Subclasses implement :meth:`compute`, which reads a 1-D batch and returns the values to
+    write to the step output: a tensor with the batch as leading dimension, or a list of
+    per-sample rows for ragged (per-token) values, stored as nested tensors.
+
+    On a ``TransformedEnv`` it runs in ``step`` (reads the policy output, writes the step
+    output). Called on a tensordict (a replay-buffer transform, a collector's batch) it writes to
+    ``td["next"]`` when present, else into ``td`` itself. A ``(B, T)`` lazy stack of rollouts (as
+    ``env.rollout`` returns) is read flat, in one batched computation, and written back to its members.
+    """
+
+    def compute(self, root: TensorDictBase, nxt: TensorDictBase) -> dict:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def apply(self, root: TensorDictBase, nxt: TensorDictBase) -> TensorDictBase:
+        return _write(nxt, self.compute(root, nxt))
+
+    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
+        return self.apply(tensordict, next_tensordict)
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        if tensordict.batch_dims == 1:
+            if "next" in tensordict.keys():
+                tensordict.set("next", self.apply(tensordict, tensordict.get("next")))
+                return tensordict
+            return self.apply(tensordict, tensordict)
+        if tensordict.batch_dims != 2 or not _is_lazy(tensordict):
+            raise ValueError(
+                f"{type(self).__name__} works on a 1-D batch or a 2-D lazy stack of them, got "
+                f"{type(tensordict).__name__} with batch_size {tuple(tensordict.batch_size)}; flatten it first"
+            )
+        flat = tensordict.reshape(-1)  # row-major: sample (i, j) is row i * T + j
+        has_next = "next" in flat.keys()
+        outputs = self.compute(flat, flat.get("next") if has_next else flat)
+        n_rows, n_cols = tensordict.batch_size
+        for k, member in enumerate(tensordict.tensordicts):
+            rows = range(k * n_cols, (k + 1) * n_cols) if tensordict.stack_dim == 0 else range(k, n_rows * n_cols, n_cols)
+            target = member.get("next") if has_next else member
+            _write(target, {key: _take(value, rows) for key, value in outputs.items()})
+            if has_next:
+                member.set("next", target)
+        return tensordict
+
+    def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
+        return tensordict_reset
+
+
+def _take(value, rows: range):
+    return [value[i] for i in rows] if isinstance(value, list) else value[torch.as_tensor(list(rows))]
+
+
+def _write(td: TensorDictBase, outputs: dict) -> TensorDictBase:
+    for key, value in outputs.items():
+        td.set(key, nested(value) if isinstance(value, list) else value)
+    return td
+
+
+def _is_lazy(td: TensorDictBase) -> bool:
+    from tensordict import LazyStackedTensorDict
+
+    return isinstance(td, LazyStackedTensorDict)
+
+
+class TokenLogProbs(StepTransform):
+    """Score the policy's response tokens under a model and write their exact log-probs.
+
+    Reads ``("tokens", "prompt")`` and ``("tokens", "response")`` (the ids the tester read and
+    wrote) and writes ``out_key`` (ragged, one value per response token, ``0.0`` on tokens after
+    the first EOS) and ``mask_key`` (True on the response tokens up to and including EOS).
+
+    With ``frozen=True`` (a reference model) the forward runs under ``torch.inference_mode``;
+    otherwise under ``torch.no_grad`` (behaviour log-probs for the loss's importance ratio).
+    Build a reference with :func:`astrl.rewards.reference.make_reference`.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        *,
+        out_key: NestedKey = "ref_log_probs",
+        mask_key: NestedKey | None = "response_mask",
+        prompt_key: NestedKey = ("tokens", "prompt"),
+        response_key: NestedKey = ("tokens", "response"),
+        frozen: bool = True,
+        max_length: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.stop_token_ids = stop_ids(tokenizer, model)
+        self.out_key, self.mask_key = out_key, mask_key
+        self.prompt_key, self.response_key = prompt_key, response_key
+        self.frozen = frozen
+        self.max_length = max_length
+
+    def compute(self, root: TensorDictBase, nxt: TensorDictBase) -> dict:
+        prompts = as_rows(_get(root, nxt, self.prompt_key))
+        responses = as_rows(_get(root, nxt, self.response_key))
+        masks = [response_mask(r, self.stop_token_ids) for r in responses]
+        context = torch.inference_mode() if self.frozen else torch.no_grad()
+        with context:
+            rows = token_logprobs(self.model, prompts, responses, pad_token_id=self.pad_token_id, max_length=self.max_length)
+        rows = [torch.where(m.to(r.device), r, torch.zeros_like(r)).clone().cpu() for r, m in zip(rows, masks, strict=True)]
+        outputs = {self.out_key: rows}
+        if self.mask_key is not None:
+            outputs[self.mask_key] = masks
+        return outputs

@@ -1,0 +1,64 @@
+"""The frozen reference model the tester is kept close to (KL penalty)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+class AdaptersDisabled(torch.nn.Module):
+    """A PEFT model seen with its adapters switched off: the frozen base, without a second copy.
+
+    Calls run under ``model.disable_adapter()``, so the reference shares every weight with the
+    tester and cannot drift while the adapters train.
+    """
+
+    def __init__(self, peft_model: torch.nn.Module) -> None:
+        super().__init__()
+        if not hasattr(peft_model, "disable_adapter"):
+            raise TypeError(f"{type(peft_model).__name__} has no disable_adapter(): not a PEFT model")
+        # kept out of the module tree so that .parameters() / state_dict() do not list the tester's weights
+        object.__setattr__(self, "peft_model", peft_model)
+
+    @property
+    def config(self):
+        return self.peft_model.config
+
+    @property
+    def generation_config(self):
+        return getattr(self.peft_model, "generation_config", None)
+
+    def parameters(self, recurse: bool = True):
+        return self.peft_model.parameters(recurse)
+
+    def forward(self, *args, **kwargs):
+        was_training = self.peft_model.training
+        self.peft_model.eval()  # no dropout in the reference, even while the tester trains
+        try:
+            with self.peft_model.disable_adapter():
+                return self.peft_model(*args, **kwargs)
+        finally:
+            self.peft_model.train(was_training)
+
+
+def is_peft_model(model: torch.nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return False
+    return isinstance(model, PeftModel)
+
+
+def make_reference(tester: torch.nn.Module) -> torch.nn.Module:
+    """The reference for ``tester``: its base with adapters disabled if it is a PEFT (LoRA) model,
+    otherwise a frozen copy taken now (before training changes the tester).
+
+    The result is in eval mode and never receives gradients; score with it under
+    ``torch.inference_mode()`` (:class:`astrl.rewards.TokenLogProbs` does).
+    """
+    if is_peft_model(tester):
+        return AdaptersDisabled(tester)
+    reference = copy.deepcopy(tester).eval()
+    reference.requires_grad_(False)
+    return reference
