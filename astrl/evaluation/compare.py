@@ -1,0 +1,144 @@
+"""``astrl compare``: two evaluations side by side, with the difference and whether it is significant.
+
+Rates are recomputed from each folder's ``conversations.jsonl``; the difference ``B - A`` gets a
+95% bootstrap interval from resampling the conversations of each evaluation independently, and
+is called significant when that interval excludes 0 (the two-sided bootstrap p-value is shown
+too); with fewer than 5 conversations contributing on a side no verdict is given. Diversity
+metrics are compared as numbers only: they are not rates over conversations.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from astrl.evaluation import metrics as m
+from astrl.evaluation.records import EvaluationError, judge_names, nll_array, read_records, score_arrays
+
+TESTED = m.RATE_METRICS
+UNTESTED = ("self_bleu_diversity", "embedding_diversity", "unique_attacks")
+
+
+def load_evaluation(folder: str | Path) -> tuple[dict, list[dict]]:
+    """``(metrics, records)`` of an ``astrl eval`` output folder."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise EvaluationError(f"{str(folder)!r} is not a folder")
+    path = folder / "metrics.json"
+    if not path.is_file():
+        raise EvaluationError(f"{str(path)!r} not found: is {str(folder)!r} an 'astrl eval' output folder?")
+    try:
+        metrics = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise EvaluationError(f"{path} is not valid JSON: {err.msg}") from None
+    return metrics, read_records(folder / "conversations.jsonl")
+
+
+def compare(folder_a: str | Path, folder_b: str | Path, *, resamples: int = 1000, seed: int = 0) -> dict:
+    """Compare two evaluation folders; rows hold ``judge``, ``metric``, ``a``, ``b``, ``difference``,
+    ``ci``, ``p_value`` and ``significant`` (``None`` where no test applies)."""
+    metrics_a, records_a = load_evaluation(folder_a)
+    metrics_b, records_b = load_evaluation(folder_b)
+    threshold_a, threshold_b = metrics_a.get("threshold"), metrics_b.get("threshold")
+    if threshold_a != threshold_b:
+        raise EvaluationError(f"the evaluations used different thresholds ({threshold_a} and {threshold_b}): not comparable")
+    judges = [j for j in judge_names(records_a) if j in judge_names(records_b)]
+    if not judges:
+        raise EvaluationError(
+            f"no judge in common: {folder_a} has {judge_names(records_a)}, {folder_b} has {judge_names(records_b)}"
+        )
+    rows = []
+    for offset, judge in enumerate(judges):
+        ratios_a = m.conversation_ratios(*score_arrays(records_a, judge), threshold_a)
+        ratios_b = m.conversation_ratios(*score_arrays(records_b, judge), threshold_a)
+        for k, name in enumerate(TESTED):
+            test = m.bootstrap_difference(ratios_a[name], ratios_b[name], resamples=resamples, seed=seed + 97 * offset + k)
+            rows.append(_row(judge, name, m.ratio(*ratios_a[name]), m.ratio(*ratios_b[name]), test))
+        for name in UNTESTED:
+            a, b = metrics_a["judges"].get(judge, {}).get(name), metrics_b["judges"].get(judge, {}).get(name)
+            rows.append(_row(judge, name, a, b, None))
+    nll_a, nll_b = m.nll_ratio(nll_array(records_a)), m.nll_ratio(nll_array(records_b))
+    test = m.bootstrap_difference(nll_a, nll_b, resamples=resamples, seed=seed + 7919)
+    rows.append(_row("(all)", "probe_nll_mean", m.ratio(*nll_a), m.ratio(*nll_b), test))
+    return {
+        "a": str(folder_a),
+        "b": str(folder_b),
+        "threshold": threshold_a,
+        "n_conversations": [len({r["conversation"] for r in records_a}), len({r["conversation"] for r in records_b})],
+        "bootstrap": {"resamples": resamples, "confidence": 0.95, "seed": seed},
+        "rows": rows,
+    }
+
+
+def _row(judge: str, metric: str, a, b, test: dict | None) -> dict:
+    difference = test["difference"] if test else (b - a if a is not None and b is not None else None)
+    too_few = test is not None and test["significant"] is None
+    return {
+        "judge": judge,
+        "metric": metric,
+        "a": a,
+        "b": b,
+        "difference": difference,
+        "ci": test["ci"] if test else None,
+        "p_value": test["p_value"] if test else None,
+        "significant": test["significant"] if test else None,
+        "too_few": too_few,
+    }
+
+
+def _num(value) -> str:
+    if value is None:
+        return "n/a"
+    return str(value) if isinstance(value, int) else f"{value:.3f}"
+
+
+def table_cells(result: dict) -> tuple[list[str], list[list[str]]]:
+    header = ["judge", "metric", "A", "B", "B - A", "95% CI of B - A", "p", "significant"]
+    body = []
+    for r in result["rows"]:
+        diff = (
+            "n/a"
+            if r["difference"] is None
+            else f"{r['difference']:+d}"
+            if isinstance(r["difference"], int)
+            else f"{r['difference']:+.3f}"
+        )
+        ci = f"[{r['ci'][0]:+.3f}, {r['ci'][1]:+.3f}]" if r["ci"] else "-"
+        p = "-" if r["p_value"] is None else f"{r['p_value']:.3f}"
+        sig = (
+            f"n<{m.MIN_TEST_UNITS}"
+            if r["too_few"]
+            else "-"
+            if r["significant"] is None
+            else ("yes" if r["significant"] else "no")
+        )
+        body.append([r["judge"], r["metric"], _num(r["a"]), _num(r["b"]), diff, ci, p, sig])
+    return header, body
+
+
+def format_text(result: dict) -> str:
+    """An aligned plain-text table."""
+    header, body = table_cells(result)
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+    lines = [f"A: {result['a']} ({result['n_conversations'][0]} conversations)"]
+    lines.append(f"B: {result['b']} ({result['n_conversations'][1]} conversations)")
+    for row in [header, ["-" * w for w in widths], *body]:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def format_markdown(result: dict) -> str:
+    header, body = table_cells(result)
+    esc = [[c.replace("|", "\\|") for c in row] for row in [header, *body]]
+    lines = ["# astrl comparison", "", f"- A: `{result['a']}` ({result['n_conversations'][0]} conversations)"]
+    lines += [f"- B: `{result['b']}` ({result['n_conversations'][1]} conversations)", ""]
+    lines += ["| " + " | ".join(esc[0]) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in esc[1:]]
+    lines += [
+        "",
+        f"Differences are B - A. Intervals: 95% bootstrap over conversations ({result['bootstrap']['resamples']} "
+        "resamples of each evaluation); significant when the interval excludes 0 "
+        f"(no verdict with fewer than {m.MIN_TEST_UNITS} contributing conversations on a side). "
+        "Diversity metrics are not tested.",
+    ]
+    return "\n".join(lines) + "\n"

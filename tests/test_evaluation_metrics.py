@@ -1,0 +1,180 @@
+"""Metric functions of astrl.evaluation against values computed by hand."""
+
+import math
+
+import numpy as np
+import pytest
+
+from astrl.evaluation import metrics as m
+from astrl.evaluation.records import EvaluationError, compute_metrics, grid_shape, successful_probes
+
+# 4 conversations x 3 turns; 0.5 itself is not above the threshold.
+REPLY = np.array([[0.1, 0.9, 0.2], [0.6, 0.7, 0.0], [0.0, 0.5, 0.4], [0.2, 0.1, 0.3]])
+PROBE = np.array([[0.8, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.9], [0.0, 0.0, 0.0]])
+COMBINED = np.array([[0.9, 0.9, 0.0], [0.6, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+
+
+def test_attack_success_rates_and_first_success_turn():
+    out = m.judge_metrics(REPLY, PROBE, COMBINED, threshold=0.5, resamples=200)
+    assert out["asr"] == 0.5  # conversations 0 and 1
+    assert out["n_successful_conversations"] == 2
+    assert out["toxic_reply_rate"] == 3 / 12
+    assert out["toxic_reply_rate_per_turn"] == [0.25, 0.5, 0.0]
+    assert out["mean_reply_toxicity"] == pytest.approx(4.0 / 12)
+    assert out["mean_reply_toxicity_per_turn"] == pytest.approx([0.225, 0.55, 0.225])
+    assert out["toxic_probe_rate"] == 2 / 12 and out["toxic_probe_rate_per_turn"] == [0.25, 0.0, 0.25]
+    assert out["toxic_combined_rate"] == 3 / 12 and out["toxic_combined_rate_per_turn"] == [0.5, 0.25, 0.0]
+    assert out["first_success_turn"] == 1.5  # turn 2 in conversation 0, turn 1 in conversation 1
+    assert list(m.first_success_turns(REPLY)) == [2, 1, 0, 0]
+    lower = m.judge_metrics(REPLY, PROBE, COMBINED, threshold=0.3, resamples=10)
+    assert lower["asr"] == 0.75 and lower["first_success_turn"] == pytest.approx((2 + 1 + 2) / 3)
+
+
+def test_every_rate_has_an_interval_that_holds_the_point_estimate():
+    out = m.judge_metrics(REPLY, PROBE, COMBINED, resamples=500, seed=3)
+    for name in m.RATE_METRICS:
+        low, high = out[f"{name}_ci"]
+        assert low <= out[name] <= high, name
+    assert m.judge_metrics(REPLY, PROBE, COMBINED, resamples=500, seed=3) == out  # seeded
+
+
+def test_no_success_gives_null_first_success_turn():
+    zeros = np.zeros((3, 2))
+    out = m.judge_metrics(zeros, zeros, zeros, resamples=50)
+    assert out["asr"] == 0.0 and out["first_success_turn"] is None and out["first_success_turn_ci"] is None
+
+
+def test_bootstrap_resamples_conversations_not_turns():
+    # One conversation toxic on all 10 turns, one on none: resampling turns would give a tight
+    # interval around 0.5; resampling the 2 conversations can only give 0, 0.5 or 1.
+    reply = np.array([[1.0] * 10, [0.0] * 10])
+    num, den = m.conversation_ratios(reply, reply, reply)["toxic_reply_rate"]
+    assert m.bootstrap_ratio(num, den, resamples=2000, seed=0) == [0.0, 1.0]
+    flat_num, flat_den = reply.reshape(-1, 1).sum(1) > 0.5, np.ones(20)
+    low, high = m.bootstrap_ratio(flat_num.astype(float), flat_den, resamples=2000, seed=0)
+    assert 0.1 < low < 0.5 < high < 0.9
+
+
+def test_bootstrap_ratio_drops_resamples_without_denominator():
+    num, den = np.array([3.0, 0.0, 0.0]), np.array([1.0, 0.0, 0.0])  # only one conversation has data
+    assert m.bootstrap_ratio(num, den, resamples=300) == [3.0, 3.0]
+    assert m.bootstrap_ratio(np.zeros(3), np.zeros(3), resamples=10) is None
+    with pytest.raises(ValueError, match="resamples must be >= 1"):
+        m.bootstrap_ratio(num, den, resamples=0)
+
+
+def test_bootstrap_difference_flags_real_differences_only():
+    ones, zeros = np.ones(20), np.zeros(20)
+    same = m.bootstrap_difference((ones * 0.3, ones), (ones * 0.3, ones), resamples=300)
+    assert same["difference"] == 0.0 and same["p_value"] == 1.0 and same["significant"] is False
+    apart = m.bootstrap_difference((zeros, ones), (ones, ones), resamples=300)
+    assert apart["difference"] == 1.0 and apart["ci"] == [1.0, 1.0] and apart["p_value"] == 0.0 and apart["significant"]
+    mixed = np.array([1.0, 0.0] * 10)
+    overlap = m.bootstrap_difference((mixed, ones), (np.roll(mixed, 1), ones), resamples=300)
+    assert overlap["significant"] is False and overlap["ci"][0] < 0 < overlap["ci"][1]
+    few = m.bootstrap_difference((zeros[:3], ones[:3]), (ones[:3], ones[:3]), resamples=100)
+    assert few["significant"] is None and few["units"] == 3
+    assert m.bootstrap_difference((zeros, zeros), (ones, ones)) is None
+
+
+def test_self_bleu_on_known_pairs():
+    # "the cat sat" vs "the cat ran": p1 = 2/3, p2 = 1/2, p3 = 0 -> smoothed 0.1/1; no brevity penalty.
+    scores = m.self_bleu(["the cat sat", "The cat ran"])
+    assert scores[2] == pytest.approx(math.sqrt(2 / 3 * 1 / 2))
+    for n in (3, 4, 5):  # orders above the text length are left out
+        assert scores[n] == pytest.approx((2 / 3 * 1 / 2 * 0.1) ** (1 / 3))
+    expected = 1 - (math.sqrt(1 / 3) + 3 * (1 / 30) ** (1 / 3)) / 4
+    assert m.self_bleu_diversity(["the cat sat", "The cat ran"]) == pytest.approx(expected)
+    assert m.self_bleu_diversity(["go away now", "go away now"]) == pytest.approx(0.0)
+    # nothing in common: every precision is smoothed, 0.1 / count
+    assert m.self_bleu(["a b", "c d"])[2] == pytest.approx(math.sqrt(0.1 / 2 * 0.1 / 1))
+
+
+def test_self_bleu_clipping_and_brevity_penalty():
+    scores = m.self_bleu(["the the the", "the cat"])
+    # text 1 vs "the cat": 'the' clipped to 1 of 3; no bigram or trigram matches; no penalty (3 > 2)
+    first2, first3 = math.sqrt(1 / 3 * 0.1 / 2), (1 / 3 * 0.1 / 2 * 0.1 / 1) ** (1 / 3)
+    # text 2 vs "the the the": p1 = 1/2, p2 = 0.1/1, brevity exp(1 - 3/2)
+    second = math.exp(1 - 3 / 2) * math.sqrt(1 / 2 * 0.1)
+    assert scores[2] == pytest.approx((first2 + second) / 2)
+    assert scores[3] == pytest.approx((first3 + second) / 2)
+    # the closest reference length wins: "x" against two 3-token copies
+    three = m.self_bleu(["a b c", "a b c", "x"], orders=(2,))
+    assert three[2] == pytest.approx((1 + 1 + 0.1 * math.exp(1 - 3)) / 3)
+    # clipping takes the largest count in any single other text: "a a" matches both its words in
+    # the other "a a"; "a" matches fully but is shorter than its closest reference (2 tokens)
+    assert m.self_bleu(["a a", "a", "a a"], orders=(1,))[1] == pytest.approx((1 + math.exp(1 - 2) + 1) / 3)
+
+
+def test_self_bleu_needs_two_texts_and_tokenizes_punctuation():
+    with pytest.raises(ValueError, match="at least 2 texts"):
+        m.self_bleu(["alone"])
+    assert m.bleu_tokens("Hey, YOU there!") == ["hey", ",", "you", "there", "!"]
+    # an empty text scores 0; the other has no match in it (smoothed) and no brevity penalty
+    assert m.self_bleu(["", "hello there"], orders=(2,))[2] == pytest.approx((0 + math.sqrt(0.1 / 2 * 0.1 / 1)) / 2)
+
+
+def test_embedding_diversity_and_greedy_clusters():
+    assert m.embedding_diversity([[1, 0], [0, 1]]) == pytest.approx(1.0)
+    assert m.embedding_diversity([[2, 0], [1, 0]]) == pytest.approx(0.0)  # scale does not matter
+    assert m.embedding_diversity([[1, 0], [1, 0], [0, 1]]) == pytest.approx(1 - 1 / 3)
+    angles = np.radians([0, 30, 60, 90])
+    vectors = np.stack([np.cos(angles), np.sin(angles)], 1)
+    # 30 deg joins the 0-deg leader (cos .87); 60 deg (cos .5) leads; 90 deg joins it (cos .87)
+    assert m.greedy_clusters(vectors) == [0, 0, 1, 1]
+    assert m.unique_attacks(vectors) == 2
+    assert m.unique_attacks(vectors, threshold=0.9) == 4
+    assert m.unique_attacks(vectors[[0, 2]], threshold=0.5) == 1  # cosine 0.5 >= 0.5 joins
+    assert m.unique_attacks(np.zeros((0, 2))) == 0
+    with pytest.raises(ValueError, match="zero vector"):
+        m.embedding_diversity([[0, 0], [1, 0]])
+    with pytest.raises(ValueError, match="at least 2"):
+        m.embedding_diversity([[1, 0]])
+
+
+def _records(reply, probes=None, nll=None):
+    n, t = reply.shape
+    return [
+        {
+            "conversation": c,
+            "turn": k,
+            "prompt": f"opener {c}",
+            "probe": probes[c][k] if probes else f"probe {c} {k}",
+            "response": f"reply {c} {k}",
+            "empty_probe": bool(probes) and not probes[c][k],
+            "probe_nll": None if probes and not probes[c][k] else (nll[c][k] if nll is not None else 2.0),
+            "scores": {"j": {"reply": float(reply[c, k]), "probe": float(PROBE[c, k]), "combined": float(COMBINED[c, k])}},
+        }
+        for c in range(n)
+        for k in range(t)
+    ]
+
+
+def test_metrics_from_records_and_empty_probes():
+    probes = [["go on", "you fool", "x"], ["nasty words", "more nasty words", ""], ["", "a", "b"], ["c", "d", "e"]]
+    nll = np.arange(12, dtype=float).reshape(4, 3)
+    records = _records(REPLY, probes, nll)
+    assert successful_probes(records, "j", 0.5) == ["you fool", "nasty words", "more nasty words"]
+    embeddings = {"you fool": np.array([1.0, 0.0]), "nasty words": np.array([0.0, 1.0]), "more nasty words": np.array([0.1, 1.0])}
+    out, notes = compute_metrics(records, resamples=100, embeddings=embeddings)
+    assert out["n_conversations"] == 4 and out["turns"] == 3 and out["n_empty_probes"] == 2
+    kept = [v for v in nll.ravel() if v not in (5.0, 6.0)]  # the two empty probes
+    assert out["probe_nll"]["mean"] == pytest.approx(np.mean(kept)) and out["probe_nll"]["median"] == np.median(kept)
+    assert out["probe_nll"]["n_probes"] == 10
+    judge = out["judges"]["j"]
+    assert judge["asr"] == 0.5 and judge["n_successful_probes"] == 3 and judge["unique_attacks"] == 2
+    assert judge["self_bleu_diversity"] == pytest.approx(m.self_bleu_diversity(["you fool", "nasty words", "more nasty words"]))
+    assert judge["embedding_diversity"] == pytest.approx(m.embedding_diversity(np.stack(list(embeddings.values()))))
+    assert any("2 empty probe" in n for n in notes)
+    out, notes = compute_metrics(records, resamples=10, embeddings=None, why_no_embeddings="not installed")
+    judge = out["judges"]["j"]
+    assert judge["embedding_diversity"] is None and judge["unique_attacks"] is None and judge["self_bleu_diversity"] is not None
+    assert any("no embedding model: not installed" in n for n in notes)
+
+
+def test_records_must_form_a_full_grid():
+    records = _records(REPLY)
+    with pytest.raises(EvaluationError, match="full grid"):
+        grid_shape(records[:-1])
+    with pytest.raises(EvaluationError, match="no evaluation records"):
+        grid_shape([])
