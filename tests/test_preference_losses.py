@@ -1,0 +1,202 @@
+import functools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_llama, make_tokenizer
+from tensordict import TensorDict, lazy_stack
+
+from astrl.losses import DPOLoss, IPOLoss
+from astrl.rewards import make_reference
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@functools.cache
+def _tokenizer():
+    return make_tokenizer()
+
+
+def _pairs(tok, n=4, seed=0, masks=True):
+    """Ragged pairs: prompts of different lengths, responses that stop at EOS followed by padding."""
+    g = torch.Generator().manual_seed(seed)
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    members = []
+    for i in range(n):
+        prompt = torch.randint(5, len(tok), (3 + 2 * i,), generator=g)
+        chosen = torch.randint(5, len(tok), (6,), generator=g)
+        rejected = torch.randint(5, len(tok), (4 + i % 2,), generator=g)
+        if i % 2 == 0:  # chosen stops early: EOS then padding that must not count
+            chosen[3], chosen[4:] = eos, pad
+        if i == 1:
+            rejected[-1] = eos
+        td = TensorDict(prompt_tokens=prompt, chosen_tokens=chosen, rejected_tokens=rejected)
+        if masks:
+            td["chosen_mask"] = torch.arange(6) <= (3 if i % 2 == 0 else 5)
+            td["rejected_mask"] = torch.ones(len(rejected), dtype=torch.bool)
+        members.append(td)
+    return lazy_stack(members)
+
+
+def summed_logprob(model, prompt, response, eos) -> torch.Tensor:
+    """sum_t log p(response_t | prompt, response_<t) up to and including the first EOS: a plain
+    unpadded forward of one sequence and a gather."""
+    response = response.tolist()
+    if eos in response:
+        response = response[: response.index(eos) + 1]
+    ids = torch.tensor([prompt.tolist() + response])
+    logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+    start = len(prompt)
+    return sum(logp[t - 1, ids[0, t]] for t in range(start, ids.shape[1]))
+
+
+def _expected_h(model, reference, pairs, eos):
+    hs, ws, ls = [], [], []
+    with torch.no_grad():
+        for pair in pairs.unbind(0):
+            p = pair["prompt_tokens"]
+            w = summed_logprob(model, p, pair["chosen_tokens"], eos) - summed_logprob(reference, p, pair["chosen_tokens"], eos)
+            lo = summed_logprob(model, p, pair["rejected_tokens"], eos) - summed_logprob(
+                reference, p, pair["rejected_tokens"], eos
+            )
+            hs.append(w - lo), ws.append(w), ls.append(lo)
+    return torch.stack(hs), torch.stack(ws), torch.stack(ls)
+
+
+@pytest.mark.parametrize("masks", [True, False])
+def test_dpo_and_ipo_equal_a_hand_computation(masks):
+    tok = _tokenizer()
+    model, reference = make_llama(tok, seed=0), make_llama(tok, seed=1)
+    pairs = _pairs(tok, masks=masks)
+    h, w, lo = _expected_h(model, reference, pairs, tok.eos_token_id)
+    assert (h > 0).any() and (h < 0).any()  # the accuracy metric is not trivially 0 or 1
+    dpo = DPOLoss(model, reference, beta=0.3, tokenizer=tok)(pairs)
+    assert dpo["loss_dpo"].item() == pytest.approx((-F.logsigmoid(0.3 * h)).mean().item(), abs=1e-5)
+    assert dpo["reward_margin"].item() == pytest.approx((0.3 * h).mean().item(), abs=1e-5)
+    assert dpo["preference_accuracy"].item() == pytest.approx((h > 0).float().mean().item())
+    assert dpo["chosen_logratio"].item() == pytest.approx(w.mean().item(), abs=1e-4)
+    assert dpo["rejected_logratio"].item() == pytest.approx(lo.mean().item(), abs=1e-4)
+    assert dpo["loss_dpo"].requires_grad and not dpo["reward_margin"].requires_grad
+    ipo = IPOLoss(model, reference, beta=0.05, tokenizer=tok)(pairs)
+    assert ipo["loss_ipo"].item() == pytest.approx(((h - 1 / (2 * 0.05)) ** 2).mean().item(), rel=1e-5)
+
+
+def test_tester_equal_to_reference_gives_log2_and_quarter_beta_squared():
+    tok = _tokenizer()
+    model = make_llama(tok)
+    pairs = _pairs(tok)
+    dpo = DPOLoss(model)(pairs)  # default reference: a frozen copy of the model
+    assert dpo["loss_dpo"].item() == pytest.approx(math.log(2), abs=1e-6)
+    assert dpo["preference_accuracy"].item() == 0.0 and dpo["reward_margin"].item() == pytest.approx(0.0, abs=1e-7)
+    ipo = IPOLoss(model)
+    assert ipo.beta == 0.01  # the ASTPrompter default
+    assert ipo(pairs)["loss_ipo"].item() == pytest.approx(1 / (4 * 0.01**2), rel=1e-6)
+
+
+def test_precomputed_reference_logprobs_are_used_and_match():
+    tok = _tokenizer()
+    model, reference = make_llama(tok, seed=0), make_llama(tok, seed=1)
+    loss = DPOLoss(model, reference, beta=0.2)
+    pairs = _pairs(tok)
+    on_the_fly = loss(pairs)["loss_dpo"]
+    loss.reference_logprobs(pairs)
+    ref_w = pairs["ref_chosen_logprob"]
+    assert ref_w.shape == (4,) and not ref_w.requires_grad
+    with torch.no_grad():
+        expected = summed_logprob(reference, pairs[0]["prompt_tokens"], pairs[0]["chosen_tokens"], tok.eos_token_id)
+    assert ref_w[0].item() == pytest.approx(expected.item(), abs=1e-5)
+    torch.testing.assert_close(loss(pairs)["loss_dpo"], on_the_fly)
+    pairs.set("ref_chosen_logprob", ref_w + 1.0)  # the stored values are what the loss reads
+    h_shift = loss(pairs)["reward_margin"] - loss.beta * (-1.0)
+    assert h_shift.item() == pytest.approx(loss(_pairs(tok))["reward_margin"].item(), abs=1e-5)
+
+
+def test_gradients_reach_lora_parameters_only():
+    from peft import LoraConfig, get_peft_model
+
+    tok = _tokenizer()
+    tester = get_peft_model(make_llama(tok), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    loss = IPOLoss(tester, beta=0.1)
+    assert {p.data_ptr() for p in loss.reference.parameters()} <= {p.data_ptr() for p in tester.parameters()}
+    out = loss(_pairs(tok))
+    assert out["loss_ipo"].item() != pytest.approx(1 / (4 * 0.1**2))  # adapters on: tester differs from the reference
+    out["loss_ipo"].backward()
+    lora = {n: p for n, p in tester.named_parameters() if "lora_" in n}
+    assert lora and all(p.grad is not None and p.grad.abs().sum() > 0 for p in lora.values())
+    assert all(p.grad is None for n, p in tester.named_parameters() if "lora_" not in n)
+    # the loss module registers the tester, not a second copy of the weights
+    assert {id(p) for p in loss.parameters()} == {id(p) for p in tester.parameters()}
+
+
+def test_plain_reference_gets_no_gradient():
+    tok = _tokenizer()
+    model = make_llama(tok)
+    reference = make_reference(model)
+    with torch.no_grad():
+        next(model.parameters()).mul_(1.5)  # the tester has moved away from its reference
+    DPOLoss(model, reference)(_pairs(tok))["loss_dpo"].backward()
+    assert all(p.grad is None for p in reference.parameters())
+    assert sum(p.grad.abs().sum() for p in model.parameters() if p.grad is not None) > 0
+
+
+@pytest.mark.parametrize("loss_cls", [DPOLoss, IPOLoss])
+def test_optimizer_steps_increase_the_margin(loss_cls):
+    tok = _tokenizer()
+    model = make_llama(tok).train()
+    loss = loss_cls(model, beta=0.1)
+    pairs = _pairs(tok, n=3, seed=2)
+    loss.reference_logprobs(pairs)  # scored once, reused at every step
+    optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
+    margins, losses = [], []
+    for _ in range(5):
+        out = loss(pairs)
+        margins.append(out["reward_margin"].item()), losses.append(out[loss.loss_name].item())
+        optimizer.zero_grad()
+        out[loss.loss_name].backward()
+        optimizer.step()
+    last = loss(pairs)
+    margins.append(last["reward_margin"].item()), losses.append(last[loss.loss_name].item())
+    assert margins[0] == pytest.approx(0.0, abs=1e-6)
+    assert all(b > a for a, b in zip(margins, margins[1:], strict=False)) and margins[-1] > 0.3
+    assert all(b < a for a, b in zip(losses, losses[1:], strict=False))
+    assert last["preference_accuracy"] == 1.0
+
+
+def test_set_keys_and_clear_errors():
+    tok = _tokenizer()
+    model = make_llama(tok)
+    loss = DPOLoss(model, tokenizer=tok)
+    pairs = _pairs(tok, masks=False)
+    renamed = pairs.rename_key_("chosen_tokens", "good").rename_key_("rejected_tokens", "bad")
+    loss.set_keys(chosen="good", rejected="bad")
+    assert "good" in loss.in_keys and "chosen_tokens" not in loss.in_keys
+    assert loss(renamed)["loss_dpo"].item() == pytest.approx(math.log(2), abs=1e-6)
+    loss = DPOLoss(model)
+    with pytest.raises(ValueError, match="beta must be > 0, got 0.0"):
+        DPOLoss(model, beta=0)
+    with pytest.raises(ValueError, match="beta must be > 0, got -1.0"):
+        IPOLoss(model, beta=-1)
+    with pytest.raises(ValueError, match="empty batch of pairs"):
+        loss(TensorDict(batch_size=[0]))
+    with pytest.raises(ValueError, match="1-D batch"):
+        loss(TensorDict(batch_size=[2, 2]))
+    with pytest.raises(KeyError, match="chosen_tokens"):
+        loss(_pairs(tok).exclude("chosen_tokens"))
+    bad = _pairs(tok)
+    bad[1]["chosen_mask"] = torch.ones(3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"pair 1: chosen tokens have shape \(6,\) but its mask \(3,\)"):
+        loss(bad)
+    short = _pairs(tok)
+    short.set("ref_chosen_logprob", torch.zeros(4)), short.set("ref_rejected_logprob", torch.zeros(4))
+    short[2]["prompt_tokens"] = torch.zeros(0, dtype=torch.long)
+    with pytest.raises(ValueError, match="pair 2 has an empty prompt"):
+        loss(short)
+    with pytest.raises(ValueError, match="reference is the model itself"):
+        DPOLoss(model, model)
