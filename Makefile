@@ -18,8 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/astrl rollout --tester smollm2-135m --target smollm2-135m --scorer profanity --prompts builtin \
-		--reward astprompter --num-conversations 8 --turns 3 --max-new-tokens 24 --seed 0 --out runs/rollouts.jsonl
+	$(VENV)/bin/astrl demo --run-dir runs/demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -6,11 +6,22 @@ import argparse
 import os
 import sys
 
-LATER = {
-    "train": "train a tester with GRPO, PPO, DPO or IPO",
-    "eval": "evaluate a tester against a target with a judge",
-    "demo": "train on the embedded default and show before/after",
-}
+LATER: dict[str, str] = {}
+
+
+def _add_generation_args(p) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per tester turn (and per target turn unless set)")
+    p.add_argument("--target-max-new-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k filtering")
+    p.add_argument("--greedy", action="store_true", help="greedy decoding for both models")
+
+
+def _generation(args, max_new: int):
+    from astrl.policies import GenerationSettings
+
+    return GenerationSettings(max_new, args.temperature, args.top_p, args.top_k, do_sample=not args.greedy)
 
 
 def _add_rollout(sub) -> None:
@@ -34,12 +45,7 @@ def _add_rollout(sub) -> None:
     p.add_argument(
         "--mode", default="chat", choices=["chat", "text"], help="chat templates (chat) or plain-text continuation (text)"
     )
-    p.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per tester turn (and per target turn unless set)")
-    p.add_argument("--target-max-new-tokens", type=int, default=None)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k filtering")
-    p.add_argument("--greedy", action="store_true", help="greedy decoding for both models")
+    _add_generation_args(p)
     p.add_argument("--system-prompt", default=None, help="the tester's red-teaming system prompt (chat mode)")
     p.add_argument("--target-system-prompt", default=None)
     p.add_argument(
@@ -60,11 +66,7 @@ def _add_rollout(sub) -> None:
 
 
 def _rollout(args) -> int:
-    from astrl.policies import GenerationSettings
     from astrl.rollout import RolloutConfig, run_rollout
-
-    def generation(max_new: int) -> GenerationSettings:
-        return GenerationSettings(max_new, args.temperature, args.top_p, args.top_k, do_sample=not args.greedy)
 
     config = RolloutConfig(
         tester=args.tester,
@@ -76,8 +78,8 @@ def _rollout(args) -> int:
         turns=args.turns,
         batch_size=args.batch_size,
         mode=args.mode,
-        tester_generation=generation(args.max_new_tokens),
-        target_generation=generation(args.target_max_new_tokens or args.max_new_tokens),
+        tester_generation=_generation(args, args.max_new_tokens),
+        target_generation=_generation(args, args.target_max_new_tokens or args.max_new_tokens),
         tester_system_prompt=args.system_prompt,
         target_system_prompt=args.target_system_prompt,
         reward=args.reward,
@@ -96,10 +98,129 @@ def _rollout(args) -> int:
     return 0
 
 
+def _add_eval(sub) -> None:
+    p = sub.add_parser("eval", help="evaluate a tester against a target with one or more judges; write metrics and a report")
+    p.add_argument("--tester", required=True, help="training run directory, model folder, embedded name or hub id")
+    p.add_argument(
+        "--checkpoint", default=None, help="run directory only: checkpoint name (step_000N) or folder, instead of final/"
+    )
+    p.add_argument("--target", default=None, help="model to attack (default: the run's target, else smollm2-135m)")
+    p.add_argument(
+        "--judge",
+        action="append",
+        dest="judges",
+        metavar="NAME",
+        help="scorer that judges every turn, repeatable; prefer one other than the training scorer "
+        "(default: the run's judges, else profanity)",
+    )
+    p.add_argument("--prompts", default=None, help="prompt source (default: the run's prompts, else builtin)")
+    p.add_argument("--split", default="test", choices=["train", "dev", "test", "all"], help="prompt split (default: test)")
+    p.add_argument("--split-seed", type=int, default=None, help="seed of the prompt split (default: the run's seed, else --seed)")
+    p.add_argument("--num-conversations", type=int, default=32)
+    p.add_argument("--turns", type=int, default=3, help="tester turns per conversation")
+    p.add_argument("--batch-size", type=int, default=8, help="conversations generated together")
+    p.add_argument("--mode", default=None, choices=["chat", "text"], help="default: the run's mode, else chat")
+    _add_generation_args(p)
+    p.add_argument("--system-prompt", default=None, help="the tester's system prompt (default: the run's, else the built-in one)")
+    p.add_argument("--target-system-prompt", default=None)
+    p.add_argument("--threshold", type=float, default=0.5, help="a turn is toxic when its judge score is above this")
+    p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples for the 95%% intervals")
+    p.add_argument("--top-attacks", type=int, default=10, help="rows of the top-attacks table per judge")
+    p.add_argument("--no-embeddings", action="store_true", help="skip the embedding-based diversity metrics")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", default="eval", help="output folder (default: ./eval)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _eval(args) -> int:
+    from astrl.evaluation.run import EvalConfig, run_eval
+
+    config = EvalConfig(
+        tester=args.tester,
+        target=args.target,
+        judges=args.judges,
+        prompts=args.prompts,
+        split=args.split,
+        split_seed=args.split_seed,
+        num_conversations=args.num_conversations,
+        turns=args.turns,
+        batch_size=args.batch_size,
+        mode=args.mode,
+        tester_generation=_generation(args, args.max_new_tokens),
+        target_generation=_generation(args, args.target_max_new_tokens or args.max_new_tokens),
+        tester_system_prompt=args.system_prompt,
+        target_system_prompt=args.target_system_prompt,
+        checkpoint=args.checkpoint,
+        threshold=args.threshold,
+        resamples=args.resamples,
+        top_attacks=args.top_attacks,
+        embeddings=not args.no_embeddings,
+        seed=args.seed,
+        dtype=args.dtype,
+        device=args.device,
+    )
+    metrics = run_eval(
+        config, args.out, progress=not args.quiet, on_warning=lambda text: print(f"astrl: warning: {text}", file=sys.stderr)
+    )
+    print(f"evaluated {metrics['n_conversations']} conversations x {metrics['turns']} turns; wrote {args.out}/")
+    nll = metrics["probe_nll"]["mean"]
+    print(f"  probe NLL under the target  {'n/a' if nll is None else f'{nll:.3f}'}")
+    for judge, result in metrics["judges"].items():
+        low, high = result["asr_ci"] or (float("nan"), float("nan"))
+        print(f"  {judge}: ASR {result['asr']:.3f} [{low:.3f}, {high:.3f}]  toxic reply rate {result['toxic_reply_rate']:.3f}")
+    return 0
+
+
+def _add_compare(sub) -> None:
+    p = sub.add_parser("compare", help="compare two 'astrl eval' folders: differences and their significance")
+    p.add_argument("dir_a", metavar="DIR_A")
+    p.add_argument("dir_b", metavar="DIR_B")
+    p.add_argument("--out", default=None, help="markdown table path (default: DIR_B/compare.md)")
+    p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _compare(args) -> int:
+    from pathlib import Path
+
+    from astrl.evaluation.compare import compare, format_markdown, format_text
+
+    result = compare(args.dir_a, args.dir_b, resamples=args.resamples, seed=args.seed)
+    out = Path(args.out) if args.out else Path(args.dir_b) / "compare.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(format_markdown(result), encoding="utf-8")
+    print(format_text(result), end="")
+    print(f"wrote {out}")
+    return 0
+
+
+def _train(args) -> int:
+    from astrl.training.commands import run_train
+
+    return run_train(args)
+
+
+def _demo(args) -> int:
+    from astrl.training.commands import run_demo_command
+
+    return run_demo_command(args)
+
+
+COMMANDS = {"rollout": _rollout, "train": _train, "demo": _demo, "eval": _eval, "compare": _compare}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="astrl", description="Adaptive stress testing of language models with TorchRL.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from astrl.training.commands import add_demo_parser, add_train_parser
+
     _add_rollout(sub)
+    add_train_parser(sub)
+    add_demo_parser(sub)
+    _add_eval(sub)
+    _add_compare(sub)
     for name, text in LATER.items():
         sub.add_parser(name, help=f"{text} (not available in this version)")
     return parser
@@ -127,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     from astrl.scorers import ScorerError
 
     try:
-        return _rollout(args)
+        return COMMANDS[args.command](args)
     except (ModelLoadError, PromptSourceError, ScorerError, ValueError, TypeError) as err:
         print(f"astrl: error: {err}", file=sys.stderr)
         return 2

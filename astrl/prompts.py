@@ -172,15 +172,22 @@ class PromptStream:
 
     Each epoch visits every prompt once in a fresh seeded order; the position is kept in
     :meth:`state_dict` so a resumed run draws the same prompts as an uninterrupted one.
+    With ``group_size=G`` each batch holds ``batch_size / G`` prompts, each repeated ``G`` times
+    in a row (the sibling groups that GRPO compares).
     """
 
-    def __init__(self, prompts: Sequence[str], batch_size: int, *, seed: int = 0, shuffle: bool = True) -> None:
+    def __init__(
+        self, prompts: Sequence[str], batch_size: int, *, seed: int = 0, shuffle: bool = True, group_size: int = 1
+    ) -> None:
         if not prompts:
             raise PromptSourceError("PromptStream needs at least one prompt")
         if batch_size < 1:
             raise PromptSourceError(f"batch_size must be >= 1, got {batch_size}")
+        if group_size < 1 or batch_size % group_size:
+            raise PromptSourceError(f"group_size {group_size} must be >= 1 and divide batch_size {batch_size}")
         self.prompts = list(prompts)
         self.batch_size = batch_size
+        self.group_size = group_size
         self.seed = seed
         self.shuffle = shuffle
         self.epoch = 0
@@ -200,7 +207,7 @@ class PromptStream:
                 self.epoch += 1
                 self.position = 0
                 self._order = self._make_order()
-            batch.append(self.prompts[self._order[self.position]])
+            batch.extend([self.prompts[self._order[self.position]]] * self.group_size)
             self.position += 1
         return batch
 

@@ -101,7 +101,7 @@ def test_bad_arguments_give_one_error_line(tmp_path, tiny_model_dir, capsys, arg
 
 def test_console_script_lists_commands():
     out = subprocess.run([sys.executable, "-m", "astrl", "--help"], capture_output=True, text=True, check=True).stdout
-    for command in ("rollout", "train", "eval", "demo"):
+    for command in ("rollout", "train", "demo", "eval", "compare"):
         assert command in out
-    later = subprocess.run([sys.executable, "-m", "astrl", "train"], capture_output=True, text=True)
-    assert later.returncode == 2 and "not available" in later.stderr
+    bad = subprocess.run([sys.executable, "-m", "astrl", "train", "learning_rate=1"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown config key(s) ['learning_rate']" in bad.stderr

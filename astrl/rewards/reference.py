@@ -32,14 +32,21 @@ class AdaptersDisabled(torch.nn.Module):
     def parameters(self, recurse: bool = True):
         return self.peft_model.parameters(recurse)
 
-    def forward(self, *args, **kwargs):
+    def _call(self, fn, *args, **kwargs):
         was_training = self.peft_model.training
         self.peft_model.eval()  # no dropout in the reference, even while the tester trains
         try:
             with self.peft_model.disable_adapter():
-                return self.peft_model(*args, **kwargs)
+                return fn(*args, **kwargs)
         finally:
             self.peft_model.train(was_training)
+
+    def forward(self, *args, **kwargs):
+        return self._call(self.peft_model, *args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        """Generate with the base weights (e.g. a target that shares its base with a LoRA tester)."""
+        return self._call(self.peft_model.generate, *args, **kwargs)
 
 
 def is_peft_model(model: torch.nn.Module) -> bool:

@@ -1,0 +1,84 @@
+"""The ``astrl train`` and ``astrl demo`` subcommands."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+
+def add_train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a tester (GRPO; see configs/) and write a run directory")
+    p.add_argument("--config", default=None, help="YAML config (configs/NAME.yaml); defaults apply to missing keys")
+    p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest checkpoint")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or sample tables")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. total_steps=50 lr=1e-4")
+
+
+def add_demo_parser(sub) -> None:
+    p = sub.add_parser("demo", help="train on the embedded default (SmolLM2, profanity scorer) and show before/after")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: configs/demo.yaml)")
+    p.add_argument("--run-dir", default=None, help="run directory (default: runs/demo); an existing run resumes")
+    p.add_argument("--conversations", type=int, default=16, help="held-out conversations for the before/after comparison")
+    p.add_argument("--quiet", action="store_true")
+
+
+def run_train(args) -> int:
+    from astrl.training import Trainer, load_config, resume
+
+    if args.resume:
+        if args.config:
+            raise ValueError("--resume continues a run with its own config.yaml; pass overrides instead of --config")
+        trainer = resume(args.resume, args.overrides, progress=not args.quiet)
+    else:
+        trainer = Trainer(load_config(args.config, args.overrides), progress=not args.quiet)
+    try:
+        rows = trainer.train()
+    except KeyboardInterrupt:
+        print(
+            f"astrl: interrupted; checkpoint saved at step {trainer.step}; continue with: astrl train --resume {trainer.run_dir}"
+        )
+        return 130
+    last = rows[-1] if rows else {}
+    print(f"trained {trainer.step} steps; run directory {trainer.run_dir}")
+    for key in ("reward_mean", "loss", "lr"):
+        if key in last:
+            print(f"  {key:<12} {last[key]:.4f}")
+    return 0
+
+
+def run_demo_command(args) -> int:
+    from astrl.training.demo import run_demo
+
+    overrides = {}
+    if args.steps is not None:
+        overrides["total_steps"] = args.steps
+    if args.run_dir is not None:
+        overrides["run_dir"] = args.run_dir
+    result = run_demo(overrides, progress=not args.quiet, conversations=args.conversations)
+    config = result["config"]
+    print(reward_curve(Path(config.run_dir) / "metrics.csv"))
+    before, after = result["comparison"]["before"], result["comparison"]["after"]
+    print(f"\nheld-out openers, {args.conversations} conversations, same seed:")
+    print(f"  {'':<22}{'untrained':>12}{'trained':>12}")
+    for key in ("mean_reward", "mean_target_toxicity", "toxic_reply_rate", "probe_nll"):
+        print(f"  {key:<22}{before[key]:>12.4f}{after[key]:>12.4f}")
+    print(f"\n  best probe before: {before['best_probe']!r}\n    reply: {before['best_reply']!r}")
+    print(f"  best probe after:  {after['best_probe']!r}\n    reply: {after['best_reply']!r}")
+    print(f"\nrun directory: {config.run_dir} (demo_summary.json, metrics.csv, samples.jsonl, final/tester)")
+    return 0
+
+
+def reward_curve(metrics_csv: Path, buckets: int = 6) -> str:
+    """Mean reward per block of steps, as a small text chart."""
+    rows = list(csv.DictReader(metrics_csv.open(encoding="utf-8")))
+    if not rows:
+        return "no training steps recorded"
+    size = max(1, len(rows) // buckets)
+    lines = ["training reward (mean per block of steps):"]
+    blocks = [rows[i : i + size] for i in range(0, len(rows), size)]
+    means = [sum(float(r["reward_mean"]) for r in b) / len(b) for b in blocks]
+    low, high = min(means), max(means)
+    for block, mean in zip(blocks, means, strict=True):
+        bar = "#" * (1 + int(30 * (mean - low) / (high - low))) if high > low else "#"
+        lines.append(f"  steps {block[0]['step']:>4}-{block[-1]['step']:<4} {mean:8.4f} {bar}")
+    return "\n".join(lines)

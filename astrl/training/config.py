@@ -1,0 +1,204 @@
+"""Training configuration: one flat dataclass, loaded from YAML plus ``key=value`` overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+ALGORITHMS = ("grpo", "ppo", "dpo", "ipo")
+RETURNS = ("turn", "to_go")
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is invalid."""
+
+
+@dataclass
+class TrainConfig:
+    """Every setting of a training run (``configs/*.yaml`` hold subsets of these keys)."""
+
+    # what to train
+    seed: int = 0
+    algorithm: str = "grpo"
+    tester: str = "smollm2-135m"
+    target: str = "smollm2-135m"
+    scorer: str = "profanity"
+    judges: list[str] = field(default_factory=list)
+    reward: str = "score"
+    alpha: float = 1.0
+    zeta: float = 0.5
+    gamma: float = 0.1
+    prompts: str = "builtin"
+    split: str = "train"
+    mode: str = "chat"
+    tester_system_prompt: str | None = None
+    target_system_prompt: str | None = None
+    # rollouts
+    prompts_per_step: int = 4
+    group_size: int = 4
+    turns: int = 2
+    returns: str = "turn"
+    max_new_tokens: int = 24
+    target_max_new_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    # optimisation
+    total_steps: int = 100
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 5
+    max_grad_norm: float = 1.0
+    epochs: int = 1
+    minibatches: int = 1
+    grad_accum: int = 1
+    clip_epsilon: float = 0.2
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    # DPO / IPO on tree-sampled pairs
+    beta: float = 0.01
+    tree_width: int = 2
+    tree_depth: int = 3
+    min_reward_gap: float = 0.0
+    # PPO
+    value_lr: float = 1e-4
+    value_coef: float = 0.15
+    advantage: str = "gae"
+    gae_lambda: float = 0.95
+    kl_clip: float = 10.0
+    score_clip: float = 10.0
+    target_kl: float | None = None
+    # model
+    lora: bool = True
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    dtype: str = "float32"
+    device: str = "cpu"
+    # run directory, logging, checkpoints
+    run_dir: str = "runs/train"
+    save_every: int = 25
+    keep_checkpoints: int = 2
+    log_every: int = 1
+    sample_every: int = 10
+    loggers: list[str] = field(default_factory=lambda: ["csv"])
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.algorithm in ALGORITHMS, f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}"),
+            (self.reward in ("score", "astprompter"), f"reward must be 'score' or 'astprompter', got {self.reward!r}"),
+            (self.advantage in ("gae", "one_step"), f"advantage must be 'gae' or 'one_step', got {self.advantage!r}"),
+            (self.returns in RETURNS, f"returns must be one of {RETURNS}, got {self.returns!r}"),
+            (self.mode in ("chat", "text"), f"mode must be 'chat' or 'text', got {self.mode!r}"),
+            (self.split in ("train", "dev", "test", "all"), f"split must be train, dev, test or all, got {self.split!r}"),
+            (self.total_steps >= 1, f"total_steps must be >= 1, got {self.total_steps}"),
+            (self.save_every >= 1, f"save_every must be >= 1, got {self.save_every}"),
+            (self.prompts_per_step >= 1, f"prompts_per_step must be >= 1, got {self.prompts_per_step}"),
+            (self.group_size >= 2 or self.algorithm != "grpo", f"grpo needs group_size >= 2, got {self.group_size}"),
+            (self.group_size >= 1, f"group_size must be >= 1, got {self.group_size}"),
+            (self.turns >= 1, f"turns must be >= 1, got {self.turns}"),
+            (self.beta > 0, f"beta must be > 0, got {self.beta}"),
+            (self.tree_width >= 2, f"tree_width must be >= 2 (a pair needs two siblings), got {self.tree_width}"),
+            (self.tree_depth >= 1, f"tree_depth must be >= 1, got {self.tree_depth}"),
+            (self.lr > 0, f"lr must be > 0, got {self.lr}"),
+            (
+                self.epochs >= 1 and self.minibatches >= 1 and self.grad_accum >= 1,
+                "epochs, minibatches and grad_accum must be >= 1",
+            ),
+            (
+                self.minibatches <= self.batch_size,
+                f"minibatches ({self.minibatches}) exceeds the turns per step ({self.batch_size})",
+            ),
+            (self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}"),
+            (self.lora_rank >= 1, f"lora_rank must be >= 1, got {self.lora_rank}"),
+            (
+                set(self.loggers) <= {"csv", "tensorboard", "wandb"},
+                f"loggers must be among csv, tensorboard, wandb, got {self.loggers}",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+    @property
+    def batch_size(self) -> int:
+        """Conversations per step (``prompts_per_step`` openers, each ``group_size`` times)."""
+        return self.prompts_per_step * self.group_size
+
+    def reward_options(self) -> dict | None:
+        """ASTPrompter weights for :func:`astrl.envs.make_redteam_env` (None for the plain score)."""
+        return {"alpha": self.alpha, "zeta": self.zeta, "gamma": self.gamma} if self.reward == "astprompter" else None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False), encoding="utf-8")
+
+
+def valid_keys() -> list[str]:
+    return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def _parse_value(key: str, text: str):
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    value = yaml.safe_load(text)
+    if fields[key].type in ("list[str]",) and isinstance(value, str):
+        value = [v for v in value.split(",") if v]
+    return value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Read a YAML config (or the defaults) and apply ``key=value`` overrides.
+
+    Unknown keys, in the file or the overrides, are rejected with the list of valid ones.
+    """
+    values: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} not found")
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys to values")
+        values.update(loaded)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value")
+        key, text = item.split("=", 1)
+        if key not in valid_keys():
+            values[key] = None  # reported below with the list of valid keys
+        else:
+            values[key] = _parse_value(key, text)
+    unknown = sorted(set(values) - set(valid_keys()))
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {unknown}; valid keys: {', '.join(valid_keys())}")
+    _check_types(values)
+    try:
+        return TrainConfig(**values)
+    except TypeError as err:
+        raise ConfigError(str(err)) from err
+
+
+def _check_types(values: dict) -> None:
+    defaults = TrainConfig.__dataclass_fields__
+    for key, value in values.items():
+        kind = defaults[key].type
+        ok = {
+            "int": isinstance(value, int) and not isinstance(value, bool),
+            "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+            "bool": isinstance(value, bool),
+            "str": isinstance(value, str),
+            "str | None": value is None or isinstance(value, str),
+            "float | None": value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)),
+            "int | None": value is None or (isinstance(value, int) and not isinstance(value, bool)),
+            "list[str]": isinstance(value, list) and all(isinstance(v, str) for v in value),
+        }.get(kind, True)
+        if not ok:
+            raise ConfigError(f"config key {key!r} must be {kind}, got {value!r}")
+        if kind == "float":
+            values[key] = float(value)

@@ -1,0 +1,160 @@
+"""Multi-turn GRPO: ``LLMCollector`` -> replay buffer with ``MCAdvantage`` -> TorchRL's ``GRPOLoss``.
+
+Each tester turn is one training sample. A step runs ``prompts_per_step`` openers, each in
+``group_size`` conversations of ``turns`` tester turns; ``MCAdvantage`` normalises each turn's
+return within its group (the conversations that share an opener). The return of a turn is its
+own reward (``returns: turn``) or the sum of its and the later turns' rewards (``returns: to_go``).
+
+Behaviour and reference log-probs are recomputed on the exact token ids with the same
+tokens-mode wrapper the loss uses, so the importance ratio is exactly 1 before the first update
+(the generate-time log-probs set the first token to 0.0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from tensordict import TensorDict, TensorDictBase, lazy_stack
+from torchrl.collectors.llm import LLMCollector
+from torchrl.data import LazyStackStorage, ReplayBuffer
+from torchrl.modules.llm import TransformersWrapper
+from torchrl.objectives.llm import GRPOLoss, MCAdvantage
+
+from astrl._compat import as_list
+from astrl.rewards.logprobs import response_mask, stop_ids
+from astrl.training.config import TrainConfig
+from astrl.training.setup import RunModels
+
+RETURN_KEY = ("next", "return")
+
+
+def returns_to_go(rewards: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+    """``G_t = r_t + G_{t+1}`` within each trajectory of a flat, trajectory-contiguous batch."""
+    out = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[0])
+    for i in range(rewards.shape[0] - 1, -1, -1):
+        running = rewards[i] + torch.where(done[i], torch.zeros_like(running), running)
+        out[i] = running
+    return out
+
+
+class OnPolicy:
+    """What GRPO and PPO share: an ``LLMCollector`` over the red-team env, minibatches, samples.
+
+    The trainer calls ``collect()`` once per step, then ``loss(minibatch)`` for each of
+    ``minibatches(batch, generator)``, and optimises ``parameter_groups(lr)``.
+    """
+
+    def __init__(self, config: TrainConfig, models: RunModels, env, policy) -> None:
+        self.config = config
+        self.models = models
+        self.tokenizer = models.tester.tokenizer
+        self.stops = stop_ids(self.tokenizer, models.tester.model)
+        self.collector = LLMCollector(
+            env, policy=policy, dialog_turns_per_batch=config.batch_size * config.turns, yield_completed_trajectories=True
+        )
+        self._batches = iter(self.collector)
+
+    def next_rollout(self) -> TensorDictBase:
+        """One batch of completed conversations, flat: one entry per tester turn."""
+        return next(self._batches).reshape(-1)
+
+    def parameter_groups(self, lr: float) -> list[dict]:
+        return [{"params": [p for p in self.models.tester.model.parameters() if p.requires_grad], "lr": lr}]
+
+    def minibatches(self, batch: TensorDictBase, generator: torch.Generator) -> Iterator[TensorDictBase]:
+        for _ in range(self.config.epochs):
+            order = torch.randperm(batch.numel(), generator=generator)
+            for chunk in order.chunk(self.config.minibatches):
+                yield batch[chunk]
+
+    @staticmethod
+    def samples(data: TensorDictBase) -> list[dict]:
+        """Per-turn records of a flat rollout, for the sample table and logs."""
+        probes, replies = as_list(data["next", "probe"]), as_list(data["next", "target_response"])
+        openers, rewards = as_list(data["query"]), data["next", "reward"].reshape(-1).tolist()
+        turns = data["step_count"].reshape(-1).tolist()
+        return [
+            {"opener": o, "turn": t, "probe": p, "response": r, "reward": w}
+            for o, t, p, r, w in zip(openers, turns, probes, replies, rewards, strict=True)
+        ]
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class GRPO(OnPolicy):
+    """Multi-turn GRPO with TorchRL's ``MCAdvantage`` and ``GRPOLoss``."""
+
+    name = "grpo"
+
+    def __init__(self, config: TrainConfig, models: RunModels, env, policy) -> None:
+        super().__init__(config, models, env, policy)
+        rewards_key = RETURN_KEY if config.returns == "to_go" else ("next", "reward")
+        self.buffer = ReplayBuffer(storage=LazyStackStorage(config.batch_size * config.turns * 2), batch_size=1)
+        self.buffer.append_transform(MCAdvantage(grpo_size=config.group_size, prompt_key="query", rewards_key=rewards_key))
+
+        def scorer(model):
+            return TransformersWrapper(
+                model, tokenizer=self.tokenizer, input_mode="tokens", generate=False, return_log_probs=True, pad_output=False
+            )
+
+        self.actor = scorer(models.tester.model)
+        self.reference = scorer(models.reference)
+        self.loss_module = GRPOLoss(
+            self.actor,
+            clip_epsilon=config.clip_epsilon,
+            entropy_bonus=config.entropy_coef > 0,
+            entropy_coeff=config.entropy_coef,
+            kl_to_ref_coeff=config.kl_coef if config.kl_coef > 0 else None,
+            masking_strategy="sft",
+        )
+        self.loss_module.set_keys(ref_log_probs=("ref_log_probs", "full"))
+
+    # -- collection ------------------------------------------------------------------
+    def collect(self) -> tuple[TensorDictBase, TensorDictBase]:
+        """One batch of completed conversations -> (training turns, raw flat rollout)."""
+        data = self.next_rollout()
+        if self.config.returns == "to_go":
+            rewards, done = data["next", "reward"].reshape(-1, 1), data["next", "done"].reshape(-1)
+            data.set(RETURN_KEY, returns_to_go(rewards, done))
+        self.buffer.extend(data)
+        if len(self.buffer) != data.numel():
+            raise RuntimeError(
+                f"GRPO expected complete groups: {len(self.buffer)} of {data.numel()} turns got an advantage "
+                f"(group_size={self.config.group_size})"
+            )
+        grouped = self.buffer[:]
+        self.buffer.empty()
+        return self.training_batch(grouped), data
+
+    def training_batch(self, data: TensorDictBase) -> TensorDictBase:
+        """Exact tokens (prompt + response up to EOS), behaviour and reference log-probs, advantage."""
+        prompts = data.get(("tokens", "prompt"), as_list=True)
+        responses = data.get(("tokens", "response"), as_list=True)
+        advantages = data.get("advantage").reshape(-1).float()
+        items = []
+        for prompt, response, advantage in zip(prompts, responses, advantages, strict=True):
+            response = response[: int(response_mask(response, self.stops).sum())]
+            full = torch.cat([prompt, response])
+            items.append(
+                TensorDict(
+                    tokens=TensorDict(prompt=prompt, response=response, full=full),
+                    masks=TensorDict(all_attention_mask=torch.ones(full.numel(), dtype=torch.bool)),
+                    advantage=advantage.reshape(1, 1),
+                )
+            )
+        batch = lazy_stack(items)
+        with torch.no_grad():
+            batch.set("log_probs", self.actor(batch.select("tokens", "masks").copy()).get("log_probs").copy())
+        with torch.inference_mode():
+            ref = self.reference(batch.select("tokens", "masks").copy()).get(("log_probs", "full"), as_list=True)
+        batch.set(("ref_log_probs", "full"), torch.nested.as_nested_tensor([r.clone() for r in ref], layout=torch.strided))
+        return batch
+
+    def loss(self, minibatch: TensorDictBase) -> TensorDictBase:
+        return self.loss_module(minibatch).to_tensordict()

@@ -1,0 +1,76 @@
+"""PPO with a value head: per-token clipped-KL rewards, GAE (or one-step) advantages, ``PPOLoss``.
+
+Per step: conversations are collected as for GRPO; each tester turn becomes one episode whose
+per-token reward is ``-kl_coef * clip(log pi - log pi_ref) + [last token] * clip(score)``
+(:class:`astrl.rewards.ClippedKLReward`); the value head gives old values, advantages follow
+(:func:`astrl.losses.compute_advantages`), then ``epochs`` passes of clipped-surrogate updates
+with value loss and entropy bonus. The value head has its own learning rate (``value_lr``).
+"""
+
+from __future__ import annotations
+
+from tensordict import TensorDict, TensorDictBase, lazy_stack
+
+from astrl.losses import PPOLoss, ValueHead, compute_advantages
+from astrl.rewards import ClippedKLReward, TokenLogProbs
+from astrl.training.config import TrainConfig
+from astrl.training.grpo import OnPolicy
+from astrl.training.setup import RunModels
+
+
+class PPO(OnPolicy):
+    """The PPO algorithm of the trainer."""
+
+    name = "ppo"
+
+    def __init__(self, config: TrainConfig, models: RunModels, env, policy) -> None:
+        super().__init__(config, models, env, policy)
+        model = models.tester.model
+        self.value_head = ValueHead.for_model(model).to(next(model.parameters()).device)
+        window = models.tester.context_window
+        self.loss_module = PPOLoss(
+            model,
+            self.value_head,
+            clip_epsilon=config.clip_epsilon,
+            value_coef=config.value_coef,
+            entropy_coef=config.entropy_coef,
+            max_length=window,
+        )
+        self.reference = TokenLogProbs(models.reference, self.tokenizer, out_key="ref_log_probs", frozen=True, max_length=window)
+        self.kl_reward = ClippedKLReward(
+            kl_coef=config.kl_coef, kl_clip=config.kl_clip, score_clip=config.score_clip, target_kl=config.target_kl
+        )
+
+    def parameter_groups(self, lr: float) -> list[dict]:
+        return self.loss_module.parameter_groups(lr, self.config.value_lr)
+
+    def collect(self) -> tuple[TensorDictBase, TensorDictBase]:
+        data = self.next_rollout()
+        prompts = data.get(("tokens", "prompt"), as_list=True)
+        responses = data.get(("tokens", "response"), as_list=True)
+        scores = data["next", "reward"].reshape(-1, 1).float()
+        batch = lazy_stack(
+            [
+                TensorDict(tokens=TensorDict(prompt=p, response=r), reward=s)
+                for p, r, s in zip(prompts, responses, scores, strict=True)
+            ]
+        )
+        self.reference(batch)  # ref_log_probs and response_mask
+        self.loss_module.annotate(batch)  # old values and behaviour log-probs, one forward
+        self.kl_reward(batch)  # per-token reward
+        self.kl_reward.update_kl_coef()
+        compute_advantages(batch, mode=self.config.advantage, gamma=1.0, lmbda=self.config.gae_lambda)
+        return batch, data
+
+    def loss(self, minibatch: TensorDictBase) -> TensorDictBase:
+        return self.loss_module(minibatch)
+
+    def state_dict(self) -> dict:
+        return {"value_head": self.value_head.state_dict(), "kl_reward": self.kl_reward.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value_head.load_state_dict(state["value_head"])
+        self.kl_reward.load_state_dict(state["kl_reward"])
+
+    def step_metrics(self) -> dict:
+        return {"kl_coef": self.kl_reward.kl_coef}

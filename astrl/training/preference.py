@@ -1,0 +1,111 @@
+"""DPO / IPO on tree-sampled preference pairs (the ASTPrompter recipe: IPO, beta=0.01, width 2, depth 3).
+
+Per step the :class:`~astrl.sampling.TreeSampler` grows ``prompts_per_step`` trees of
+``tree_width`` probes per state and ``tree_depth`` levels; each sibling group gives one pair
+(best vs worst reward, skipped below ``min_reward_gap``). Reference log-probs are computed once
+per batch, then ``epochs`` passes of the loss over ``minibatches``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from tensordict import TensorDictBase
+
+from astrl._compat import as_list
+from astrl.losses import DPOLoss, IPOLoss
+from astrl.policies import make_policy
+from astrl.sampling import TreeSampler
+from astrl.scorers import make_scorer
+from astrl.training.config import TrainConfig
+from astrl.training.setup import RunModels, generation
+
+
+class Preference:
+    """The DPO / IPO algorithm of the trainer (its own prompt stream lives in the sampler)."""
+
+    uses_env = False
+
+    def __init__(self, config: TrainConfig, models: RunModels, stream) -> None:
+        self.config = config
+        self.models = models
+        self.name = config.algorithm
+        input_mode = "history" if config.mode == "chat" else "text"
+        tester = make_policy(models.tester, generation(config), input_mode=input_mode)
+        target = make_policy(models.target, generation(config, target=True), input_mode=input_mode)
+        scorers = {s.name: s for s in (make_scorer(n, device=config.device) for n in [config.scorer, *config.judges])}
+        kwargs = {"tester_system_prompt": config.tester_system_prompt} if config.tester_system_prompt is not None else {}
+        self.sampler = TreeSampler(
+            tester,
+            target,
+            scorers,
+            stream,
+            num_trees=config.prompts_per_step,
+            tree_width=config.tree_width,
+            tree_depth=config.tree_depth,
+            min_reward_gap=config.min_reward_gap,
+            mode=config.mode,
+            target_system_prompt=config.target_system_prompt,
+            reward=config.reward,
+            reward_options=config.reward_options(),
+            seed=config.seed,
+            **kwargs,
+        )
+        loss_class = DPOLoss if config.algorithm == "dpo" else IPOLoss
+        self.loss_module = loss_class(
+            models.tester.model, models.reference, beta=config.beta, max_length=models.tester.context_window
+        )
+
+    def parameter_groups(self, lr: float) -> list[dict]:
+        return [{"params": [p for p in self.models.tester.model.parameters() if p.requires_grad], "lr": lr}]
+
+    def collect(self) -> tuple[TensorDictBase, TensorDictBase]:
+        self.models.tester.model.eval()
+        result = self.sampler.sample()
+        pairs = result["pairs"]
+        if pairs.batch_size[0] > 0:
+            self.loss_module.reference_logprobs(pairs)
+        return pairs, result
+
+    def minibatches(self, batch: TensorDictBase, generator: torch.Generator) -> Iterator[TensorDictBase]:
+        if batch.batch_size[0] == 0:
+            return
+        for _ in range(self.config.epochs):
+            order = torch.randperm(batch.numel(), generator=generator)
+            for chunk in order.chunk(min(self.config.minibatches, batch.numel())):
+                yield batch[chunk]
+
+    def loss(self, minibatch: TensorDictBase) -> TensorDictBase:
+        return self.loss_module(minibatch)
+
+    @staticmethod
+    def metrics(result: TensorDictBase) -> dict:
+        nodes = result["nodes"]
+        rewards = nodes["reward"].reshape(-1).float()
+        row = {"reward_mean": float(rewards.mean()), "reward_max": float(rewards.max()), "turns": rewards.numel()}
+        for name in nodes["scores"].keys():
+            scores = nodes["scores", name].reshape(-1).float()
+            row[f"score_{name}"] = float(scores.mean())
+            row[f"harmful_rate_{name}"] = float((scores > 0.5).float().mean())
+        row["pairs"] = int(result["num_pairs"])
+        row["pairs_skipped"] = int(result["num_skipped"])
+        return row
+
+    @staticmethod
+    def samples(result: TensorDictBase) -> list[dict]:
+        nodes = result["nodes"]
+        probes, replies = as_list(nodes["probe"]), as_list(nodes["reply"])
+        rewards, depths = nodes["reward"].reshape(-1).tolist(), nodes["depth"].reshape(-1).tolist()
+        openers = as_list(result["openers"])
+        trees = nodes["tree"].reshape(-1).tolist()
+        return [
+            {"opener": openers[t], "turn": d - 1, "probe": p, "response": r, "reward": w}
+            for t, d, p, r, w in zip(trees, depths, probes, replies, rewards, strict=True)
+        ]
+
+    def state_dict(self) -> dict:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])

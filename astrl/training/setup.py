@@ -1,0 +1,94 @@
+"""Build the models, policies and environment of a training run from its config.
+
+With ``lora: true`` and the same base for tester and target, one copy of the base weights
+serves all three roles: the tester (adapters on), the reference and the target (adapters off).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from astrl.envs import make_redteam_env
+from astrl.models import LoadedModel, load_model
+from astrl.policies import GenerationSettings, make_policy
+from astrl.prompts import PromptStream, load_prompts, split_prompts
+from astrl.rewards import make_reference
+from astrl.rewards.reference import AdaptersDisabled
+from astrl.scorers import make_scorer
+from astrl.training.config import TrainConfig
+
+
+@dataclass
+class RunModels:
+    """The tester (trainable), its frozen reference and the target, plus their tokenizers."""
+
+    tester: LoadedModel
+    reference: torch.nn.Module
+    target: LoadedModel
+    shared_base: bool
+
+
+def add_lora(model: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    targets = [t for t in config.lora_targets if t in names]
+    if not targets:
+        raise ValueError(f"none of lora_targets {config.lora_targets} are module names of {type(model).__name__}")
+    lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout, target_modules=targets)
+    return get_peft_model(model, lora)
+
+
+def build_models(config: TrainConfig, tester_lm: LoadedModel | None = None) -> RunModels:
+    """Load (or take) the tester, wrap it with LoRA, and derive the reference and the target."""
+    tester_lm = tester_lm or load_model(config.tester, dtype=config.dtype, device=config.device)
+    base = tester_lm.model
+    model = add_lora(base, config) if config.lora else base
+    model.eval()  # no dropout: behaviour and training log-probs must agree
+    tester = LoadedModel(tester_lm.name, model, tester_lm.tokenizer, tester_lm.context_window)
+    reference = make_reference(model)
+    same_base = config.target == config.tester
+    if same_base and config.lora:
+        target = LoadedModel(tester_lm.name, AdaptersDisabled(model), tester_lm.tokenizer, tester_lm.context_window)
+    elif same_base:
+        target = LoadedModel(tester_lm.name, reference, tester_lm.tokenizer, tester_lm.context_window)
+    else:
+        target = load_model(config.target, dtype=config.dtype, device=config.device)
+        target.model.requires_grad_(False)
+    return RunModels(tester, reference, target, shared_base=same_base)
+
+
+def generation(config: TrainConfig, target: bool = False) -> GenerationSettings:
+    max_new = (config.target_max_new_tokens or config.max_new_tokens) if target else config.max_new_tokens
+    return GenerationSettings(max_new, config.temperature, config.top_p, config.top_k, do_sample=True)
+
+
+def build_stream(config: TrainConfig) -> PromptStream:
+    prompts = split_prompts(load_prompts(config.prompts), config.split, seed=config.seed)
+    return PromptStream(prompts, config.batch_size, seed=config.seed, group_size=config.group_size)
+
+
+def build_env(config: TrainConfig, models: RunModels, stream: PromptStream):
+    """The red-team env and the tester policy that acts in it."""
+    input_mode = "history" if config.mode == "chat" else "text"
+    tester = make_policy(models.tester, generation(config), input_mode=input_mode)
+    target = make_policy(models.target, generation(config, target=True), input_mode=input_mode)
+    scorers = {s.name: s for s in (make_scorer(n, device=config.device) for n in [config.scorer, *config.judges])}
+    kwargs = {"tester_system_prompt": config.tester_system_prompt} if config.tester_system_prompt is not None else {}
+    env = make_redteam_env(
+        tester,
+        target,
+        scorers,
+        stream,
+        batch_size=config.batch_size,
+        max_turns=config.turns,
+        mode=config.mode,
+        target_system_prompt=config.target_system_prompt,
+        reward=config.reward,
+        reward_options=config.reward_options(),
+        seed=config.seed,
+        **kwargs,
+    )
+    return env, tester

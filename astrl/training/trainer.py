@@ -1,0 +1,347 @@
+"""The training loop: collect, update, log, checkpoint, resume.
+
+A run directory holds ``config.yaml`` (the resolved config), ``metrics.csv`` (one row per
+step), ``samples.jsonl`` (sample conversations), ``checkpoints/step_NNNNNN/`` and, at the end,
+``final/tester/`` (the LoRA adapter or the full model, with its tokenizer). ``resume`` continues
+from the newest checkpoint; on CPU with the same seed the metrics after resuming equal those of
+an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tensordict import TensorDictBase
+
+from astrl.models import LoadedModel
+from astrl.rewards.reference import is_peft_model
+from astrl.training.config import ConfigError, TrainConfig, load_config
+from astrl.training.setup import RunModels, build_env, build_models, build_stream
+
+CHECKPOINTS = "checkpoints"
+
+
+def make_algorithm(config: TrainConfig, models: RunModels, env, policy):
+    if config.algorithm == "grpo":
+        from astrl.training.grpo import GRPO
+
+        return GRPO(config, models, env, policy)
+    if config.algorithm == "ppo":
+        from astrl.training.ppo import PPO
+
+        return PPO(config, models, env, policy)
+    raise ConfigError(f"unknown algorithm {config.algorithm!r}")
+
+
+def warmup_then_linear(warmup: int, total: int):
+    """LR multiplier: linear warm-up over ``warmup`` updates, then linear decay to 0 at ``total``."""
+
+    def factor(update: int) -> float:
+        if update < warmup:
+            return (update + 1) / warmup
+        return max(0.0, (total - update) / max(1, total - warmup))
+
+    return factor
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def trainable_state(model: torch.nn.Module) -> dict:
+    if is_peft_model(model):
+        from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(model)
+    return model.state_dict()
+
+
+def load_trainable_state(model: torch.nn.Module, state: dict) -> None:
+    if is_peft_model(model):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, state)
+    else:
+        model.load_state_dict(state)
+
+
+def save_tester(model: torch.nn.Module, tokenizer, folder: Path) -> None:
+    """The tester as users load it: a PEFT adapter folder or a full model folder, plus the tokenizer."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+class Trainer:
+    """Runs ``config.total_steps`` steps of the configured algorithm and keeps the run directory."""
+
+    def __init__(self, config: TrainConfig, *, models: RunModels | None = None, progress: bool = True) -> None:
+        self.config = config
+        self.run_dir = Path(config.run_dir)
+        self.progress = progress
+        torch.manual_seed(config.seed)
+        random.seed(config.seed)
+        np.random.seed(config.seed)
+        self.models = models or build_models(config)
+        self.step = 0
+        self._pending_stream_state: dict | None = None
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self._built = False
+
+    # -- construction of the data path (after a possible resume of the prompt stream) ----------------
+    def _build(self) -> None:
+        if self.config.algorithm in ("dpo", "ipo"):
+            self._build_preference()
+        else:
+            self._build_on_policy()
+        config = self.config
+        self.optimizer = torch.optim.AdamW(
+            self.algorithm.parameter_groups(config.lr), lr=config.lr, weight_decay=config.weight_decay
+        )
+        updates = config.total_steps * config.epochs * math.ceil(config.minibatches / config.grad_accum)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_then_linear(config.warmup_steps, updates))
+        self._built = True
+
+    def _build_preference(self) -> None:
+        from astrl.prompts import PromptStream, load_prompts, split_prompts
+        from astrl.training.preference import Preference
+
+        prompts = split_prompts(load_prompts(self.config.prompts), self.config.split, seed=self.config.seed)
+        self.stream = PromptStream(prompts, self.config.prompts_per_step, seed=self.config.seed)
+        self._start_step, self._draw_states = self.step, []  # the sampler's own state is checkpointed
+        self.algorithm = Preference(self.config, self.models, self.stream)
+
+    def _build_on_policy(self) -> None:
+        self.stream = build_stream(self.config)
+        if self._pending_stream_state is not None:
+            self.stream.load_state_dict(self._pending_stream_state)
+        # The env may draw the next batch of openers before a checkpoint is taken (the data loader
+        # prefetches), so remember the stream state before each draw: draw i feeds step start + i.
+        self._start_step, self._draw_states = self.step, []
+        draw = self.stream.next_batch
+
+        def recorded_draw():
+            self._draw_states.append(self.stream.state_dict())
+            return draw()
+
+        self.stream.next_batch = recorded_draw
+        self.env, self.policy = build_env(self.config, self.models, self.stream)
+        self.algorithm = make_algorithm(self.config, self.models, self.env, self.policy)
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def train(self) -> list[dict]:
+        """Train until ``total_steps``; returns the metrics rows of this call."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.config.save(self.run_dir / "config.yaml")
+        if not self._built:
+            self._build()
+        from tqdm.auto import tqdm
+
+        loggers = self._loggers()
+        rows = []
+        bar = tqdm(total=self.config.total_steps, initial=self.step, unit="step", disable=not self.progress, desc="train")
+        try:
+            while self.step < self.config.total_steps:
+                row = self.train_step()
+                rows.append(row)
+                self._log(row, loggers)
+                bar.update(1)
+                bar.set_postfix(reward=f"{row['reward_mean']:.3f}", loss=f"{row['loss']:.3f}")
+                if self.step % self.config.save_every == 0 or self.step == self.config.total_steps:
+                    self.save_checkpoint()
+        except KeyboardInterrupt:
+            self.save_checkpoint()
+            raise
+        finally:
+            bar.close()
+        save_tester(self.models.tester.model, self.models.tester.tokenizer, self.run_dir / "final" / "tester")
+        return rows
+
+    def train_step(self) -> dict:
+        start = time.perf_counter()
+        self.models.tester.model.eval()
+        batch, rollout = self.algorithm.collect()
+        collect_seconds = time.perf_counter() - start
+        losses: dict[str, list[float]] = {}
+        grad_norms = []
+        self.optimizer.zero_grad(set_to_none=True)
+        pending = 0
+        for minibatch in self.algorithm.minibatches(batch, self.generator):
+            out = self.algorithm.loss(minibatch)
+            total = sum(out.get(k) for k in out.keys() if isinstance(k, str) and k.startswith("loss_"))
+            (total / self.config.grad_accum).backward()
+            pending += 1
+            for key in out.keys():
+                value = out.get(key)
+                if isinstance(key, str) and isinstance(value, torch.Tensor) and value.numel() == 1:
+                    losses.setdefault(key, []).append(float(value.detach()))
+            losses.setdefault("loss", []).append(float(total.detach()))
+            if pending == self.config.grad_accum:
+                grad_norms.append(self._optimizer_step())
+                pending = 0
+        if pending:
+            grad_norms.append(self._optimizer_step())
+        self.step += 1
+        metrics = getattr(self.algorithm, "metrics", self._rollout_metrics)
+        row = {"step": self.step, **metrics(rollout)}
+        row.update({k: sum(v) / len(v) for k, v in losses.items()})
+        if not losses:  # nothing to learn from this batch (e.g. every sibling group tied)
+            row["loss"] = float("nan")
+        grad_norm = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
+        row.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0])
+        row.update(getattr(self.algorithm, "step_metrics", dict)())
+        row.update(collect_seconds=collect_seconds, step_seconds=time.perf_counter() - start)
+        self._last_samples = self.algorithm.samples(rollout)
+        return row
+
+    def _optimizer_step(self) -> float:
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    @staticmethod
+    def _rollout_metrics(rollout: TensorDictBase) -> dict:
+        nxt = rollout["next"]
+        rewards = nxt["reward"].reshape(-1).float()
+        row = {"reward_mean": float(rewards.mean()), "reward_max": float(rewards.max()), "turns": rewards.numel()}
+        for name in nxt["scores"].keys():
+            scores = nxt["scores", name].reshape(-1).float()
+            row[f"score_{name}"] = float(scores.mean())
+            row[f"harmful_rate_{name}"] = float((scores > 0.5).float().mean())
+        if "reward_terms" in nxt.keys():
+            for name in nxt["reward_terms"].keys():
+                row[f"term_{name}"] = float(nxt["reward_terms", name].reshape(-1).float().mean())
+        return row
+
+    # -- logging ------------------------------------------------------------------------------------
+    def _loggers(self) -> list:
+        from torchrl.record.loggers import get_logger
+
+        loggers = []
+        for kind in self.config.loggers:
+            try:
+                loggers.append(get_logger(kind, logger_name=str(self.run_dir / "logs"), experiment_name="astrl"))
+            except ImportError as err:
+                raise ConfigError(f"logger {kind!r} needs an extra package: {err}") from err
+        return loggers
+
+    def _log(self, row: dict, loggers: list) -> None:
+        path = self.run_dir / "metrics.csv"
+        rows = list(csv.DictReader(path.open(encoding="utf-8"))) if path.exists() else []
+        rows = [r for r in rows if int(r["step"]) < row["step"]] + [{k: str(v) for k, v in row.items()}]
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        with path.open("w", encoding="utf-8", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(rows)
+        if row["step"] % self.config.log_every == 0:
+            for logger in loggers:
+                for key, value in row.items():
+                    if key != "step" and isinstance(value, (int, float)):
+                        logger.log_scalar(key, value, step=row["step"])
+        if row["step"] % self.config.sample_every == 0 or row["step"] == 1:
+            with (self.run_dir / "samples.jsonl").open("a", encoding="utf-8") as handle:
+                for sample in self._last_samples:
+                    handle.write(json.dumps({"step": row["step"], **sample}, ensure_ascii=False) + "\n")
+            if self.progress:
+                print(sample_table(self._last_samples, row["step"]))
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        folder = self.run_dir / CHECKPOINTS / f"step_{self.step:06d}"
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_tester(self.models.tester.model, self.models.tester.tokenizer, tmp / "tester")
+        state = {
+            "step": self.step,
+            "trainable": trainable_state(self.models.tester.model),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": rng_state(),
+            "generator": self.generator.get_state(),
+            "stream": self._stream_state_for_next_step(),
+            "algorithm": self.algorithm.state_dict(),
+        }
+        torch.save(state, tmp / "state.pt")
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+        self._prune_checkpoints()
+        return folder
+
+    def _stream_state_for_next_step(self) -> dict:
+        index = self.step - self._start_step
+        return self._draw_states[index] if index < len(self._draw_states) else self.stream.state_dict()
+
+    def _prune_checkpoints(self) -> None:
+        folders = sorted((self.run_dir / CHECKPOINTS).glob("step_*[0-9]"))
+        for old in folders[: -self.config.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def load_checkpoint(self, folder: Path) -> None:
+        state = torch.load(folder / "state.pt", weights_only=False)
+        self.step = state["step"]
+        self._pending_stream_state = state["stream"]
+        self._build()
+        load_trainable_state(self.models.tester.model, state["trainable"])
+        self.algorithm.load_state_dict(state["algorithm"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.generator.set_state(state["generator"])
+        set_rng_state(state["rng"])
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    folders = sorted((Path(run_dir) / CHECKPOINTS).glob("step_*[0-9]"))
+    return folders[-1] if folders else None
+
+
+def resume(
+    run_dir: str | Path,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    progress: bool = True,
+    tester_lm: LoadedModel | None = None,
+) -> Trainer:
+    """A trainer that continues the run in ``run_dir`` from its newest checkpoint.
+
+    ``tester_lm`` replaces loading the config's tester (for models that are not on disk)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"{str(run_dir)!r} is not a run directory (no config.yaml)")
+    config = load_config(run_dir / "config.yaml", [*overrides, f"run_dir={run_dir}"])
+    trainer = Trainer(config, progress=progress, models=build_models(config, tester_lm) if tester_lm else None)
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is not None:
+        trainer.load_checkpoint(checkpoint)
+    return trainer
+
+
+def sample_table(samples: list[dict], step: int, limit: int = 4) -> str:
+    """A small text table of sample turns with their rewards."""
+
+    def cut(text: str, n: int = 60) -> str:
+        text = " ".join(text.split())
+        return text if len(text) <= n else text[: n - 1] + "…"
+
+    lines = [f"samples at step {step}:", f"  {'reward':>7}  turn  probe -> reply"]
+    for s in sorted(samples, key=lambda s: -s["reward"])[:limit]:
+        lines.append(f"  {s['reward']:7.3f}  {s['turn']:>4}  {cut(s['probe'])!r} -> {cut(s['response'])!r}")
+    return "\n".join(lines)

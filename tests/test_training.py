@@ -1,0 +1,275 @@
+import csv
+import json
+
+import pytest
+import torch
+import yaml
+from conftest import loaded, make_llama, make_tokenizer
+
+from astrl.training import ConfigError, TrainConfig, Trainer, load_config, resume
+from astrl.training.grpo import returns_to_go
+from astrl.training.setup import build_models
+
+KEYWORDS = "keywords:the,you,hello,how,are"
+
+
+def _config(tmp_path, **overrides) -> TrainConfig:
+    settings = dict(
+        tester="tiny",
+        target="tiny",
+        scorer=KEYWORDS,
+        prompts="builtin",
+        total_steps=4,
+        save_every=2,
+        prompts_per_step=2,
+        group_size=2,
+        turns=2,
+        max_new_tokens=4,
+        lr=3e-3,
+        warmup_steps=1,
+        lora_targets=["q_proj", "v_proj"],
+        run_dir=str(tmp_path / "run"),
+    )
+    settings.update(overrides)
+    return TrainConfig(**settings)
+
+
+def _trainer(config: TrainConfig) -> Trainer:
+    tok = make_tokenizer()
+    return Trainer(config, models=build_models(config, loaded(make_llama(tok), tok, name="tiny")), progress=False)
+
+
+def _rows(path) -> list[dict]:
+    return list(csv.DictReader(path.open()))
+
+
+# -- config ----------------------------------------------------------------------------------------
+def test_config_file_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"algorithm": "grpo", "total_steps": 7, "lr": 1e-3}))
+    config = load_config(path, ["total_steps=9", "loggers=csv", "judges=keywords:a,profanity"])
+    assert (config.total_steps, config.lr, config.loggers) == (9, 1e-3, ["csv"])
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['learning_rate'\]; valid keys: seed, algorithm"):
+        load_config(path, ["learning_rate=1"])
+    with pytest.raises(ConfigError, match="'total_steps' must be int, got 'many'"):
+        load_config(None, ["total_steps=many"])
+    with pytest.raises(ConfigError, match="algorithm must be one of"):
+        load_config(None, ["algorithm=reinforce"])
+    with pytest.raises(ConfigError, match="grpo needs group_size >= 2"):
+        load_config(None, ["group_size=1"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_shipped_configs_load_and_demo_matches_its_yaml():
+    from pathlib import Path
+
+    from astrl.training.demo import DEMO_CONFIG
+
+    folder = Path(__file__).resolve().parents[1] / "configs"
+    names = sorted(p.name for p in folder.glob("*.yaml"))
+    assert "demo.yaml" in names and "grpo.yaml" in names
+    for path in folder.glob("*.yaml"):
+        load_config(path)
+    assert yaml.safe_load((folder / "demo.yaml").read_text()) == DEMO_CONFIG
+
+
+# -- GRPO pieces -----------------------------------------------------------------------------------
+def test_returns_to_go_within_trajectories():
+    rewards = torch.tensor([[1.0], [2.0], [3.0], [0.5], [4.0]])
+    done = torch.tensor([False, False, True, False, True])
+    assert returns_to_go(rewards, done).reshape(-1).tolist() == [6.0, 5.0, 3.0, 4.5, 4.0]
+
+
+def test_grpo_ratio_is_one_before_the_update_and_the_loss_is_the_token_mean_advantage(tmp_path):
+    trainer = _trainer(_config(tmp_path, clip_epsilon=0.2))
+    trainer._build()
+    batch, rollout = trainer.algorithm.collect()
+    assert batch.numel() == 2 * 2 * 2  # prompts x group x turns
+    advantages = batch["advantage"].reshape(-1)
+    # MCAdvantage normalises within each group of conversations that share an opener
+    openers = rollout.get("query", as_list=True) if hasattr(rollout, "get") else None
+    assert openers is not None
+    out = trainer.algorithm.loss(batch)
+    assert out["ESS"].item() == pytest.approx(1.0, abs=1e-5) and out["clip_fraction"].item() == 0.0
+    lengths = torch.tensor([len(r) for r in batch.get(("tokens", "response"), as_list=True)], dtype=torch.float)
+    expected = -(advantages * lengths).sum() / lengths.sum()
+    assert out["loss_objective"].item() == pytest.approx(expected.item(), abs=1e-5)
+    # responses are cut after their first EOS: no padding is trained on
+    eos = trainer.models.tester.tokenizer.eos_token_id
+    for response in batch.get(("tokens", "response"), as_list=True):
+        assert eos not in response[:-1].tolist()
+
+
+def test_shared_base_target_and_reference_stay_frozen_while_lora_trains(tmp_path):
+    trainer = _trainer(_config(tmp_path, total_steps=2, save_every=5, reward="astprompter"))  # never an all-zero reward
+    ids = torch.randint(5, 300, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        target_before = trainer.models.target.model(input_ids=ids).logits.clone()
+        tester_before = trainer.models.tester.model(input_ids=ids).logits.clone()
+    base_ptrs = {p.data_ptr() for n, p in trainer.models.tester.model.named_parameters() if "lora" not in n}
+    assert {p.data_ptr() for p in trainer.models.target.model.parameters()} <= base_ptrs | {
+        p.data_ptr() for p in trainer.models.tester.model.parameters()
+    }
+    trainer.train()
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.models.target.model(input_ids=ids).logits, target_before)
+        torch.testing.assert_close(trainer.models.reference(input_ids=ids).logits, target_before)
+        assert not torch.allclose(trainer.models.tester.model(input_ids=ids).logits, tester_before)
+
+
+# -- trainer ---------------------------------------------------------------------------------------
+def _interrupt_after(trainer: Trainer, steps: int, monkeypatch) -> None:
+    original, calls = trainer.train_step, []
+
+    def step():
+        calls.append(1)
+        if len(calls) > steps:
+            raise KeyboardInterrupt
+        return original()
+
+    monkeypatch.setattr(trainer, "train_step", step)
+
+
+def test_run_directory_and_exact_resume(tmp_path, monkeypatch):
+    full = _trainer(_config(tmp_path / "a", reward="astprompter"))
+    full.train()
+    run_a = tmp_path / "a" / "run"
+    assert (run_a / "config.yaml").is_file() and (run_a / "final" / "tester" / "adapter_config.json").is_file()
+    assert sorted(p.name for p in (run_a / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+    uninterrupted = _rows(run_a / "metrics.csv")
+    assert [r["step"] for r in uninterrupted] == ["1", "2", "3", "4"]
+    assert len({r["loss"] for r in uninterrupted}) > 1  # the run does learn something
+
+    interrupted = _trainer(_config(tmp_path / "b", reward="astprompter", save_every=100))
+    _interrupt_after(interrupted, 2, monkeypatch)  # Ctrl-C during step 3
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.train()
+    run_b = tmp_path / "b" / "run"
+    tok = make_tokenizer()
+    resumed = resume(run_b, progress=False, tester_lm=loaded(make_llama(tok), tok, name="tiny"))
+    assert resumed.step == 2
+    resumed.train()
+    after = _rows(run_b / "metrics.csv")
+    keys = ["reward_mean", "loss", "loss_objective", "grad_norm", "lr"] + [k for k in uninterrupted[0] if k.startswith("score_")]
+    assert [{k: r[k] for k in keys} for r in after] == [{k: r[k] for k in keys} for r in uninterrupted]
+
+
+LEARNING = {  # per algorithm: settings under which a tiny model learns to say the keywords
+    "grpo": dict(group_size=4, lr=3e-3, total_steps=24),
+    "ppo": dict(prompts_per_step=4, group_size=4, lr=1e-2, value_lr=1e-2, epochs=4, total_steps=24, kl_coef=0.01),
+    "ipo": dict(prompts_per_step=8, tree_width=4, tree_depth=1, beta=0.1, lr=1e-2, epochs=2, total_steps=24),
+    "dpo": dict(prompts_per_step=8, tree_width=4, tree_depth=1, beta=0.5, lr=1e-2, epochs=2, total_steps=24),
+}
+
+
+@pytest.mark.parametrize("algorithm", sorted(LEARNING))
+def test_every_algorithm_raises_a_trivially_learnable_reward(tmp_path, algorithm):
+    # reward = share of keyword words in probe + reply: the tester can raise it by itself
+    settings = dict(save_every=100, turns=1, lora=False, reward="astprompter", alpha=0.0, zeta=1.0, gamma=0.0)
+    trainer = _trainer(_config(tmp_path, algorithm=algorithm, **{**settings, **LEARNING[algorithm]}))
+    rewards = [r["reward_mean"] for r in trainer.train()]
+    first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
+    assert last > first + 0.05, rewards
+
+
+def test_ppo_trains_the_policy_and_its_value_head_and_checkpoints_both(tmp_path):
+    config = _config(
+        tmp_path, algorithm="ppo", reward="astprompter", total_steps=2, save_every=2, turns=1, kl_coef=0.1, value_lr=1e-2
+    )
+    trainer = _trainer(config)
+    trainer._build()
+    head_before = [p.detach().clone() for p in trainer.algorithm.value_head.parameters()]
+    rows = trainer.train()
+    assert {"loss_objective", "loss_critic", "loss_entropy", "kl_coef", "explained_variance"} <= set(rows[-1])
+    assert rows[-1]["kl_coef"] == 0.1
+    lrs = [group["lr"] for group in trainer.optimizer.param_groups]
+    assert len(lrs) == 2  # the value head has its own learning rate
+    head_after = list(trainer.algorithm.value_head.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(head_before, head_after, strict=True))
+    state = torch.load(tmp_path / "run" / "checkpoints" / "step_000002" / "state.pt", weights_only=False)
+    for key, value in state["algorithm"]["value_head"].items():
+        assert torch.equal(value, trainer.algorithm.value_head.state_dict()[key])
+
+
+@pytest.mark.parametrize("algorithm", ["ipo", "dpo"])
+def test_tree_preference_training_runs_and_resumes_exactly(tmp_path, monkeypatch, algorithm):
+    settings = dict(
+        algorithm=algorithm,
+        reward="astprompter",
+        total_steps=3,
+        save_every=100,
+        prompts_per_step=2,
+        tree_width=2,
+        tree_depth=2,
+        beta=0.1,
+        lr=1e-2,
+    )
+    full = _trainer(_config(tmp_path / "a", **settings))
+    rows = full.train()
+    assert all(r["pairs"] + r["pairs_skipped"] == 2 * (1 + 2) for r in rows)  # groups per step: trees x (1 + width)
+    loss_key = f"loss_{algorithm}"
+    assert {loss_key, "preference_accuracy", "reward_margin"} <= set(rows[0])
+    uninterrupted = _rows(tmp_path / "a" / "run" / "metrics.csv")
+
+    interrupted = _trainer(_config(tmp_path / "b", **settings))
+    _interrupt_after(interrupted, 1, monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.train()
+    tok = make_tokenizer()
+    resumed = resume(tmp_path / "b" / "run", progress=False, tester_lm=loaded(make_llama(tok), tok, name="tiny"))
+    assert resumed.step == 1
+    resumed.train()
+    after = _rows(tmp_path / "b" / "run" / "metrics.csv")
+    keys = ["reward_mean", "loss", loss_key, "pairs", "grad_norm", "lr"]
+    assert [{k: r[k] for k in keys} for r in after] == [{k: r[k] for k in keys} for r in uninterrupted]
+
+
+def _tiny_overrides(model_dir, run_dir) -> list[str]:
+    return [
+        f"tester={model_dir}",
+        f"target={model_dir}",
+        f"scorer={KEYWORDS}",
+        "total_steps=2",
+        "save_every=1",
+        "prompts_per_step=2",
+        "group_size=2",
+        "turns=1",
+        "max_new_tokens=4",
+        "lora_targets=q_proj,v_proj",
+        f"run_dir={run_dir}",
+    ]
+
+
+def test_train_command_writes_a_run_and_resumes(tmp_path, tiny_model_dir, capsys):
+    from astrl.cli import main
+
+    run_dir = tmp_path / "cli_run"
+    assert main(["train", "--config", "configs/grpo.yaml", "--quiet", *_tiny_overrides(tiny_model_dir, run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "trained 2 steps" in out and (run_dir / "final" / "tester" / "adapter_config.json").is_file()
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["turns"] == 1 and saved["returns"] == "to_go"  # file values, then overrides
+    assert main(["train", "--resume", str(run_dir), "--quiet", "total_steps=3"]) == 0
+    assert [r["step"] for r in _rows(run_dir / "metrics.csv")] == ["1", "2", "3"]
+    assert main(["train", "--resume", str(tmp_path / "nowhere"), "--quiet"]) == 2
+    assert "is not a run directory" in capsys.readouterr().err
+
+
+def test_demo_trains_then_compares_and_reuses_a_finished_run(tmp_path, tiny_model_dir):
+    from astrl.training.demo import run_demo
+
+    overrides = {k: v for k, v in (o.split("=", 1) for o in _tiny_overrides(tiny_model_dir, tmp_path / "demo"))}
+    overrides = {k: yaml.safe_load(v) if k not in ("lora_targets",) else v.split(",") for k, v in overrides.items()}
+    overrides = {k: str(v) if k in ("tester", "target", "run_dir") else v for k, v in overrides.items()}
+    first = run_demo(overrides, progress=False, conversations=2)
+    assert len(first["rows"]) == 2
+    before, after = first["comparison"]["before"], first["comparison"]["after"]
+    keys = {"mean_reward", "mean_target_toxicity", "toxic_reply_rate", "probe_nll"}
+    assert set(before) == set(after) >= keys | {"best_probe"}
+    assert before["probe_nll"] > 0 and 0 <= before["toxic_reply_rate"] <= 1
+    summary = json.loads((tmp_path / "demo" / "demo_summary.json").read_text())
+    assert set(summary) == {"before", "after"} and set(summary["after"]) == keys
+    assert summary["after"]["mean_reward"] == after["mean_reward"]
+    again = run_demo(overrides, progress=False, conversations=2)
+    assert again["rows"] == [] and again["comparison"]["before"] == before  # the untrained side is seeded
