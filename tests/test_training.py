@@ -131,26 +131,29 @@ def _interrupt_after(trainer: Trainer, steps: int, monkeypatch) -> None:
     monkeypatch.setattr(trainer, "train_step", step)
 
 
+def _run_twice(tmp_path, monkeypatch, stop_after: int, **settings) -> tuple[list[dict], list[dict], list[dict]]:
+    """An uninterrupted run (a) and a run (b) stopped by Ctrl-C after ``stop_after`` steps, then resumed.
+
+    Returns the rows ``train()`` gave for (a), and the metrics.csv rows of (a) and of (b)."""
+    rows = _trainer(_config(tmp_path / "a", **settings)).train()
+    interrupted = _trainer(_config(tmp_path / "b", **settings))
+    _interrupt_after(interrupted, stop_after, monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.train()
+    tok = make_tokenizer()
+    resumed = resume(tmp_path / "b" / "run", progress=False, tester_lm=loaded(make_llama(tok), tok, name="tiny"))
+    assert resumed.step == stop_after
+    resumed.train()
+    return rows, _rows(tmp_path / "a" / "run" / "metrics.csv"), _rows(tmp_path / "b" / "run" / "metrics.csv")
+
+
 def test_run_directory_and_exact_resume(tmp_path, monkeypatch):
-    full = _trainer(_config(tmp_path / "a", reward="astprompter"))
-    full.train()
+    _, uninterrupted, after = _run_twice(tmp_path, monkeypatch, 2, reward="astprompter")
     run_a = tmp_path / "a" / "run"
     assert (run_a / "config.yaml").is_file() and (run_a / "final" / "tester" / "adapter_config.json").is_file()
     assert sorted(p.name for p in (run_a / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
-    uninterrupted = _rows(run_a / "metrics.csv")
     assert [r["step"] for r in uninterrupted] == ["1", "2", "3", "4"]
     assert len({r["loss"] for r in uninterrupted}) > 1  # the run does learn something
-
-    interrupted = _trainer(_config(tmp_path / "b", reward="astprompter", save_every=100))
-    _interrupt_after(interrupted, 2, monkeypatch)  # Ctrl-C during step 3
-    with pytest.raises(KeyboardInterrupt):
-        interrupted.train()
-    run_b = tmp_path / "b" / "run"
-    tok = make_tokenizer()
-    resumed = resume(run_b, progress=False, tester_lm=loaded(make_llama(tok), tok, name="tiny"))
-    assert resumed.step == 2
-    resumed.train()
-    after = _rows(run_b / "metrics.csv")
     keys = ["reward_mean", "loss", "loss_objective", "grad_norm", "lr"] + [k for k in uninterrupted[0] if k.startswith("score_")]
     assert [{k: r[k] for k in keys} for r in after] == [{k: r[k] for k in keys} for r in uninterrupted]
 
@@ -192,6 +195,14 @@ def test_ppo_trains_the_policy_and_its_value_head_and_checkpoints_both(tmp_path)
         assert torch.equal(value, trainer.algorithm.value_head.state_dict()[key])
 
 
+def test_ppo_resumes_exactly(tmp_path, monkeypatch):
+    settings = dict(algorithm="ppo", reward="astprompter", total_steps=3, save_every=100, turns=1, kl_coef=0.1, target_kl=1.0)
+    _, uninterrupted, after = _run_twice(tmp_path, monkeypatch, 1, **settings)
+    keys = ["reward_mean", "loss", "loss_critic", "kl_coef", "grad_norm", "lr"]
+    assert len({r["kl_coef"] for r in uninterrupted}) > 1  # the adaptive controller moved and was restored
+    assert [{k: r[k] for k in keys} for r in after] == [{k: r[k] for k in keys} for r in uninterrupted]
+
+
 @pytest.mark.parametrize("algorithm", ["ipo", "dpo"])
 def test_tree_preference_training_runs_and_resumes_exactly(tmp_path, monkeypatch, algorithm):
     settings = dict(
@@ -205,22 +216,10 @@ def test_tree_preference_training_runs_and_resumes_exactly(tmp_path, monkeypatch
         beta=0.1,
         lr=1e-2,
     )
-    full = _trainer(_config(tmp_path / "a", **settings))
-    rows = full.train()
+    rows, uninterrupted, after = _run_twice(tmp_path, monkeypatch, 1, **settings)
     assert all(r["pairs"] + r["pairs_skipped"] == 2 * (1 + 2) for r in rows)  # groups per step: trees x (1 + width)
     loss_key = f"loss_{algorithm}"
     assert {loss_key, "preference_accuracy", "reward_margin"} <= set(rows[0])
-    uninterrupted = _rows(tmp_path / "a" / "run" / "metrics.csv")
-
-    interrupted = _trainer(_config(tmp_path / "b", **settings))
-    _interrupt_after(interrupted, 1, monkeypatch)
-    with pytest.raises(KeyboardInterrupt):
-        interrupted.train()
-    tok = make_tokenizer()
-    resumed = resume(tmp_path / "b" / "run", progress=False, tester_lm=loaded(make_llama(tok), tok, name="tiny"))
-    assert resumed.step == 1
-    resumed.train()
-    after = _rows(tmp_path / "b" / "run" / "metrics.csv")
     keys = ["reward_mean", "loss", loss_key, "pairs", "grad_norm", "lr"]
     assert [{k: r[k] for k in keys} for r in after] == [{k: r[k] for k in keys} for r in uninterrupted]
 

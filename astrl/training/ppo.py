@@ -46,6 +46,12 @@ class PPO(OnPolicy):
 
     def collect(self) -> tuple[TensorDictBase, TensorDictBase]:
         data = self.next_rollout()
+        batch = self.training_batch(data)
+        self.kl_reward.update_kl_coef()
+        return batch, data
+
+    def training_batch(self, data: TensorDictBase) -> TensorDictBase:
+        """Per-turn samples of a flat rollout with old values, log-probs, per-token rewards and advantages."""
         prompts = data.get(("tokens", "prompt"), as_list=True)
         responses = data.get(("tokens", "response"), as_list=True)
         scores = data["next", "reward"].reshape(-1, 1).float()
@@ -58,9 +64,8 @@ class PPO(OnPolicy):
         self.reference(batch)  # ref_log_probs and response_mask
         self.loss_module.annotate(batch)  # old values and behaviour log-probs, one forward
         self.kl_reward(batch)  # per-token reward
-        self.kl_reward.update_kl_coef()
         compute_advantages(batch, mode=self.config.advantage, gamma=1.0, lmbda=self.config.gae_lambda)
-        return batch, data
+        return batch
 
     def loss(self, minibatch: TensorDictBase) -> TensorDictBase:
         return self.loss_module(minibatch)

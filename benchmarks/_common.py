@@ -1,0 +1,153 @@
+"""Helpers shared by the benchmark scripts: arguments, timers, memory probes, JSON output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    """Arguments every benchmark takes: ``--quick``, ``--device``, ``--backend``, ``--model``, ``--threads``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="small sizes: under 2 minutes on 2 CPU cores")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--backend", default="transformers", help="generation backend of the policies")
+    parser.add_argument("--model", default="smollm2-135m", help="embedded model name or a local model folder")
+    parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def setup(args: argparse.Namespace) -> dict:
+    """Apply threads/seed, resolve the dtype; return the fields every JSON result carries."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.dtype is None:
+        args.dtype = "bfloat16" if str(args.device).startswith("cuda") else "float32"
+    torch.manual_seed(args.seed)
+    info = {
+        "device": str(args.device),
+        "device_name": torch.cuda.get_device_name() if str(args.device).startswith("cuda") else "cpu",
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "quick": bool(args.quick),
+        "model": args.model,
+        "dtype": args.dtype,
+        "backend": args.backend,
+        "torch": torch.__version__,
+    }
+    return info
+
+
+def sync(device: str) -> None:
+    """Wait for queued CUDA work so that wall-clock timers are honest."""
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+class Timer:
+    """Accumulates wall-clock seconds and call counts of wrapped callables."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    @contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        sync(self.device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            sync(self.device)
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            self.calls[name] = self.calls.get(name, 0) + 1
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            with self.section(name):
+                return fn(*args, **kwargs)
+
+        return timed
+
+
+def rss_mb() -> float:
+    """Current resident set size in MiB (Linux ``/proc``)."""
+    with open("/proc/self/statm") as handle:
+        pages = int(handle.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def hwm_rss_mb() -> float:
+    """Peak resident set size of this process image (``VmHWM``; unlike ``ru_maxrss`` it is not
+    inherited from the parent across fork/exec), in MiB."""
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return max_rss_mb()
+
+
+def max_rss_mb() -> float:
+    """Peak resident set size of this process so far, in MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class PeakMemory:
+    """Peak memory of a block above its start: RSS polled every 5 ms on CPU, max allocated on CUDA."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = str(device)
+        self.peak_mb = 0.0
+        self._stop = threading.Event()
+
+    def _poll(self, start: float) -> None:
+        while not self._stop.is_set():
+            self.peak_mb = max(self.peak_mb, rss_mb() - start)
+            time.sleep(0.005)
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._start = torch.cuda.memory_allocated() / 2**20
+            return self
+        self._start = rss_mb()
+        self._thread = threading.Thread(target=self._poll, args=(self._start,), daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+            self.peak_mb = torch.cuda.max_memory_allocated() / 2**20 - self._start
+            return
+        self._stop.set()
+        self._thread.join()
+        self.peak_mb = max(self.peak_mb, rss_mb() - self._start)
+
+
+def emit(result: dict) -> None:
+    """Print the result as one JSON object on the last stdout line."""
+    print(json.dumps(result, sort_keys=False), flush=True)
+
+
+def r(x: float, digits: int = 4) -> float:
+    """Round for the JSON output."""
+    return round(float(x), digits)
