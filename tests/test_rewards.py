@@ -423,3 +423,36 @@ def test_reward_shaping_in_the_env_keeps_the_raw_reward():
     raw, shaped = ro["next", "reward_unshaped"].reshape(-1), ro["next", "reward"].reshape(-1)
     assert math.isclose(shaped.mean().item(), 0.0, abs_tol=1e-6)
     torch.testing.assert_close(shaped, RewardShaping(normalize="batch").shape(raw))
+
+
+def test_token_logprobs_fall_back_to_full_logits_when_the_model_rescales_them():
+    from astrl.rewards.logprobs import _HEAD_GIVES_LOGITS
+
+    class Scaled(torch.nn.Module):  # e.g. soft-capping / logit scaling: the LM head alone is not the logits
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def get_output_embeddings(self):
+            return self.inner.get_output_embeddings()
+
+        def forward(self, **kwargs):
+            out = self.inner(**kwargs)
+            out.logits = out.logits * 0.5
+            return out
+
+    tok = make_tokenizer()
+    model = Scaled(make_llama(tok))
+    prefix, cont = torch.arange(10, 20), torch.arange(30, 36)
+    for _ in range(2):  # the first call detects the mismatch, the second uses the full logits directly
+        with torch.no_grad():
+            (row,) = token_logprobs(model, [prefix], [cont])
+        with torch.no_grad():
+            logits = model(input_ids=torch.cat([prefix, cont])[None]).logits[0] * 1.0
+        expected = torch.log_softmax(logits.float(), -1)[9:15].gather(-1, cont[:, None]).squeeze(-1)
+        torch.testing.assert_close(row, expected, atol=1e-5, rtol=1e-5)
+    assert _HEAD_GIVES_LOGITS[model] is False
+    plain = make_llama(tok)
+    with torch.no_grad():
+        token_logprobs(plain, [prefix], [cont])
+    assert _HEAD_GIVES_LOGITS[plain] is True

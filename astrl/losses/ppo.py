@@ -18,7 +18,6 @@ Pieces: :class:`ValueHead`, :func:`compute_advantages` (GAE or one-step TD), :cl
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -28,6 +27,8 @@ from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 from torchrl.objectives import LossModule
 from torchrl.objectives.value.functional import generalized_advantage_estimate
+
+from astrl.rewards.logprobs import accepts
 
 ADVANTAGE_MODES = ("gae", "one_step")
 KL_ESTIMATORS = ("k3", "k1")
@@ -275,14 +276,6 @@ class TokenOutputs:
     lengths: list[int]
 
 
-def _accepts(model: nn.Module, name: str) -> bool:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    try:
-        return name in inspect.signature(base.forward).parameters
-    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
-        return False
-
-
 class PPOLoss(LossModule):
     """Clipped PPO on the tester's response tokens, with a value head on its last hidden state.
 
@@ -360,7 +353,7 @@ class PPOLoss(LossModule):
         self.clip_epsilon, self.value_coef, self.entropy_coef = float(clip_epsilon), float(value_coef), float(entropy_coef)
         self.kl_coef, self.kl_estimator, self.value_clip = float(kl_coef), kl_estimator, value_clip
         self.detach_value_input, self.max_length = detach_value_input, max_length
-        self._keep_one_logit = _accepts(model, "logits_to_keep")
+        self._keep_one_logit = accepts(model, "logits_to_keep")
         self._head_matches_logits: bool | None = None  # checked on the first forward
 
     @property

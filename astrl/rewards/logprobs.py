@@ -7,6 +7,8 @@ the first one included (TorchRL's generate-time log-probs set it to 0.0, see DES
 
 from __future__ import annotations
 
+import inspect
+import weakref
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -17,6 +19,42 @@ from torchrl.envs import Transform
 from astrl._compat import as_list
 
 NestedKey = str | tuple[str, ...]
+
+# per model: does its LM head applied to the last hidden state give its logits (no soft-capping or scaling)?
+_HEAD_GIVES_LOGITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def accepts(model: torch.nn.Module, name: str) -> bool:
+    """Whether the (base) model's ``forward`` takes the keyword ``name``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        return name in inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        return False
+
+
+def logits_at(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The model's logits at ``positions`` (``(B, T)`` indices into the sequence) from one forward.
+
+    When the LM head on the last hidden state reproduces the model's logits (checked on the first
+    call for each model), only the gathered positions go through the head: full-vocabulary logits
+    are never built for the prompt. Otherwise the full logits are computed and gathered.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    known = _HEAD_GIVES_LOGITS.get(model) if head is not None else False
+    if known is False:
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        return logits.gather(1, positions[..., None].expand(-1, -1, logits.shape[-1]))
+    keep_one = known and accepts(model, "logits_to_keep")
+    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, **({"logits_to_keep": 1} if keep_one else {}))
+    last = out.hidden_states[-1]
+    logits = head(last.gather(1, positions[..., None].expand(-1, -1, last.shape[-1])))
+    if known is None:
+        full = out.logits.gather(1, positions[..., None].expand(-1, -1, out.logits.shape[-1]))
+        _HEAD_GIVES_LOGITS[model] = torch.allclose(logits.detach().float(), full.detach().float(), rtol=1e-4, atol=1e-4)
+        if not _HEAD_GIVES_LOGITS[model]:
+            return full
+    return logits
 
 
 def token_logprobs(
@@ -53,11 +91,16 @@ def token_logprobs(
         lengths.append(cont.numel())
     ids = pad_sequence(rows, batch_first=True, padding_value=pad_token_id).to(device)
     mask = pad_sequence([torch.ones(len(r), dtype=torch.long) for r in rows], batch_first=True).to(device)
-    logits = model(input_ids=ids, attention_mask=mask).logits.float()
-    # position i predicts token i + 1
-    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    logp = torch.cat([torch.full_like(logp[:, :1], float("nan")), logp], dim=1)
-    return [logp[b, s : s + n] for b, (s, n) in enumerate(zip(starts, lengths, strict=True))]
+    width = max(max(lengths), 1)
+    steps = torch.arange(width, device=device)
+    starts_t = torch.tensor(starts, device=device)
+    # token start + t is predicted at position start + t - 1 (a token with no prefix gets nan)
+    positions = (starts_t[:, None] - 1 + steps[None]).clamp(0, ids.shape[1] - 1)
+    logits = logits_at(model, ids, mask, positions).float()
+    targets = ids.gather(1, (starts_t[:, None] + steps[None]).clamp(max=ids.shape[1] - 1))
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    logp = torch.where((starts_t[:, None] + steps[None]) > 0, logp, torch.full_like(logp, float("nan")))
+    return [logp[b, :n] for b, n in enumerate(lengths)]
 
 
 def response_mask(tokens: torch.Tensor, stop_token_ids: Iterable[int]) -> torch.Tensor:

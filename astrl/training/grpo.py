@@ -13,6 +13,7 @@ tokens-mode wrapper the loss uses, so the importance ratio is exactly 1 before t
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
@@ -22,7 +23,7 @@ from torchrl.modules.llm import TransformersWrapper
 from torchrl.objectives.llm import GRPOLoss, MCAdvantage
 
 from astrl._compat import as_list
-from astrl.rewards.logprobs import response_mask, stop_ids
+from astrl.rewards.logprobs import response_mask, stop_ids, token_logprobs
 from astrl.training.config import TrainConfig
 from astrl.training.setup import RunModels
 
@@ -37,6 +38,43 @@ def returns_to_go(rewards: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
         running = rewards[i] + torch.where(done[i], torch.zeros_like(running), running)
         out[i] = running
     return out
+
+
+def full_rows(prompts: list[torch.Tensor], response_logprobs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-sample log-probs over prompt + response (0.0 on the prompt, which no loss reads)."""
+    return [torch.cat([torch.zeros(len(p)), lp.float().cpu()]) for p, lp in zip(prompts, response_logprobs, strict=True)]
+
+
+class ResponseGRPOLoss(GRPOLoss):
+    """TorchRL's ``GRPOLoss`` with the current log-probs computed for response tokens only.
+
+    The objective, clipping, aggregation and KL terms are GRPOLoss's own; only the log-prob
+    evaluation changes: one right-padded forward whose LM head runs on the response positions
+    (:func:`astrl.rewards.token_logprobs`), instead of full-vocabulary logits over the prompt
+    too. The result is laid out as GRPOLoss expects (left-padded over prompt + response, masked
+    to the response). With an entropy bonus the full distribution is needed, so the parent's
+    path is used.
+    """
+
+    def __init__(self, actor_network, *, model: torch.nn.Module, pad_token_id: int, max_length: int | None, **kwargs) -> None:
+        super().__init__(actor_network, **kwargs)
+        object.__setattr__(self, "_scored_model", model)  # already registered through actor_network
+        self.pad_token_id, self.max_length = pad_token_id, max_length
+
+    def _get_cur_log_prob(self, tensordict: TensorDictBase):
+        if self.entropy_bonus:
+            return super()._get_cur_log_prob(tensordict)
+        prompts = tensordict.get(("tokens", "prompt"), as_list=True)
+        responses = tensordict.get(("tokens", "response"), as_list=True)
+        rows = token_logprobs(self._scored_model, prompts, responses, pad_token_id=self.pad_token_id, max_length=self.max_length)
+        width = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+        device = rows[0].device
+        log_prob = torch.zeros(len(rows), width, device=device)
+        mask = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
+        for i, row in enumerate(rows):  # left padding: each response ends the row
+            log_prob[i, width - len(row) :] = row
+            mask[i, width - len(row) :] = True
+        return log_prob, SimpleNamespace(mask=mask), False
 
 
 class OnPolicy:
@@ -98,15 +136,17 @@ class GRPO(OnPolicy):
         self.buffer = ReplayBuffer(storage=LazyStackStorage(config.batch_size * config.turns * 2), batch_size=1)
         self.buffer.append_transform(MCAdvantage(grpo_size=config.group_size, prompt_key="query", rewards_key=rewards_key))
 
-        def scorer(model):
+        def scorer(model):  # parameters for the loss module; entropy bonus path
             return TransformersWrapper(
                 model, tokenizer=self.tokenizer, input_mode="tokens", generate=False, return_log_probs=True, pad_output=False
             )
 
         self.actor = scorer(models.tester.model)
-        self.reference = scorer(models.reference)
-        self.loss_module = GRPOLoss(
+        self.loss_module = ResponseGRPOLoss(
             self.actor,
+            model=models.tester.model,
+            pad_token_id=self.tokenizer.pad_token_id,
+            max_length=models.tester.context_window,
             clip_epsilon=config.clip_epsilon,
             entropy_bonus=config.entropy_coef > 0,
             entropy_coeff=config.entropy_coef,
@@ -149,11 +189,21 @@ class GRPO(OnPolicy):
                 )
             )
         batch = lazy_stack(items)
-        with torch.no_grad():
-            batch.set("log_probs", self.actor(batch.select("tokens", "masks").copy()).get("log_probs").copy())
+        prompts = batch.get(("tokens", "prompt"), as_list=True)
+        responses = batch.get(("tokens", "response"), as_list=True)
+        window, pad = self.models.tester.context_window, self.tokenizer.pad_token_id
+        with torch.no_grad():  # behaviour log-probs, exactly as the loss will compute them
+            if self.loss_module.entropy_bonus:
+                old = self.actor(batch.select("tokens", "masks").copy()).get(("log_probs", "full"), as_list=True)
+            else:
+                old = full_rows(
+                    prompts, token_logprobs(self.models.tester.model, prompts, responses, pad_token_id=pad, max_length=window)
+                )
         with torch.inference_mode():
-            ref = self.reference(batch.select("tokens", "masks").copy()).get(("log_probs", "full"), as_list=True)
-        batch.set(("ref_log_probs", "full"), torch.nested.as_nested_tensor([r.clone() for r in ref], layout=torch.strided))
+            ref = token_logprobs(self.models.reference, prompts, responses, pad_token_id=pad, max_length=window)
+        nested = torch.nested.as_nested_tensor
+        batch.set(("log_probs", "full"), nested([o.clone() for o in old], layout=torch.strided))
+        batch.set(("ref_log_probs", "full"), nested(full_rows(prompts, [r.clone() for r in ref]), layout=torch.strided))
         return batch
 
     def loss(self, minibatch: TensorDictBase) -> TensorDictBase:
