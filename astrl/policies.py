@@ -46,6 +46,13 @@ class GenerationSettings:
         return kwargs
 
 
+def input_mode(mode: str) -> str:
+    """The wrapper input mode of a conversation mode: ``"chat"`` -> ``"history"``, ``"text"`` -> ``"text"``."""
+    if mode not in ("chat", "text"):
+        raise ValueError(f"mode must be 'chat' or 'text', got {mode!r}")
+    return "history" if mode == "chat" else "text"
+
+
 def make_policy(
     loaded: LoadedModel,
     generation: GenerationSettings | None = None,

@@ -16,10 +16,10 @@ from astrl._compat import as_list
 from astrl.envs import make_redteam_env
 from astrl.envs.transforms import PROBE_KEY, RESPONSE_KEY, SCORES_KEY
 from astrl.models import LoadedModel, load_model
-from astrl.policies import GenerationSettings, make_policy
+from astrl.policies import GenerationSettings, input_mode, make_policy
 from astrl.prompts import PromptStream, load_prompts, split_prompts
 from astrl.rewards.astprompter import REWARD_TERMS_KEY
-from astrl.scorers import make_scorer
+from astrl.scorers import make_scorers
 
 
 @dataclass
@@ -104,12 +104,11 @@ def _load_pair(config: RolloutConfig) -> tuple[LoadedModel, LoadedModel]:
 
 def iter_rollouts(config: RolloutConfig, on_turn: Callable[[], None] | None = None) -> Iterator[list[dict]]:
     """Yield the records of each batch of conversations, seeded by ``config.seed``."""
-    scorers = {s.name: s for s in (make_scorer(name, device=config.device) for name in config.scorers)}
+    scorers = make_scorers(config.scorers, device=config.device)
     prompts = split_prompts(load_prompts(config.prompts), config.split, seed=config.seed)
     tester_lm, target_lm = _load_pair(config)
-    input_mode = "history" if config.mode == "chat" else "text"
-    tester = make_policy(tester_lm, config.tester_generation, input_mode=input_mode)
-    target = make_policy(target_lm, config.target_generation, input_mode=input_mode)
+    tester = make_policy(tester_lm, config.tester_generation, input_mode=input_mode(config.mode))
+    target = make_policy(target_lm, config.target_generation, input_mode=input_mode(config.mode))
     batch = min(config.batch_size, config.num_conversations)
     stream = PromptStream(prompts, batch, seed=config.seed)
     kwargs = {"tester_system_prompt": config.tester_system_prompt} if config.tester_system_prompt is not None else {}

@@ -241,3 +241,8 @@ def make_scorer(name: str, *, device: str = "cpu") -> Scorer:
     if kind == "judge" and arg:
         return ChatJudgeScorer(arg, device=device)
     raise ScorerError(f"unknown scorer {name!r}; valid forms: {', '.join(SCORER_NAMES)}")
+
+
+def make_scorers(names: Sequence[str], *, device: str = "cpu") -> dict[str, Scorer]:
+    """Scorers by name, keyed by their canonical names, in the given order (the first gives the reward)."""
+    return {s.name: s for s in (make_scorer(name, device=device) for name in names)}

@@ -159,16 +159,16 @@ def generate(config: EvalConfig, resolved: Resolved, scorers: dict, on_turns: Ca
     from astrl._compat import as_list
     from astrl.envs import make_redteam_env
     from astrl.models import load_model
-    from astrl.policies import make_policy
+    from astrl.policies import input_mode, make_policy
     from astrl.prompts import PromptStream, load_prompts, split_prompts
 
     prompts = split_prompts(load_prompts(resolved.prompts), config.split, seed=resolved.split_seed)
     tester_lm = load_tester(resolved.source, dtype=config.dtype, device=config.device)
     shared = resolved.source.run_dir is None and resolved.target == resolved.source.model
     target_lm = tester_lm if shared else load_model(resolved.target, dtype=config.dtype, device=config.device)
-    input_mode = "history" if resolved.mode == "chat" else "text"
-    tester = make_policy(tester_lm, config.tester_generation, input_mode=input_mode)
-    target = make_policy(target_lm, config.target_generation, input_mode=input_mode)
+    wrapper_mode = input_mode(resolved.mode)
+    tester = make_policy(tester_lm, config.tester_generation, input_mode=wrapper_mode)
+    target = make_policy(target_lm, config.target_generation, input_mode=wrapper_mode)
     batch = min(config.batch_size, config.num_conversations)
     stream = PromptStream(prompts, batch, seed=config.seed)
     kwargs = {"tester_system_prompt": resolved.tester_system_prompt} if resolved.tester_system_prompt is not None else {}

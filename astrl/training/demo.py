@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from astrl._compat import as_list
-from astrl.policies import make_policy
+from astrl.policies import input_mode, make_policy
 from astrl.prompts import PromptStream, load_prompts, split_prompts
 from astrl.rewards.reference import AdaptersDisabled
 from astrl.training.config import TrainConfig
@@ -64,13 +64,13 @@ def compare_testers(trainer: Trainer, *, conversations: int = 16, seed: int = 12
 
     config, models = trainer.config, trainer.models
     prompts = split_prompts(load_prompts(config.prompts), "dev", seed=config.seed)
-    input_mode = "history" if config.mode == "chat" else "text"
-    target = make_policy(models.target, generation(config, target=True), input_mode=input_mode)
+    wrapper_mode = input_mode(config.mode)
+    target = make_policy(models.target, generation(config, target=True), input_mode=wrapper_mode)
     results = {}
     untrained = AdaptersDisabled(models.tester.model) if hasattr(models.tester.model, "disable_adapter") else models.reference
     for label, model in (("before", untrained), ("after", models.tester.model)):
         loaded = type(models.tester)(models.tester.name, model, models.tester.tokenizer, models.tester.context_window)
-        tester = make_policy(loaded, generation(config), input_mode=input_mode)
+        tester = make_policy(loaded, generation(config), input_mode=wrapper_mode)
         batch = min(conversations, 8)
         env = make_redteam_env(
             tester,

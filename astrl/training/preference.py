@@ -15,9 +15,9 @@ from tensordict import TensorDictBase
 
 from astrl._compat import as_list
 from astrl.losses import DPOLoss, IPOLoss
-from astrl.policies import make_policy
+from astrl.policies import input_mode, make_policy
 from astrl.sampling import TreeSampler
-from astrl.scorers import make_scorer
+from astrl.scorers import make_scorers
 from astrl.training.config import TrainConfig
 from astrl.training.setup import RunModels, generation
 
@@ -31,10 +31,9 @@ class Preference:
         self.config = config
         self.models = models
         self.name = config.algorithm
-        input_mode = "history" if config.mode == "chat" else "text"
-        tester = make_policy(models.tester, generation(config), input_mode=input_mode)
-        target = make_policy(models.target, generation(config, target=True), input_mode=input_mode)
-        scorers = {s.name: s for s in (make_scorer(n, device=config.device) for n in [config.scorer, *config.judges])}
+        tester = make_policy(models.tester, generation(config), input_mode=input_mode(config.mode))
+        target = make_policy(models.target, generation(config, target=True), input_mode=input_mode(config.mode))
+        scorers = make_scorers([config.scorer, *config.judges], device=config.device)
         kwargs = {"tester_system_prompt": config.tester_system_prompt} if config.tester_system_prompt is not None else {}
         self.sampler = TreeSampler(
             tester,

@@ -12,11 +12,11 @@ import torch
 
 from astrl.envs import make_redteam_env
 from astrl.models import LoadedModel, load_model
-from astrl.policies import GenerationSettings, make_policy
+from astrl.policies import GenerationSettings, input_mode, make_policy
 from astrl.prompts import PromptStream, load_prompts, split_prompts
 from astrl.rewards import make_reference
 from astrl.rewards.reference import AdaptersDisabled
-from astrl.scorers import make_scorer
+from astrl.scorers import make_scorers
 from astrl.training.config import TrainConfig
 
 
@@ -72,10 +72,9 @@ def build_stream(config: TrainConfig) -> PromptStream:
 
 def build_env(config: TrainConfig, models: RunModels, stream: PromptStream):
     """The red-team env and the tester policy that acts in it."""
-    input_mode = "history" if config.mode == "chat" else "text"
-    tester = make_policy(models.tester, generation(config), input_mode=input_mode)
-    target = make_policy(models.target, generation(config, target=True), input_mode=input_mode)
-    scorers = {s.name: s for s in (make_scorer(n, device=config.device) for n in [config.scorer, *config.judges])}
+    tester = make_policy(models.tester, generation(config), input_mode=input_mode(config.mode))
+    target = make_policy(models.target, generation(config, target=True), input_mode=input_mode(config.mode))
+    scorers = make_scorers([config.scorer, *config.judges], device=config.device)
     kwargs = {"tester_system_prompt": config.tester_system_prompt} if config.tester_system_prompt is not None else {}
     env = make_redteam_env(
         tester,
