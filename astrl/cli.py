@@ -18,6 +18,12 @@ def _add_generation_args(p) -> None:
     p.add_argument("--greedy", action="store_true", help="greedy decoding for both models")
 
 
+def _add_run_args(p) -> None:
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+
+
 def _generation(args, max_new: int):
     from astrl.policies import GenerationSettings
 
@@ -58,9 +64,7 @@ def _add_rollout(sub) -> None:
     p.add_argument("--alpha", type=float, default=1.0, help="astprompter weight of the reply's toxicity")
     p.add_argument("--zeta", type=float, default=0.5, help="astprompter weight of the probe+reply toxicity")
     p.add_argument("--gamma", type=float, default=0.1, help="astprompter weight of the probe's mean log-prob under the target")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
+    _add_run_args(p)
     p.add_argument("--out", default="rollouts.jsonl", help="output JSONL path")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -127,9 +131,7 @@ def _add_eval(sub) -> None:
     p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples for the 95%% intervals")
     p.add_argument("--top-attacks", type=int, default=10, help="rows of the top-attacks table per judge")
     p.add_argument("--no-embeddings", action="store_true", help="skip the embedding-based diversity metrics")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
+    _add_run_args(p)
     p.add_argument("--out", default="eval", help="output folder (default: ./eval)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 

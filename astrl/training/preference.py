@@ -15,11 +15,9 @@ from tensordict import TensorDictBase
 
 from astrl._compat import as_list
 from astrl.losses import DPOLoss, IPOLoss
-from astrl.policies import input_mode, make_policy
 from astrl.sampling import TreeSampler
-from astrl.scorers import make_scorers
 from astrl.training.config import TrainConfig
-from astrl.training.setup import RunModels, generation
+from astrl.training.setup import RunModels, conversation_parts
 
 
 class Preference:
@@ -31,10 +29,7 @@ class Preference:
         self.config = config
         self.models = models
         self.name = config.algorithm
-        tester = make_policy(models.tester, generation(config), input_mode=input_mode(config.mode))
-        target = make_policy(models.target, generation(config, target=True), input_mode=input_mode(config.mode))
-        scorers = make_scorers([config.scorer, *config.judges], device=config.device)
-        kwargs = {"tester_system_prompt": config.tester_system_prompt} if config.tester_system_prompt is not None else {}
+        tester, target, scorers, settings = conversation_parts(config, models)
         self.sampler = TreeSampler(
             tester,
             target,
@@ -44,12 +39,7 @@ class Preference:
             tree_width=config.tree_width,
             tree_depth=config.tree_depth,
             min_reward_gap=config.min_reward_gap,
-            mode=config.mode,
-            target_system_prompt=config.target_system_prompt,
-            reward=config.reward,
-            reward_options=config.reward_options(),
-            seed=config.seed,
-            **kwargs,
+            **settings,
         )
         loss_class = DPOLoss if config.algorithm == "dpo" else IPOLoss
         self.loss_module = loss_class(

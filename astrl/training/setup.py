@@ -70,24 +70,26 @@ def build_stream(config: TrainConfig) -> PromptStream:
     return PromptStream(prompts, config.batch_size, seed=config.seed, group_size=config.group_size)
 
 
-def build_env(config: TrainConfig, models: RunModels, stream: PromptStream):
-    """The red-team env and the tester policy that acts in it."""
+def conversation_parts(config: TrainConfig, models: RunModels) -> tuple:
+    """Tester and target policies, scorers, and the conversation settings that the red-team env
+    and the tree sampler share: ``(tester, target, scorers, settings)``."""
     tester = make_policy(models.tester, generation(config), input_mode=input_mode(config.mode))
     target = make_policy(models.target, generation(config, target=True), input_mode=input_mode(config.mode))
     scorers = make_scorers([config.scorer, *config.judges], device=config.device)
-    kwargs = {"tester_system_prompt": config.tester_system_prompt} if config.tester_system_prompt is not None else {}
-    env = make_redteam_env(
-        tester,
-        target,
-        scorers,
-        stream,
-        batch_size=config.batch_size,
-        max_turns=config.turns,
-        mode=config.mode,
-        target_system_prompt=config.target_system_prompt,
-        reward=config.reward,
-        reward_options=config.reward_options(),
-        seed=config.seed,
-        **kwargs,
-    )
+    settings = {
+        "mode": config.mode,
+        "target_system_prompt": config.target_system_prompt,
+        "reward": config.reward,
+        "reward_options": config.reward_options(),
+        "seed": config.seed,
+    }
+    if config.tester_system_prompt is not None:  # otherwise the env's default red-teaming prompt
+        settings["tester_system_prompt"] = config.tester_system_prompt
+    return tester, target, scorers, settings
+
+
+def build_env(config: TrainConfig, models: RunModels, stream: PromptStream):
+    """The red-team env and the tester policy that acts in it."""
+    tester, target, scorers, settings = conversation_parts(config, models)
+    env = make_redteam_env(tester, target, scorers, stream, batch_size=config.batch_size, max_turns=config.turns, **settings)
     return env, tester
