@@ -1,3 +1,33 @@
-"""astrl: adaptive stress testing (automated red-teaming) of language models with TorchRL."""
+"""astrl: adaptive stress testing (automated red-teaming) of language models with TorchRL.
+
+The seed "System" API is importable from the top level (loaded on first use, so that
+``import astrl`` stays light)::
+
+    from astrl import System, ASTSystem, HFASTSystem, ASTSampler, DPO, IPO, PPO, Trainer, TrainingConfig
+"""
 
 __version__ = "0.1.0"
+
+_SYSTEM_API = {
+    "System": "astrl.system",
+    "ASTSystem": "astrl.system",
+    "HFASTSystem": "astrl.system",
+    "ASTSampler": "astrl.system",
+    "DPO": "astrl.system",
+    "IPO": "astrl.system",
+    "PPO": "astrl.system",
+    "TrainingConfig": "astrl.system",
+    "SystemValidationError": "astrl.system",
+    "Trainer": "astrl.training.trainer",
+    "TrainConfig": "astrl.training.config",
+}
+
+__all__ = sorted(_SYSTEM_API)
+
+
+def __getattr__(name: str):
+    if name in _SYSTEM_API:
+        import importlib
+
+        return getattr(importlib.import_module(_SYSTEM_API[name]), name)
+    raise AttributeError(f"module 'astrl' has no attribute {name!r}")

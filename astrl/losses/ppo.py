@@ -262,6 +262,17 @@ def compute_advantages(
     return td
 
 
+def clipped_surrogate(
+    log_ratio: torch.Tensor, advantage: torch.Tensor, mask: torch.Tensor, clip_epsilon: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``-masked_mean(min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A))`` and the ratio ``exp(log_ratio)``.
+
+    Works per token (``(B, T)`` with the response mask) and per sequence (``(B,)``, all ones)."""
+    ratio = log_ratio.exp()
+    surrogate = torch.min(ratio * advantage, ratio.clamp(1 - clip_epsilon, 1 + clip_epsilon) * advantage)
+    return -masked_mean(surrogate, mask), ratio
+
+
 # -- one forward: log-probs, entropies and values of the response tokens ------------------------------------
 @dataclass
 class TokenOutputs:
@@ -497,9 +508,7 @@ class PPOLoss(LossModule):
 
         # clipped surrogate, against the OLD policy
         log_ratio = torch.where(mask, log_probs - old_log_probs, zeros)
-        ratio = log_ratio.exp()
-        surrogate = torch.min(ratio * advantage, ratio.clamp(1 - self.clip_epsilon, 1 + self.clip_epsilon) * advantage)
-        loss_objective = -masked_mean(surrogate, mask)
+        loss_objective, ratio = clipped_surrogate(log_ratio, advantage, mask, self.clip_epsilon)
 
         # value loss (optionally clipped around the old values)
         value_error = (values - value_target) ** 2

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from tensordict import NestedKey, TensorDict, TensorDictBase
 from torchrl.objectives import LossModule
 
+from astrl._compat import as_list
 from astrl.rewards.logprobs import as_rows, response_mask, stop_ids, token_logprobs
 from astrl.rewards.reference import make_reference
 
@@ -28,6 +29,9 @@ class PreferenceLoss(LossModule):
 
     Args:
         model: the tester's causal LM (a Hugging Face model or a PEFT model); it gets the gradients.
+            Or an :class:`astrl.System`: then log-probs come from its validated
+            ``get_tester_logprobs`` (with grad) and ``get_baseline_logprobs`` (the reference) on the
+            pairs' text keys ``context`` / ``chosen_probe`` / ``rejected_probe``, summed per pair.
         reference: the frozen reference; default :func:`astrl.rewards.make_reference` of ``model``
             (with a PEFT model: the same weights with the adapters off). It is scored under
             ``torch.inference_mode`` and is not registered as a submodule (no parameters, no state).
@@ -64,6 +68,9 @@ class PreferenceLoss(LossModule):
         rejected_mask: NestedKey = "rejected_mask"
         ref_chosen_logprob: NestedKey = "ref_chosen_logprob"
         ref_rejected_logprob: NestedKey = "ref_rejected_logprob"
+        context: NestedKey = "context"
+        chosen_text: NestedKey = "chosen_probe"
+        rejected_text: NestedKey = "rejected_probe"
 
     default_keys = _AcceptedKeys
     tensor_keys: _AcceptedKeys
@@ -83,9 +90,19 @@ class PreferenceLoss(LossModule):
             raise ValueError(f"beta must be > 0, got {beta}")
         if reference is model:
             raise ValueError("reference is the model itself: pass None to use a frozen reference (make_reference)")
-        self.model = model
+        from astrl.system.base import System
+
         # kept out of the module tree: no gradients, no parameters listed twice, no copy in state_dict
-        object.__setattr__(self, "reference", reference if reference is not None else make_reference(model))
+        if isinstance(model, System):  # log-probs from the System's tester and baseline, on text
+            if reference is not None:
+                raise ValueError("with a System the reference is its baseline (get_baseline_logprobs): pass no reference")
+            object.__setattr__(self, "system", model)
+            self.model = None
+            object.__setattr__(self, "reference", None)
+        else:
+            object.__setattr__(self, "system", None)
+            self.model = model
+            object.__setattr__(self, "reference", reference if reference is not None else make_reference(model))
         self.beta = beta
         self.max_length = max_length
         self._tokenizer_stops = stop_ids(tokenizer, model) if tokenizer is not None else None
@@ -94,7 +111,10 @@ class PreferenceLoss(LossModule):
     # -- keys ------------------------------------------------------------------------------------
     def _set_in_keys(self) -> None:
         keys = self.tensor_keys
-        self.in_keys = [keys.prompt, keys.chosen, keys.rejected, keys.chosen_mask, keys.rejected_mask]
+        if self.system is not None:
+            self.in_keys = [keys.context, keys.chosen_text, keys.rejected_text]
+        else:
+            self.in_keys = [keys.prompt, keys.chosen, keys.rejected, keys.chosen_mask, keys.rejected_mask]
         self.out_keys = [self.loss_name, "reward_margin", "preference_accuracy", "chosen_logratio", "rejected_logratio"]
 
     def _forward_value_estimator_keys(self, **kwargs) -> None:
@@ -151,31 +171,54 @@ class PreferenceLoss(LossModule):
         n = len(prompts)
         return sums[:n], sums[n:]
 
+    def _texts(self, td: TensorDictBase) -> tuple[list, list, list]:
+        """Contexts and chosen / rejected probe texts of a batch of pairs (the System path)."""
+        if td.batch_dims != 1 or td.batch_size[0] == 0:
+            raise ValueError(
+                f"{type(self).__name__} expects a non-empty 1-D batch of pairs, got batch_size {tuple(td.batch_size)}"
+            )
+        keys = self.tensor_keys
+        for key in (keys.context, keys.chosen_text, keys.rejected_text):
+            if key not in td.keys(True):
+                raise KeyError(f"{type(self).__name__} needs the key {key!r}; the data has {sorted(map(str, td.keys()))}")
+        return as_list(td.get(keys.context)), as_list(td.get(keys.chosen_text)), as_list(td.get(keys.rejected_text))
+
+    def _pair_logprobs(self, td: TensorDictBase, *, reference: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed ``log p(chosen | prompt)`` and ``log p(rejected | prompt)`` under the model (with grad) or
+        the reference (no grad); chosen and rejected go through one batched call."""
+        if self.system is not None:
+            contexts, chosen, rejected = self._texts(td)
+            get = self.system._get_baseline_logprobs_and_validate if reference else self.system._get_tester_logprobs_and_validate
+            sums = get(contexts + contexts, chosen + rejected).sum(-1)
+            return sums[: len(contexts)], sums[len(contexts) :]
+        prompts, chosen, rejected = self._pairs(td)
+        if reference:
+            with torch.inference_mode():
+                ref_w, ref_l = self._summed_logprobs(self.reference, prompts, chosen, rejected)
+            return ref_w.clone(), ref_l.clone()
+        return self._summed_logprobs(self.model, prompts, chosen, rejected)
+
     def reference_logprobs(self, tensordict: TensorDictBase) -> TensorDictBase:
         """Write the reference's summed log-probs (``ref_chosen_logprob``, ``ref_rejected_logprob``)
         into the pairs, so that several epochs over the same pairs score the reference once."""
-        prompts, chosen, rejected = self._pairs(tensordict)
-        with torch.inference_mode():
-            ref_w, ref_l = self._summed_logprobs(self.reference, prompts, chosen, rejected)
+        ref_w, ref_l = self._pair_logprobs(tensordict, reference=True)
         tensordict.set(self.tensor_keys.ref_chosen_logprob, ref_w.clone().cpu())
         tensordict.set(self.tensor_keys.ref_rejected_logprob, ref_l.clone().cpu())
         return tensordict
 
     def margins(self, tensordict: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(h, chosen_logratio, rejected_logratio)`` per pair; ``h`` carries the model's gradient."""
-        prompts, chosen, rejected = self._pairs(tensordict)
-        logp_w, logp_l = self._summed_logprobs(self.model, prompts, chosen, rejected)
+        logp_w, logp_l = self._pair_logprobs(tensordict, reference=False)
+        n = logp_w.shape[0]
         keys = self.tensor_keys
         have_ref = keys.ref_chosen_logprob in tensordict.keys(True) and keys.ref_rejected_logprob in tensordict.keys(True)
         if have_ref:
             ref_w = tensordict.get(keys.ref_chosen_logprob).reshape(-1)
             ref_l = tensordict.get(keys.ref_rejected_logprob).reshape(-1)
-            if ref_w.numel() != len(prompts) or ref_l.numel() != len(prompts):
-                raise ValueError(f"reference log-probs have {ref_w.numel()} and {ref_l.numel()} values for {len(prompts)} pairs")
+            if ref_w.numel() != n or ref_l.numel() != n:
+                raise ValueError(f"reference log-probs have {ref_w.numel()} and {ref_l.numel()} values for {n} pairs")
         else:
-            with torch.inference_mode():
-                ref_w, ref_l = self._summed_logprobs(self.reference, prompts, chosen, rejected)
-            ref_w, ref_l = ref_w.clone(), ref_l.clone()
+            ref_w, ref_l = self._pair_logprobs(tensordict, reference=True)
         ref_w, ref_l = ref_w.to(logp_w), ref_l.to(logp_l)
         chosen_logratio, rejected_logratio = logp_w - ref_w, logp_l - ref_l
         return chosen_logratio - rejected_logratio, chosen_logratio, rejected_logratio

@@ -26,6 +26,7 @@ from astrl.prompts import PromptStream
 from astrl.rewards.logprobs import as_rows, response_mask, stop_ids
 from astrl.scorers import Scorer
 
+_NODE_ROWS = ("prompt_tokens", "response_tokens", "response_mask", "context")
 PAIR_KEYS = (
     "prompt_tokens",
     "chosen_tokens",
@@ -43,6 +44,16 @@ PAIR_KEYS = (
     "chosen_node",
     "rejected_node",
 )
+
+
+def check_tree_shape(tree_width: int, tree_depth: int, min_reward_gap: float) -> None:
+    """Raise a clear error for a tree that cannot give preference pairs."""
+    if tree_width < 2:
+        raise ValueError(f"tree_width must be >= 2 (a preference pair needs two siblings), got {tree_width}")
+    if tree_depth < 1:
+        raise ValueError(f"tree_depth must be >= 1, got {tree_depth}")
+    if min_reward_gap < 0:
+        raise ValueError(f"min_reward_gap must be >= 0, got {min_reward_gap}")
 
 
 class TreeSampler:
@@ -93,12 +104,7 @@ class TreeSampler:
     ) -> None:
         if num_trees < 1:
             raise ValueError(f"num_trees must be >= 1, got {num_trees}")
-        if tree_width < 2:
-            raise ValueError(f"tree_width must be >= 2 (a preference pair needs two siblings), got {tree_width}")
-        if tree_depth < 1:
-            raise ValueError(f"tree_depth must be >= 1, got {tree_depth}")
-        if min_reward_gap < 0:
-            raise ValueError(f"min_reward_gap must be >= 0, got {min_reward_gap}")
+        check_tree_shape(tree_width, tree_depth, min_reward_gap)
         if getattr(tester, "pad_output", False):
             raise ValueError("the tester policy must be built with pad_output=False (astrl.policies.make_policy does)")
         if isinstance(prompts, PromptStream):
@@ -158,7 +164,7 @@ class TreeSampler:
           with the ASTPrompter reward), ``prompt_tokens``, ``response_tokens``, ``response_mask``.
         * ``openers`` (one string per tree), ``num_pairs``, ``num_skipped``, ``num_groups``.
         """
-        with self._rng(), torch.no_grad(), _eval_mode(self.tester.model), _eval_mode(self.target.model):
+        with self._rng(), torch.no_grad(), self._frozen():
             openers = self.prompt_stream.next_batch()
             states = self._roots(openers)
             levels = []
@@ -183,11 +189,20 @@ class TreeSampler:
 
     # -- tree growth -----------------------------------------------------------------------------
     @contextlib.contextmanager
+    def _frozen(self) -> Iterator[None]:
+        """Sample without dropout (tester and target in eval mode, restored afterwards)."""
+        with _eval_mode(self.tester.model), _eval_mode(self.target.model):
+            yield
+
+    def _device(self) -> torch.device:
+        return next(self.tester.model.parameters()).device
+
+    @contextlib.contextmanager
     def _rng(self) -> Iterator[None]:
         if self.seed is None:
             yield
             return
-        device = next(self.tester.model.parameters()).device
+        device = self._device()
         devices = [device.index or 0] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed((self.seed * 1_000_003 + self.calls) % 2**63)
@@ -278,9 +293,9 @@ class TreeSampler:
                 dense["reward_terms"] = level["reward_terms"].cpu()
             for i, node in enumerate(dense.unbind(0)):
                 node["probe"], node["reply"] = level["probe"][i], level["reply"][i]
-                node["prompt_tokens"] = level["prompt_tokens"][i]
-                node["response_tokens"] = level["response_tokens"][i]
-                node["response_mask"] = level["response_mask"][i]
+                for key in _NODE_ROWS:
+                    if key in level:
+                        node[key] = level[key][i]
                 node_tds.append(node)
             for g in kept.nonzero().flatten().tolist():
                 c, r = g * width + int(best[g]), g * width + int(worst[g])
@@ -304,12 +319,7 @@ class TreeSampler:
 
     @staticmethod
     def _pair(level: dict, chosen: int, rejected: int, depth: int, tree: int, group: int, offset: int) -> TensorDict:
-        return TensorDict(
-            prompt_tokens=level["prompt_tokens"][chosen],
-            chosen_tokens=level["response_tokens"][chosen],
-            rejected_tokens=level["response_tokens"][rejected],
-            chosen_mask=level["response_mask"][chosen],
-            rejected_mask=level["response_mask"][rejected],
+        pair = TensorDict(
             chosen_reward=level["reward"][chosen],
             rejected_reward=level["reward"][rejected],
             reward_gap=level["reward"][chosen] - level["reward"][rejected],
@@ -322,6 +332,13 @@ class TreeSampler:
             rejected_node=torch.tensor(offset + rejected),
             batch_size=[],
         )
+        if "prompt_tokens" in level:  # the tester's exact ids (policies with tokens)
+            pair["prompt_tokens"] = level["prompt_tokens"][chosen]
+            pair["chosen_tokens"], pair["rejected_tokens"] = level["response_tokens"][chosen], level["response_tokens"][rejected]
+            pair["chosen_mask"], pair["rejected_mask"] = level["response_mask"][chosen], level["response_mask"][rejected]
+        if "context" in level:  # the text state the probes followed (text-only policies, e.g. a System)
+            pair["context"] = level["context"][chosen]
+        return pair
 
 
 @contextlib.contextmanager

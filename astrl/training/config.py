@@ -10,6 +10,7 @@ import yaml
 
 ALGORITHMS = ("grpo", "ppo", "dpo", "ipo")
 RETURNS = ("turn", "to_go")
+OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "adagrad")
 
 
 class ConfigError(ValueError):
@@ -54,6 +55,8 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     epochs: int = 1
     minibatches: int = 1
+    minibatch_size: int | None = None
+    optimizer: str = "adamw"
     grad_accum: int = 1
     clip_epsilon: float = 0.2
     entropy_coef: float = 0.0
@@ -113,6 +116,8 @@ class TrainConfig:
                 self.minibatches <= self.batch_size,
                 f"minibatches ({self.minibatches}) exceeds the turns per step ({self.batch_size})",
             ),
+            (self.minibatch_size is None or self.minibatch_size >= 1, f"minibatch_size must be >= 1, got {self.minibatch_size}"),
+            (self.optimizer in OPTIMIZERS, f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}"),
             (self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}"),
             (self.lora_rank >= 1, f"lora_rank must be >= 1, got {self.lora_rank}"),
             (

@@ -24,6 +24,7 @@ from torchrl.objectives.llm import GRPOLoss, MCAdvantage
 
 from astrl._compat import as_list
 from astrl.rewards.logprobs import response_mask, stop_ids, token_logprobs
+from astrl.training.batches import shuffled_minibatches
 from astrl.training.config import TrainConfig
 from astrl.training.setup import RunModels
 
@@ -102,10 +103,8 @@ class OnPolicy:
         return [{"params": [p for p in self.models.tester.model.parameters() if p.requires_grad], "lr": lr}]
 
     def minibatches(self, batch: TensorDictBase, generator: torch.Generator) -> Iterator[TensorDictBase]:
-        for _ in range(self.config.epochs):
-            order = torch.randperm(batch.numel(), generator=generator)
-            for chunk in order.chunk(self.config.minibatches):
-                yield batch[chunk]
+        config = self.config
+        return shuffled_minibatches(batch, generator, epochs=config.epochs, count=config.minibatches, size=config.minibatch_size)
 
     @staticmethod
     def samples(data: TensorDictBase) -> list[dict]:

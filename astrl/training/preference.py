@@ -4,69 +4,60 @@ Per step the :class:`~astrl.sampling.TreeSampler` grows ``prompts_per_step`` tre
 ``tree_width`` probes per state and ``tree_depth`` levels; each sibling group gives one pair
 (best vs worst reward, skipped below ``min_reward_gap``). Reference log-probs are computed once
 per batch, then ``epochs`` passes of the loss over ``minibatches``.
+
+:class:`TreeAlgorithm` is what every tree-sampled algorithm shares (sampling, minibatches,
+metrics, samples, state); :class:`Preference` adds the DPO / IPO loss. The same classes run
+astrl's configs and user Systems (:mod:`astrl.system`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from tensordict import TensorDictBase
 
 from astrl._compat import as_list
-from astrl.losses import DPOLoss, IPOLoss
+from astrl.losses import DPOLoss, IPOLoss, PreferenceLoss
 from astrl.sampling import TreeSampler
+from astrl.training.batches import shuffled_minibatches
 from astrl.training.config import TrainConfig
 from astrl.training.setup import RunModels, conversation_parts
 
 
-class Preference:
-    """The DPO / IPO algorithm of the trainer (its own prompt stream lives in the sampler)."""
+class TreeAlgorithm:
+    """An algorithm of the trainer fed by a tree sampler (no env, no collector).
+
+    Args:
+        sampler: a :class:`~astrl.sampling.TreeSampler` (or :class:`astrl.system.ASTSampler`).
+        parameters: returns the trainable parameters.
+        epochs, minibatches, minibatch_size: passes over each batch and how it is split.
+    """
 
     uses_env = False
+    name = "tree"
 
-    def __init__(self, config: TrainConfig, models: RunModels, stream) -> None:
-        self.config = config
-        self.models = models
-        self.name = config.algorithm
-        tester, target, scorers, settings = conversation_parts(config, models)
-        self.sampler = TreeSampler(
-            tester,
-            target,
-            scorers,
-            stream,
-            num_trees=config.prompts_per_step,
-            tree_width=config.tree_width,
-            tree_depth=config.tree_depth,
-            min_reward_gap=config.min_reward_gap,
-            **settings,
-        )
-        loss_class = DPOLoss if config.algorithm == "dpo" else IPOLoss
-        self.loss_module = loss_class(
-            models.tester.model, models.reference, beta=config.beta, max_length=models.tester.context_window
-        )
+    def __init__(
+        self,
+        sampler: TreeSampler,
+        parameters: Callable[[], Iterable[torch.nn.Parameter]],
+        *,
+        epochs: int = 1,
+        minibatches: int = 1,
+        minibatch_size: int | None = None,
+    ) -> None:
+        self.sampler = sampler
+        self._parameters = parameters
+        self.epochs, self.count, self.size = int(epochs), int(minibatches), minibatch_size
 
     def parameter_groups(self, lr: float) -> list[dict]:
-        return [{"params": [p for p in self.models.tester.model.parameters() if p.requires_grad], "lr": lr}]
-
-    def collect(self) -> tuple[TensorDictBase, TensorDictBase]:
-        self.models.tester.model.eval()
-        result = self.sampler.sample()
-        pairs = result["pairs"]
-        if pairs.batch_size[0] > 0:
-            self.loss_module.reference_logprobs(pairs)
-        return pairs, result
+        params = [p for p in self._parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("no trainable parameters (requires_grad=False everywhere)")
+        return [{"params": params, "lr": lr}]
 
     def minibatches(self, batch: TensorDictBase, generator: torch.Generator) -> Iterator[TensorDictBase]:
-        if batch.batch_size[0] == 0:
-            return
-        for _ in range(self.config.epochs):
-            order = torch.randperm(batch.numel(), generator=generator)
-            for chunk in order.chunk(min(self.config.minibatches, batch.numel())):
-                yield batch[chunk]
-
-    def loss(self, minibatch: TensorDictBase) -> TensorDictBase:
-        return self.loss_module(minibatch)
+        return shuffled_minibatches(batch, generator, epochs=self.epochs, count=self.count, size=self.size)
 
     @staticmethod
     def metrics(result: TensorDictBase) -> dict:
@@ -77,8 +68,6 @@ class Preference:
             scores = nodes["scores", name].reshape(-1).float()
             row[f"score_{name}"] = float(scores.mean())
             row[f"harmful_rate_{name}"] = float((scores > 0.5).float().mean())
-        row["pairs"] = int(result["num_pairs"])
-        row["pairs_skipped"] = int(result["num_skipped"])
         return row
 
     @staticmethod
@@ -98,3 +87,55 @@ class Preference:
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
+
+
+class Preference(TreeAlgorithm):
+    """DPO / IPO: best-vs-worst sibling pairs from the tree sampler, reference log-probs once per batch."""
+
+    def __init__(self, sampler: TreeSampler, loss_module: PreferenceLoss, parameters, **batching) -> None:
+        super().__init__(sampler, parameters, **batching)
+        self.loss_module = loss_module
+        self.name = "dpo" if isinstance(loss_module, DPOLoss) else "ipo" if isinstance(loss_module, IPOLoss) else "preference"
+
+    @classmethod
+    def from_config(cls, config: TrainConfig, models: RunModels, stream) -> Preference:
+        """The DPO / IPO algorithm of a config run (its prompt stream lives in the sampler)."""
+        tester, target, scorers, settings = conversation_parts(config, models)
+        sampler = TreeSampler(
+            tester,
+            target,
+            scorers,
+            stream,
+            num_trees=config.prompts_per_step,
+            tree_width=config.tree_width,
+            tree_depth=config.tree_depth,
+            min_reward_gap=config.min_reward_gap,
+            **settings,
+        )
+        loss_class = DPOLoss if config.algorithm == "dpo" else IPOLoss
+        loss = loss_class(models.tester.model, models.reference, beta=config.beta, max_length=models.tester.context_window)
+        return cls(
+            sampler,
+            loss,
+            models.tester.model.parameters,
+            epochs=config.epochs,
+            minibatches=config.minibatches,
+            minibatch_size=config.minibatch_size,
+        )
+
+    def collect(self) -> tuple[TensorDictBase, TensorDictBase]:
+        result = self.sampler.sample()
+        pairs = result["pairs"]
+        if pairs.batch_size[0] > 0:
+            self.loss_module.reference_logprobs(pairs)
+        return pairs, result
+
+    def loss(self, minibatch: TensorDictBase) -> TensorDictBase:
+        return self.loss_module(minibatch)
+
+    @staticmethod
+    def metrics(result: TensorDictBase) -> dict:
+        row = TreeAlgorithm.metrics(result)
+        row["pairs"] = int(result["num_pairs"])
+        row["pairs_skipped"] = int(result["num_skipped"])
+        return row

@@ -86,17 +86,50 @@ def save_tester(model: torch.nn.Module, tokenizer, folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
-class Trainer:
-    """Runs ``config.total_steps`` steps of the configured algorithm and keeps the run directory."""
+def make_optimizer(name: str, groups: list[dict], lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """The optimizer named by the config (``adamw`` default; ``adam``, ``sgd``, ``rmsprop``, ``adagrad``)."""
+    classes = {
+        "adamw": torch.optim.AdamW,
+        "adam": torch.optim.Adam,
+        "sgd": torch.optim.SGD,
+        "rmsprop": torch.optim.RMSprop,
+        "adagrad": torch.optim.Adagrad,
+    }
+    if name not in classes:
+        raise ConfigError(f"optimizer must be one of {sorted(classes)}, got {name!r}")
+    return classes[name](groups, lr=lr, weight_decay=weight_decay)
 
-    def __init__(self, config: TrainConfig, *, models: RunModels | None = None, progress: bool = True) -> None:
+
+class Trainer:
+    """Runs ``config.total_steps`` steps of the configured algorithm and keeps the run directory.
+
+    ``Trainer(config)`` builds models, data path and algorithm from the config. With a
+    :class:`astrl.System`, ``Trainer(config, sampler, algorithm)`` trains it instead: ``sampler`` is an
+    :class:`astrl.ASTSampler` and ``algorithm`` a solver (:class:`astrl.DPO`, :class:`astrl.IPO`,
+    :class:`astrl.PPO`); the loop, optimizer, schedule, logging and checkpoints are the same.
+    """
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        sampler=None,
+        algorithm=None,
+        *,
+        models: RunModels | None = None,
+        progress: bool = True,
+    ) -> None:
+        if (sampler is None) != (algorithm is None):
+            raise TypeError("pass both sampler= and algorithm= (a System's sampler and solver), or neither")
+        if algorithm is not None and models is not None:
+            raise TypeError("models= is for config-built runs; a System brings its own models")
         self.config = config
         self.run_dir = Path(config.run_dir)
         self.progress = progress
         torch.manual_seed(config.seed)
         random.seed(config.seed)
         np.random.seed(config.seed)
-        self.models = models or build_models(config)
+        self.sampler, self.solver = sampler, algorithm
+        self.models = None if algorithm is not None else models or build_models(config)
         self.step = 0
         self._pending_stream_state: dict | None = None
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -104,17 +137,34 @@ class Trainer:
 
     # -- construction of the data path (after a possible resume of the prompt stream) ----------------
     def _build(self) -> None:
-        if self.config.algorithm in ("dpo", "ipo"):
+        if self.solver is not None:
+            self._build_system()
+        elif self.config.algorithm in ("dpo", "ipo"):
             self._build_preference()
         else:
             self._build_on_policy()
         config = self.config
-        self.optimizer = torch.optim.AdamW(
-            self.algorithm.parameter_groups(config.lr), lr=config.lr, weight_decay=config.weight_decay
-        )
-        updates = config.total_steps * config.epochs * math.ceil(config.minibatches / config.grad_accum)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_then_linear(config.warmup_steps, updates))
+        groups = self.algorithm.parameter_groups(config.lr)
+        self.optimizer = make_optimizer(config.optimizer, groups, config.lr, config.weight_decay)
+        if config.minibatch_size is None:  # a known number of updates per step: the schedule counts updates
+            updates = config.total_steps * config.epochs * math.ceil(config.minibatches / config.grad_accum)
+            schedule = warmup_then_linear(config.warmup_steps, updates)
+        else:  # the number of updates depends on the data: the schedule follows the steps
+            per_step = warmup_then_linear(config.warmup_steps, config.total_steps)
+
+            def schedule(update: int) -> float:
+                return per_step(self.step)
+
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         self._built = True
+
+    def _build_system(self) -> None:
+        bind = getattr(self.solver, "bind", None)
+        if bind is None:
+            raise TypeError(f"algorithm must be an astrl solver (DPO, IPO, PPO), got {type(self.solver).__name__}")
+        self.algorithm = bind(self.sampler, self.config)
+        self.stream = self.sampler.prompt_stream
+        self._start_step, self._draw_states = self.step, []  # the sampler's own state is checkpointed
 
     def _build_preference(self) -> None:
         from astrl.prompts import PromptStream, load_prompts, split_prompts
@@ -123,7 +173,7 @@ class Trainer:
         prompts = split_prompts(load_prompts(self.config.prompts), self.config.split, seed=self.config.seed)
         self.stream = PromptStream(prompts, self.config.prompts_per_step, seed=self.config.seed)
         self._start_step, self._draw_states = self.step, []  # the sampler's own state is checkpointed
-        self.algorithm = Preference(self.config, self.models, self.stream)
+        self.algorithm = Preference.from_config(self.config, self.models, self.stream)
 
     def _build_on_policy(self) -> None:
         self.stream = build_stream(self.config)
@@ -168,12 +218,13 @@ class Trainer:
             raise
         finally:
             bar.close()
-        save_tester(self.models.tester.model, self.models.tester.tokenizer, self.run_dir / "final" / "tester")
+        self._save_trained(self.run_dir / "final" / "tester")
         return rows
 
     def train_step(self) -> dict:
         start = time.perf_counter()
-        self.models.tester.model.eval()
+        if self.models is not None:
+            self.models.tester.model.eval()
         batch, rollout = self.algorithm.collect()
         collect_seconds = time.perf_counter() - start
         losses: dict[str, list[float]] = {}
@@ -269,10 +320,10 @@ class Trainer:
         tmp = folder.with_name(folder.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        save_tester(self.models.tester.model, self.models.tester.tokenizer, tmp / "tester")
+        self._save_trained(tmp / "tester")
         state = {
             "step": self.step,
-            "trainable": trainable_state(self.models.tester.model),
+            "trainable": self._trainable_state(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "rng": rng_state(),
@@ -285,6 +336,34 @@ class Trainer:
         tmp.rename(folder)
         self._prune_checkpoints()
         return folder
+
+    # -- what is trained: the config's tester, or a System's parameters --------------------------------
+    def _save_trained(self, folder: Path) -> None:
+        if self.models is not None:
+            save_tester(self.models.tester.model, self.models.tester.tokenizer, folder)
+            return
+        folder.mkdir(parents=True, exist_ok=True)
+        system = self.solver.system
+        if callable(getattr(system, "save", None)):
+            system.save(folder)
+        else:
+            torch.save([p.detach().cpu() for p in system.parameters()], folder / "parameters.pt")
+
+    def _trainable_state(self) -> dict | list:
+        if self.models is not None:
+            return trainable_state(self.models.tester.model)
+        return [p.detach().cpu().clone() for p in self.solver.system.parameters()]
+
+    def _load_trainable_state(self, state: dict | list) -> None:
+        if self.models is not None:
+            load_trainable_state(self.models.tester.model, state)
+            return
+        params = list(self.solver.system.parameters())
+        if len(params) != len(state):
+            raise ValueError(f"checkpoint holds {len(state)} parameter tensors, the System has {len(params)}")
+        with torch.no_grad():
+            for param, saved in zip(params, state, strict=True):
+                param.copy_(saved)
 
     def _stream_state_for_next_step(self) -> dict:
         index = self.step - self._start_step
@@ -300,7 +379,7 @@ class Trainer:
         self.step = state["step"]
         self._pending_stream_state = state["stream"]
         self._build()
-        load_trainable_state(self.models.tester.model, state["trainable"])
+        self._load_trainable_state(state["trainable"])
         self.algorithm.load_state_dict(state["algorithm"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
