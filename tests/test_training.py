@@ -272,3 +272,42 @@ def test_demo_trains_then_compares_and_reuses_a_finished_run(tmp_path, tiny_mode
     assert summary["after"]["mean_reward"] == after["mean_reward"]
     again = run_demo(overrides, progress=False, conversations=2)
     assert again["rows"] == [] and again["comparison"]["before"] == before  # the untrained side is seeded
+
+
+# -- novelty bonuses -------------------------------------------------------------------------------
+def test_novelty_config_keys_are_checked_and_mapped():
+    assert TrainConfig().novelty_options() is None
+    config = TrainConfig(novelty_ngram=0.5, novelty_history=7, novelty_ngram_n=3, novelty_embedding_reduce="mean")
+    assert config.novelty_options() == {
+        "ngram": 0.5,
+        "embedding": 0.0,
+        "history": 7,
+        "ngram_n": 3,
+        "embedding_reduce": "mean",
+        "device": "cpu",
+    }
+    for key, value in [
+        ("novelty_ngram", -1.0),
+        ("novelty_history", 0),
+        ("novelty_ngram_n", 1),
+        ("novelty_embedding_reduce", "min"),
+    ]:
+        with pytest.raises(ConfigError, match=key):
+            TrainConfig(**{key: value})
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ipo"])
+def test_novelty_history_is_checkpointed_and_resumes_exactly(tmp_path, monkeypatch, algorithm):
+    settings = dict(algorithm=algorithm, novelty_ngram=0.5, novelty_history=6, total_steps=3, save_every=100, turns=2)
+    if algorithm == "ipo":
+        settings.update(tree_width=2, tree_depth=2, beta=0.1)
+    rows, uninterrupted, after = _run_twice(tmp_path, monkeypatch, 1, **settings)
+    if algorithm == "grpo":
+        assert "term_ngram_novelty" in rows[0] and 0.0 < rows[-1]["term_ngram_novelty"] < 1.0
+        keys = ["reward_mean", "term_ngram_novelty", "loss", "grad_norm"]
+    else:
+        keys = ["reward_mean", "loss", "pairs"]
+    assert [{k: r[k] for k in keys} for r in after] == [{k: r[k] for k in keys} for r in uninterrupted]
+    state = torch.load(tmp_path / "a" / "run" / "checkpoints" / "step_000003" / "state.pt", weights_only=False)
+    novelty = state["algorithm"]["novelty"] if algorithm == "grpo" else state["algorithm"]["sampler"]["novelty"]
+    assert len(novelty) == 1 and 0 < len(novelty[0]["_extra_state"]["history"]) <= 6

@@ -302,3 +302,12 @@ def novelty_transforms(transforms) -> list[NoveltyReward]:
     """The novelty transforms of an env (or of any iterable of transforms), in order."""
     items = getattr(transforms, "transform", transforms)
     return [t for t in items if isinstance(t, NoveltyReward)]
+
+
+def load_novelty_states(transforms: Sequence[NoveltyReward], states: Sequence[Mapping]) -> None:
+    """Restore the histories saved as ``[t.state_dict() for t in transforms]`` (same terms, same order)."""
+    if len(states) != len(transforms):
+        names = [t.term for t in transforms]
+        raise ValueError(f"the saved state holds {len(states)} novelty term(s) but this run has {len(transforms)}: {names}")
+    for transform, state in zip(transforms, states, strict=True):
+        transform.load_state_dict(state)

@@ -24,6 +24,7 @@ from torchrl.objectives.llm import GRPOLoss, MCAdvantage
 
 from astrl._compat import as_list
 from astrl.rewards.logprobs import response_mask, stop_ids, token_logprobs
+from astrl.rewards.novelty import load_novelty_states, novelty_transforms
 from astrl.training.config import TrainConfig
 from astrl.training.setup import RunModels
 
@@ -87,6 +88,7 @@ class OnPolicy:
     def __init__(self, config: TrainConfig, models: RunModels, env, policy) -> None:
         self.config = config
         self.models = models
+        self.novelty = novelty_transforms(env)
         self.tokenizer = models.tester.tokenizer
         self.stops = stop_ids(self.tokenizer, models.tester.model)
         self.collector = LLMCollector(
@@ -119,10 +121,11 @@ class OnPolicy:
         ]
 
     def state_dict(self) -> dict:
-        return {}
+        """The histories of the env's novelty terms (empty without them)."""
+        return {"novelty": [t.state_dict() for t in self.novelty]}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        load_novelty_states(self.novelty, state.get("novelty", []))
 
 
 class GRPO(OnPolicy):
