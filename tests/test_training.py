@@ -311,3 +311,42 @@ def test_novelty_history_is_checkpointed_and_resumes_exactly(tmp_path, monkeypat
     state = torch.load(tmp_path / "a" / "run" / "checkpoints" / "step_000003" / "state.pt", weights_only=False)
     novelty = state["algorithm"]["novelty"] if algorithm == "grpo" else state["algorithm"]["sampler"]["novelty"]
     assert len(novelty) == 1 and 0 < len(novelty[0]["_extra_state"]["history"]) <= 6
+
+
+# the tiny model's replies are mostly byte soup: any single letter or common fragment is a hit
+LOOSE_SCORER = "keywords:" + ",".join([*"abcdefghijklmnopqrstuvwxyz", "en", "he", "ho", "ll", "hell", "at", "ot", "the", "you"])
+
+
+def test_attack_archive_is_written_while_training_and_restored_on_resume(tmp_path, monkeypatch):
+    settings = dict(archive_threshold=0.0, total_steps=3, save_every=100, turns=2, scorer=LOOSE_SCORER)
+    _run_twice(tmp_path, monkeypatch, 1, **settings)
+    archive_a = [json.loads(line) for line in (tmp_path / "a" / "run" / "attacks.jsonl").open()]
+    assert archive_a, "a keyword reward above 0 is easy: some turns must be archived"
+    keys = [" ".join(a["probe"].casefold().split()) for a in archive_a]
+    assert len(keys) == len(set(keys))
+    assert {a["step"] for a in archive_a} <= {1, 2, 3} and all(a["count"] >= 1 for a in archive_a)
+    for attack in archive_a:
+        assert attack["scores"][attack_scorer(attack)] > 0.0
+        assert attack["conversation"][0]["role"] == "opener" and len(attack["conversation"]) == 1 + 2 * attack["turn"]
+    rows = _rows(tmp_path / "a" / "run" / "metrics.csv")
+    assert int(rows[-1]["attacks_unique"]) == len(archive_a)
+    archive_b = [json.loads(line) for line in (tmp_path / "b" / "run" / "attacks.jsonl").open()]
+    assert archive_b == archive_a  # interrupted, resumed: the same archive, nothing twice
+
+
+def test_resume_drops_attacks_archived_after_the_checkpoint(tmp_path, monkeypatch):
+    config = _config(tmp_path, archive_threshold=0.0, total_steps=2, save_every=1, turns=2, scorer=LOOSE_SCORER)
+    _trainer(config).train()
+    path = tmp_path / "run" / "attacks.jsonl"
+    before = path.read_text(encoding="utf-8")
+    assert before
+    with path.open("a", encoding="utf-8") as handle:  # as if a step after the last checkpoint had been archived
+        handle.write(json.dumps({"probe": "zzz lost", "reply": "", "scores": {"x": 1.0}, "step": 3}) + "\n")
+    tok = make_tokenizer()
+    resumed = resume(tmp_path / "run", ["total_steps=2"], progress=False, tester_lm=loaded(make_llama(tok), tok, name="tiny"))
+    resumed.train()
+    assert path.read_text(encoding="utf-8") == before
+
+
+def attack_scorer(attack: dict) -> str:
+    return next(iter(attack["scores"]))

@@ -37,6 +37,7 @@ class TrainConfig:
     novelty_history: int = 1000
     novelty_ngram_n: int = 5
     novelty_embedding_reduce: str = "max"
+    archive_threshold: float = 0.5  # a turn enters attacks.jsonl when its reward scorer's score is above this
     prompts: str = "builtin"
     split: str = "train"
     mode: str = "chat"
@@ -109,6 +110,7 @@ class TrainConfig:
                 self.novelty_embedding_reduce in ("max", "mean"),
                 f"novelty_embedding_reduce must be 'max' or 'mean', got {self.novelty_embedding_reduce!r}",
             ),
+            (0 <= self.archive_threshold < 1, f"archive_threshold must be in [0, 1), got {self.archive_threshold}"),
             (self.total_steps >= 1, f"total_steps must be >= 1, got {self.total_steps}"),
             (self.save_every >= 1, f"save_every must be >= 1, got {self.save_every}"),
             (self.prompts_per_step >= 1, f"prompts_per_step must be >= 1, got {self.prompts_per_step}"),
