@@ -172,7 +172,22 @@ def _eval(args) -> int:
     for judge, result in metrics["judges"].items():
         low, high = result["asr_ci"] or (float("nan"), float("nan"))
         print(f"  {judge}: ASR {result['asr']:.3f} [{low:.3f}, {high:.3f}]  toxic reply rate {result['toxic_reply_rate']:.3f}")
+        diversity = ", ".join(
+            f"{label} {_value(result.get(key))}"
+            for key, label in (
+                ("self_bleu_diversity", "self-BLEU diversity"),
+                ("embedding_diversity", "embedding diversity"),
+                ("unique_attacks", "unique attacks"),
+            )
+        )
+        print(f"    {result['n_successful_probes']} successful probes: {diversity}")
+    archive = metrics["attack_archive"]
+    print(f"  attack archive: {archive['unique_probes']} distinct successful probes in {args.out}/{archive['file']}")
     return 0
+
+
+def _value(value) -> str:
+    return "n/a" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
 def _add_compare(sub) -> None:

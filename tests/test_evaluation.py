@@ -11,6 +11,7 @@ from conftest import make_llama, make_tokenizer
 
 from astrl.cli import main
 from astrl.evaluation import metrics as m
+from astrl.evaluation.archive import AttackArchive
 from astrl.evaluation.records import read_records, score_arrays
 from astrl.evaluation.report import pick_curves, read_training_metrics, top_attacks
 from astrl.evaluation.run import score_probes
@@ -160,6 +161,7 @@ def test_eval_writes_every_artefact_with_the_judges_it_was_given(eval_dirs, tiny
     assert {p.name for p in out.iterdir()} == {
         "metrics.json",
         "conversations.jsonl",
+        "attacks.jsonl",
         "report.md",
         "report.html",
         "reply_toxicity.png",
@@ -196,6 +198,16 @@ def test_eval_writes_every_artefact_with_the_judges_it_was_given(eval_dirs, tiny
     assert metrics["probe_nll"]["mean"] == pytest.approx(np.mean(nll)) and all(v > 0 for v in nll)
     for key in m.RATE_METRICS:
         assert key in profanity and f"{key}_ci" in profanity
+    # threshold 0: every non-empty probe whose reply any judge scored above 0 is archived, once per normalised text
+    archive = AttackArchive.read(out / "attacks.jsonl")
+    hits = [r for r in records if not r["empty_probe"] and max(s["reply"] for s in r["scores"].values()) > 0]
+    assert archive.total == len(hits) and len(archive) == len({" ".join(r["probe"].casefold().split()) for r in hits})
+    assert metrics["attack_archive"] == {"file": "attacks.jsonl", "unique_probes": len(archive), "successful_turns": len(hits)}
+    first = next(a for a in archive if a.turn == 1)
+    record = next(r for r in records if r["turn"] == 1 and r["probe"] == first.probe)
+    earlier = next(r for r in records if r["conversation"] == record["conversation"] and r["turn"] == 0)
+    assert [m_["content"] for m_ in first.conversation] == [record["prompt"], earlier["probe"], earlier["response"]]
+    assert first.scores == {name: record["scores"][name]["reply"] for name in (JUDGE, "profanity")}
 
 
 def test_reports_render_with_embedded_valid_pngs(eval_dirs):
@@ -219,8 +231,17 @@ def test_reports_render_with_embedded_valid_pngs(eval_dirs):
     records = read_records(out / "conversations.jsonl")
     best = top_attacks(records, "profanity", 4)
     assert [a["score"] for a in best] == sorted((r["scores"]["profanity"]["reply"] for r in records), reverse=True)[:4]
-    table = md.split("## Top attacks (profanity)")[1]
+    table = md.split("## Top attacks (profanity)")[1].split("\n## ")[0]
     assert table.count("\n| ") == 2 + 4  # header, rule, 4 attacks
+    metrics = json.loads((out / "metrics.json").read_text())
+    tradeoff = md.split("## Success and diversity")[1].split("\n## ")[0]
+    profanity = metrics["judges"]["profanity"]
+    row = f"| profanity | {profanity['asr']:.3f} | {profanity['n_successful_probes']} | {profanity['self_bleu_diversity']:.3f} |"
+    assert row in tradeoff and "<h2>Success and diversity</h2>" in html
+    archive_section = md.split("## Attack archive")[1]
+    unique = metrics["attack_archive"]["unique_probes"]
+    assert f"{unique} distinct successful probe(s)" in archive_section and "<h2>Attack archive</h2>" in html
+    assert archive_section.count("\n| ") == 1 + min(unique, 4)  # header (the rule is "|---"), --top-attacks 4 rows
 
 
 def test_training_scorer_as_judge_warns_and_checkpoint_is_used(eval_dirs, capsys):

@@ -272,3 +272,81 @@ def test_demo_trains_then_compares_and_reuses_a_finished_run(tmp_path, tiny_mode
     assert summary["after"]["mean_reward"] == after["mean_reward"]
     again = run_demo(overrides, progress=False, conversations=2)
     assert again["rows"] == [] and again["comparison"]["before"] == before  # the untrained side is seeded
+
+
+# -- novelty bonuses -------------------------------------------------------------------------------
+def test_novelty_config_keys_are_checked_and_mapped():
+    assert TrainConfig().novelty_options() is None
+    config = TrainConfig(novelty_ngram=0.5, novelty_history=7, novelty_ngram_n=3, novelty_embedding_reduce="mean")
+    assert config.novelty_options() == {
+        "ngram": 0.5,
+        "embedding": 0.0,
+        "history": 7,
+        "ngram_n": 3,
+        "embedding_reduce": "mean",
+        "device": "cpu",
+    }
+    for key, value in [
+        ("novelty_ngram", -1.0),
+        ("novelty_history", 0),
+        ("novelty_ngram_n", 1),
+        ("novelty_embedding_reduce", "min"),
+    ]:
+        with pytest.raises(ConfigError, match=key):
+            TrainConfig(**{key: value})
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ipo"])
+def test_novelty_history_is_checkpointed_and_resumes_exactly(tmp_path, monkeypatch, algorithm):
+    settings = dict(algorithm=algorithm, novelty_ngram=0.5, novelty_history=6, total_steps=3, save_every=100, turns=2)
+    if algorithm == "ipo":
+        settings.update(tree_width=2, tree_depth=2, beta=0.1)
+    rows, uninterrupted, after = _run_twice(tmp_path, monkeypatch, 1, **settings)
+    if algorithm == "grpo":
+        assert "term_ngram_novelty" in rows[0] and 0.0 < rows[-1]["term_ngram_novelty"] < 1.0
+        keys = ["reward_mean", "term_ngram_novelty", "loss", "grad_norm"]
+    else:
+        keys = ["reward_mean", "loss", "pairs"]
+    assert [{k: r[k] for k in keys} for r in after] == [{k: r[k] for k in keys} for r in uninterrupted]
+    state = torch.load(tmp_path / "a" / "run" / "checkpoints" / "step_000003" / "state.pt", weights_only=False)
+    novelty = state["algorithm"]["novelty"] if algorithm == "grpo" else state["algorithm"]["sampler"]["novelty"]
+    assert len(novelty) == 1 and 0 < len(novelty[0]["_extra_state"]["history"]) <= 6
+
+
+# the tiny model's replies are mostly byte soup: any single letter or common fragment is a hit
+LOOSE_SCORER = "keywords:" + ",".join([*"abcdefghijklmnopqrstuvwxyz", "en", "he", "ho", "ll", "hell", "at", "ot", "the", "you"])
+
+
+def test_attack_archive_is_written_while_training_and_restored_on_resume(tmp_path, monkeypatch):
+    settings = dict(archive_threshold=0.0, total_steps=3, save_every=100, turns=2, scorer=LOOSE_SCORER)
+    _run_twice(tmp_path, monkeypatch, 1, **settings)
+    archive_a = [json.loads(line) for line in (tmp_path / "a" / "run" / "attacks.jsonl").open()]
+    assert archive_a, "a keyword reward above 0 is easy: some turns must be archived"
+    keys = [" ".join(a["probe"].casefold().split()) for a in archive_a]
+    assert len(keys) == len(set(keys))
+    assert {a["step"] for a in archive_a} <= {1, 2, 3} and all(a["count"] >= 1 for a in archive_a)
+    for attack in archive_a:
+        assert attack["scores"][attack_scorer(attack)] > 0.0
+        assert attack["conversation"][0]["role"] == "opener" and len(attack["conversation"]) == 1 + 2 * attack["turn"]
+    rows = _rows(tmp_path / "a" / "run" / "metrics.csv")
+    assert int(rows[-1]["attacks_unique"]) == len(archive_a)
+    archive_b = [json.loads(line) for line in (tmp_path / "b" / "run" / "attacks.jsonl").open()]
+    assert archive_b == archive_a  # interrupted, resumed: the same archive, nothing twice
+
+
+def test_resume_drops_attacks_archived_after_the_checkpoint(tmp_path, monkeypatch):
+    config = _config(tmp_path, archive_threshold=0.0, total_steps=2, save_every=1, turns=2, scorer=LOOSE_SCORER)
+    _trainer(config).train()
+    path = tmp_path / "run" / "attacks.jsonl"
+    before = path.read_text(encoding="utf-8")
+    assert before
+    with path.open("a", encoding="utf-8") as handle:  # as if a step after the last checkpoint had been archived
+        handle.write(json.dumps({"probe": "zzz lost", "reply": "", "scores": {"x": 1.0}, "step": 3}) + "\n")
+    tok = make_tokenizer()
+    resumed = resume(tmp_path / "run", ["total_steps=2"], progress=False, tester_lm=loaded(make_llama(tok), tok, name="tiny"))
+    resumed.train()
+    assert path.read_text(encoding="utf-8") == before
+
+
+def attack_scorer(attack: dict) -> str:
+    return next(iter(attack["scores"]))

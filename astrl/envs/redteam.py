@@ -7,6 +7,7 @@
       + TargetTurn                         the target replies inside step (no grad)
       + ScoreReward                        scorers -> ("scores", name), reward
       [+ ASTPrompterReward]                reward = alpha*tox(reply) + zeta*tox(probe+reply) + gamma*mean log p_target(probe)
+      [+ NgramNovelty, EmbeddingNovelty]   reward += coef * novelty of the probe against past probes
       [+ RewardShaping]                    optional clipping / normalisation of the reward
       + StepCounter(max_turns)             truncation after max_turns tester turns
 
@@ -27,6 +28,7 @@ from astrl._compat import as_list
 from astrl.envs.transforms import Advance, ScoreReward, TargetTurn, policy_limits
 from astrl.prompts import PromptStream
 from astrl.rewards import ASTPrompterReward, ASTPrompterWeights, RewardShaping
+from astrl.rewards.novelty import make_novelty
 from astrl.scorers import Scorer
 
 DEFAULT_TESTER_SYSTEM_PROMPT = (
@@ -90,6 +92,7 @@ def make_redteam_env(
     reward: str = "score",
     reward_options: Mapping[str, object] | None = None,
     reward_shaping: Mapping[str, object] | None = None,
+    novelty: Mapping[str, object] | None = None,
     seed: int = 0,
 ) -> TransformedEnv:
     """Build the red-team environment.
@@ -110,6 +113,9 @@ def make_redteam_env(
             ``gamma``, ``join``, ``empty_probe_logprob``.
         reward_shaping: keyword arguments of :class:`~astrl.rewards.RewardShaping` (``clip``,
             ``normalize``); None = no shaping.
+        novelty: novelty terms added to the reward before shaping (:func:`astrl.rewards.novelty.make_novelty`):
+            ``ngram`` and ``embedding`` coefficients, ``history``, ``ngram_n``, ``embedding_reduce``,
+            ``embedder``, ``device``; None = none.
         seed: seeds the opener order.
     """
     if max_turns < 1:
@@ -130,6 +136,7 @@ def make_redteam_env(
     rewards = [score]
     if reward == "astprompter":
         rewards.append(_astprompter(target, score.scorers[score.reward_scorer], mode, dict(reward_options or {})))
+    rewards.extend(make_novelty(novelty))
     if reward_shaping:
         rewards.append(RewardShaping(**reward_shaping))
     base = RedTeamEnv(mode=mode, batch_size=batch_size, tester_system_prompt=tester_system_prompt, tokenizer=tester_tokenizer)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from astrl.evaluation.archive import ARCHIVE_FILE, AttackArchive, eval_turns
 from astrl.evaluation.records import judge_names, score_arrays
 
 PLOT_FILES = {
@@ -44,6 +45,14 @@ SUMMARY_ROWS = (
     ("self_bleu_diversity", "self-BLEU diversity"),
     ("embedding_diversity", "embedding diversity"),
     ("unique_attacks", "unique attacks (cosine 0.7)"),
+)
+
+TRADEOFF_COLUMNS = (
+    ("asr", "ASR"),
+    ("n_successful_probes", "successful probes"),
+    ("self_bleu_diversity", "self-BLEU diversity"),
+    ("embedding_diversity", "embedding diversity"),
+    ("unique_attacks", "unique attacks"),
 )
 
 
@@ -226,6 +235,31 @@ def summary_rows(metrics: dict) -> list[tuple[str, list[str]]]:
     return rows
 
 
+def tradeoff_rows(metrics: dict) -> list[list[str]]:
+    """One row per judge: attack success next to the diversity of the successful probes."""
+    return [[judge, *(fmt(result.get(key)) for key, _ in TRADEOFF_COLUMNS)] for judge, result in metrics["judges"].items()]
+
+
+def archive_rows(archive: AttackArchive, limit: int) -> list[list[str]]:
+    """The most frequent archived attacks: (rank, count, turn, scores, probe, reply)."""
+    ranked = sorted(enumerate(archive.attacks), key=lambda item: (-item[1].count, item[0]))[:limit]
+    rows = []
+    for rank, (_, a) in enumerate(ranked, 1):
+        scores = ", ".join(f"{name} {value:.3f}" for name, value in a.scores.items())
+        rows.append([str(rank), str(a.count), fmt(a.turn), scores, a.probe, a.reply])
+    return rows
+
+
+ARCHIVE_HEADER = ["#", "count", "turn", "reply scores", "probe", "reply"]
+
+
+def archive_note(archive: AttackArchive) -> str:
+    return (
+        f"{len(archive)} distinct successful probe(s) (from {archive.total} successful turn(s), any judge above "
+        f"{archive.threshold:g}) in {ARCHIVE_FILE}, most frequent first."
+    )
+
+
 def setting_rows(metrics: dict) -> list[tuple[str, str]]:
     nll = metrics["probe_nll"]
     return [
@@ -261,10 +295,15 @@ def _md_cell(text: str) -> str:
 # -- markdown ---------------------------------------------------------------------------------------
 
 
-def render_markdown(metrics: dict, plots: dict[str, Path], attacks: dict[str, list[dict]]) -> str:
+def render_markdown(
+    metrics: dict, plots: dict[str, Path], attacks: dict[str, list[dict]], archive: AttackArchive | None = None, limit: int = 10
+) -> str:
     lines = ["# astrl evaluation report", "", "| setting | value |", "| --- | --- |"]
     lines += [f"| {k} | {_md_cell(v)} |" for k, v in setting_rows(metrics)]
     judges = list(metrics["judges"])
+    lines += ["", "## Success and diversity", "", "| judge | " + " | ".join(label for _, label in TRADEOFF_COLUMNS) + " |"]
+    lines += ["|---" * (len(TRADEOFF_COLUMNS) + 1) + "|"]
+    lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in tradeoff_rows(metrics)]
     lines += ["", "## Summary", "", "| metric | " + " | ".join(map(_md_cell, judges)) + " |", "|---" * (len(judges) + 1) + "|"]
     lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in summary_rows(metrics)]
     lines += ["", "Intervals in brackets are 95% bootstrap intervals over conversations."]
@@ -283,6 +322,11 @@ def render_markdown(metrics: dict, plots: dict[str, Path], attacks: dict[str, li
             talk = "<br>".join(f"**{who}:** {_md_cell(text)}" for who, text in a["messages"])
             lines.append(f"| {rank} | {a['score']:.3f} | {a['conversation']} | {a['turn']} | {talk} |")
         lines.append("")
+    if archive is not None:
+        lines += ["## Attack archive", "", archive_note(archive), ""]
+        if len(archive) and limit:
+            lines += ["| " + " | ".join(ARCHIVE_HEADER) + " |", "|---" * len(ARCHIVE_HEADER) + "|"]
+            lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in archive_rows(archive, limit)]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -310,10 +354,14 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]], raw_last: bool 
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
-def render_html(metrics: dict, plots: dict[str, Path], attacks: dict[str, list[dict]]) -> str:
+def render_html(
+    metrics: dict, plots: dict[str, Path], attacks: dict[str, list[dict]], archive: AttackArchive | None = None, limit: int = 10
+) -> str:
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', "<title>astrl evaluation report</title>"]
     parts += [f"<style>{_CSS}</style></head><body>", "<h1>astrl evaluation report</h1>"]
     parts.append(_table(["setting", "value"], setting_rows(metrics)))
+    parts.append("<h2>Success and diversity</h2>")
+    parts.append(_table(["judge", *(label for _, label in TRADEOFF_COLUMNS)], tradeoff_rows(metrics)))
     parts.append("<h2>Summary</h2>")
     parts.append(_table(["metric", *metrics["judges"]], [[label, *cells] for label, cells in summary_rows(metrics)]))
     parts.append("<p>Intervals in brackets are 95% bootstrap intervals over conversations.</p>")
@@ -335,19 +383,36 @@ def render_html(metrics: dict, plots: dict[str, Path], attacks: dict[str, list[d
             )
             rows.append([str(rank), f"{a['score']:.3f}", str(a["conversation"]), str(a["turn"]), talk])
         parts.append(_table(["#", "reply score", "conversation", "turn", "conversation so far"], rows, raw_last=True))
+    if archive is not None:
+        parts += ["<h2>Attack archive</h2>", f"<p>{html.escape(archive_note(archive))}</p>"]
+        if len(archive) and limit:
+            rows = [[*row[:4], _clip(row[4]), _clip(row[5])] for row in archive_rows(archive, limit)]
+            parts.append(_table(ARCHIVE_HEADER, rows))
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
 
 
-def write_report(out: Path, metrics: dict, records: Sequence[dict], *, run_dir: Path | None = None, top_k: int = 10) -> list[str]:
+def write_report(
+    out: Path,
+    metrics: dict,
+    records: Sequence[dict],
+    *,
+    run_dir: Path | None = None,
+    top_k: int = 10,
+    archive: AttackArchive | None = None,
+) -> list[str]:
     """Write the plots, ``report.md`` and ``report.html`` into ``out``.
 
-    Notes about left-out parts are appended to ``metrics["warnings"]`` and returned.
+    ``archive`` is the attack archive of the records (built from them, at the metrics' threshold,
+    when not given). Notes about left-out parts are appended to ``metrics["warnings"]`` and returned.
     """
+    if archive is None:
+        archive = AttackArchive(metrics["threshold"])
+        archive.extend(eval_turns(records))
     out = Path(out)
     plots, notes = make_plots(out, metrics, records, run_dir)
     metrics.setdefault("warnings", []).extend(notes)
     attacks = {judge: top_attacks(records, judge, top_k) for judge in metrics["judges"]} if top_k else {}
-    (out / "report.md").write_text(render_markdown(metrics, plots, attacks), encoding="utf-8")
-    (out / "report.html").write_text(render_html(metrics, plots, attacks), encoding="utf-8")
+    (out / "report.md").write_text(render_markdown(metrics, plots, attacks, archive, top_k), encoding="utf-8")
+    (out / "report.html").write_text(render_html(metrics, plots, attacks, archive, top_k), encoding="utf-8")
     return notes

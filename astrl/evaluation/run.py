@@ -250,10 +250,11 @@ def run_eval(
     progress: bool = True,
     on_warning: Callable[[str], None] | None = None,
 ) -> dict:
-    """Run the evaluation and write ``metrics.json``, ``conversations.jsonl``, ``report.md``,
-    ``report.html`` and the plots to ``out_dir``; return the metrics."""
+    """Run the evaluation and write ``metrics.json``, ``conversations.jsonl``, ``attacks.jsonl``
+    (the attack archive), ``report.md``, ``report.html`` and the plots to ``out_dir``; return the metrics."""
     from tqdm.auto import tqdm
 
+    from astrl.evaluation.archive import ARCHIVE_FILE, AttackArchive, eval_turns
     from astrl.evaluation.report import write_report
     from astrl.scorers import make_scorer
 
@@ -329,8 +330,13 @@ def run_eval(
     for note in notes:
         warn(note)
     write_records(records, out / "conversations.jsonl")
+    archive = AttackArchive(config.threshold)  # a turn is an attack when any judge scores its reply above the threshold
+    archive.extend(eval_turns(records))
+    archive.write(out / ARCHIVE_FILE)
+    metrics["attack_archive"] = {"file": ARCHIVE_FILE, "unique_probes": len(archive), "successful_turns": archive.total}
     t0 = time.perf_counter()
-    for note in write_report(out, metrics, records, run_dir=resolved.source.run_dir, top_k=config.top_attacks):
+    report_notes = write_report(out, metrics, records, run_dir=resolved.source.run_dir, top_k=config.top_attacks, archive=archive)
+    for note in report_notes:
         warn(note)
     timing["report"] = time.perf_counter() - t0
     timing["total"] = time.perf_counter() - start

@@ -3,6 +3,7 @@
 * :class:`ASTPrompterReward`: ``alpha*tox(response) + zeta*tox(probe+response) + gamma*mean log p_target(probe)``.
 * :class:`ClippedKLReward` (+ :class:`TokenLogProbs`, :func:`kl_reward`): the per-token reward of
   TorchRL's ``RolloutFromModel`` with a clipped KL penalty to a frozen reference.
+* :class:`NgramNovelty`, :class:`EmbeddingNovelty`: novelty of each probe against past probes.
 * :class:`RewardShaping`: clipping, batch whitening, running normalisation.
 
 Convention everywhere: higher reward = more harmful.
@@ -11,6 +12,7 @@ Convention everywhere: higher reward = more harmful.
 from astrl.rewards.astprompter import ASTPrompterReward, ASTPrompterWeights, probe_logprobs
 from astrl.rewards.kl import ClippedKLReward, clipped_kl_reward, kl_reward, make_kl_controller
 from astrl.rewards.logprobs import StepTransform, TokenLogProbs, response_mask, token_logprobs
+from astrl.rewards.novelty import EmbeddingNovelty, NgramNovelty, NoveltyReward, make_novelty
 from astrl.rewards.reference import AdaptersDisabled, make_reference
 from astrl.rewards.shaping import RewardShaping
 
@@ -19,12 +21,16 @@ __all__ = [
     "ASTPrompterWeights",
     "AdaptersDisabled",
     "ClippedKLReward",
+    "EmbeddingNovelty",
+    "NgramNovelty",
+    "NoveltyReward",
     "RewardShaping",
     "StepTransform",
     "TokenLogProbs",
     "clipped_kl_reward",
     "kl_reward",
     "make_kl_controller",
+    "make_novelty",
     "make_reference",
     "probe_logprobs",
     "response_mask",

@@ -24,6 +24,7 @@ from astrl.envs.redteam import DEFAULT_TESTER_SYSTEM_PROMPT, make_redteam_env
 from astrl.envs.transforms import Advance, TargetTurn
 from astrl.prompts import PromptStream
 from astrl.rewards.logprobs import as_rows, response_mask, stop_ids
+from astrl.rewards.novelty import load_novelty_states, novelty_transforms
 from astrl.scorers import Scorer
 
 _NODE_ROWS = ("prompt_tokens", "response_tokens", "response_mask", "context")
@@ -76,7 +77,9 @@ class TreeSampler:
         min_reward_gap: a sibling group makes a pair only if ``best - worst >= min_reward_gap``;
             a group whose rewards are all equal never makes one.
         mode, tester_system_prompt, target_system_prompt, reward_scorer, advance, reward,
-            reward_options: as in :func:`~astrl.envs.make_redteam_env`.
+            reward_options, novelty: as in :func:`~astrl.envs.make_redteam_env`. Novelty terms
+            score each level against the probes of earlier levels and calls: siblings of one
+            level do not count against each other.
         seed: seeds the opener order and the sampling of each call (generation runs under a
             forked torch RNG seeded from ``seed`` and the call count, so the global RNG is left
             untouched and a resumed sampler draws the same batch). ``None`` uses the global RNG.
@@ -100,6 +103,7 @@ class TreeSampler:
         advance: Advance | None = None,
         reward: str = "score",
         reward_options: Mapping[str, object] | None = None,
+        novelty: Mapping[str, object] | None = None,
         seed: int | None = 0,
     ) -> None:
         if num_trees < 1:
@@ -128,6 +132,7 @@ class TreeSampler:
             advance=advance,
             reward=reward,
             reward_options=reward_options,
+            novelty=novelty,
         )
         self.transforms: list[Transform] = [t for t in self.env.transform if not isinstance(t, (DataLoadingPrimer, StepCounter))]
         self.target_turn = next(t for t in self.transforms if isinstance(t, TargetTurn))
@@ -176,8 +181,14 @@ class TreeSampler:
         return self._collect(openers, levels)
 
     def state_dict(self) -> dict:
-        """Position of the prompt stream and the call count (which seeds the next call)."""
-        return {"prompt_stream": self.prompt_stream.state_dict(), "calls": self.calls, "seed": self.seed}
+        """Position of the prompt stream, the call count (which seeds the next call) and the
+        history of the novelty terms."""
+        return {
+            "prompt_stream": self.prompt_stream.state_dict(),
+            "calls": self.calls,
+            "seed": self.seed,
+            "novelty": [t.state_dict() for t in novelty_transforms(self.transforms)],
+        }
 
     def load_state_dict(self, state: Mapping) -> None:
         """Restore a state from :meth:`state_dict`: the next :meth:`sample` gives the same batch."""
@@ -186,6 +197,7 @@ class TreeSampler:
             raise KeyError(f"TreeSampler state is missing {sorted(missing)}")
         self.prompt_stream.load_state_dict(state["prompt_stream"])
         self.calls, self.seed = int(state["calls"]), state["seed"]
+        load_novelty_states(novelty_transforms(self.transforms), state.get("novelty", []))
 
     # -- tree growth -----------------------------------------------------------------------------
     @contextlib.contextmanager

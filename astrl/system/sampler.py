@@ -53,6 +53,7 @@ class ASTSampler(TreeSampler):
             raise TypeError("prompts must be a list of opening states, got a single string")
         self.system = system
         self.tester = SystemPolicy(system)
+        self.transforms = []  # the System's step replaces the env transforms (no scorer, no novelty terms)
         self.mode = "text"
         self.tree_width, self.tree_depth = int(tree_width), int(tree_depth)
         self.min_reward_gap = float(min_reward_gap)

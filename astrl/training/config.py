@@ -32,6 +32,13 @@ class TrainConfig:
     alpha: float = 1.0
     zeta: float = 0.5
     gamma: float = 0.1
+    # novelty bonuses (0 = off): reward += coef * novelty of the probe against past probes
+    novelty_ngram: float = 0.0
+    novelty_embedding: float = 0.0
+    novelty_history: int = 1000
+    novelty_ngram_n: int = 5
+    novelty_embedding_reduce: str = "max"
+    archive_threshold: float = 0.5  # a turn enters attacks.jsonl when its reward scorer's score is above this
     prompts: str = "builtin"
     split: str = "train"
     mode: str = "chat"
@@ -98,6 +105,15 @@ class TrainConfig:
             (self.returns in RETURNS, f"returns must be one of {RETURNS}, got {self.returns!r}"),
             (self.mode in ("chat", "text"), f"mode must be 'chat' or 'text', got {self.mode!r}"),
             (self.split in ("train", "dev", "test", "all"), f"split must be train, dev, test or all, got {self.split!r}"),
+            (self.novelty_ngram >= 0, f"novelty_ngram must be >= 0, got {self.novelty_ngram}"),
+            (self.novelty_embedding >= 0, f"novelty_embedding must be >= 0, got {self.novelty_embedding}"),
+            (self.novelty_history >= 1, f"novelty_history must be >= 1, got {self.novelty_history}"),
+            (self.novelty_ngram_n >= 2, f"novelty_ngram_n must be >= 2 (BLEU orders 2..n), got {self.novelty_ngram_n}"),
+            (
+                self.novelty_embedding_reduce in ("max", "mean"),
+                f"novelty_embedding_reduce must be 'max' or 'mean', got {self.novelty_embedding_reduce!r}",
+            ),
+            (0 <= self.archive_threshold < 1, f"archive_threshold must be in [0, 1), got {self.archive_threshold}"),
             (self.total_steps >= 1, f"total_steps must be >= 1, got {self.total_steps}"),
             (self.save_every >= 1, f"save_every must be >= 1, got {self.save_every}"),
             (self.prompts_per_step >= 1, f"prompts_per_step must be >= 1, got {self.prompts_per_step}"),
@@ -137,6 +153,19 @@ class TrainConfig:
     def reward_options(self) -> dict | None:
         """ASTPrompter weights for :func:`astrl.envs.make_redteam_env` (None for the plain score)."""
         return {"alpha": self.alpha, "zeta": self.zeta, "gamma": self.gamma} if self.reward == "astprompter" else None
+
+    def novelty_options(self) -> dict | None:
+        """The ``novelty`` option of :func:`astrl.envs.make_redteam_env` (None when both coefficients are 0)."""
+        if not (self.novelty_ngram or self.novelty_embedding):
+            return None
+        return {
+            "ngram": self.novelty_ngram,
+            "embedding": self.novelty_embedding,
+            "history": self.novelty_history,
+            "ngram_n": self.novelty_ngram_n,
+            "embedding_reduce": self.novelty_embedding_reduce,
+            "device": self.device,
+        }
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

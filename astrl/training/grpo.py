@@ -23,7 +23,10 @@ from torchrl.modules.llm import TransformersWrapper
 from torchrl.objectives.llm import GRPOLoss, MCAdvantage
 
 from astrl._compat import as_list
+from astrl.envs.transforms import ScoreReward
+from astrl.evaluation.archive import conversation_turns
 from astrl.rewards.logprobs import response_mask, stop_ids, token_logprobs
+from astrl.rewards.novelty import load_novelty_states, novelty_transforms
 from astrl.training.batches import shuffled_minibatches
 from astrl.training.config import TrainConfig
 from astrl.training.setup import RunModels
@@ -88,6 +91,8 @@ class OnPolicy:
     def __init__(self, config: TrainConfig, models: RunModels, env, policy) -> None:
         self.config = config
         self.models = models
+        self.env = env
+        self.novelty = novelty_transforms(env)
         self.tokenizer = models.tester.tokenizer
         self.stops = stop_ids(self.tokenizer, models.tester.model)
         self.collector = LLMCollector(
@@ -117,11 +122,40 @@ class OnPolicy:
             for o, t, p, r, w in zip(openers, turns, probes, replies, rewards, strict=True)
         ]
 
+    @property
+    def reward_scorer(self) -> str:
+        """Name of the scorer that gives the reward."""
+        return next(t.reward_scorer for t in self.env.transform if isinstance(t, ScoreReward))
+
+    @staticmethod
+    def turn_records(data: TensorDictBase) -> list[dict]:
+        """One record per tester turn of a flat, trajectory-contiguous rollout, for the attack archive:
+        ``probe``, ``reply``, ``conversation`` (what was said before the probe), ``scores``, ``reward``, ``turn``."""
+        probes, replies = as_list(data["next", "probe"]), as_list(data["next", "target_response"])
+        openers, rewards = as_list(data["query"]), data["next", "reward"].reshape(-1).tolist()
+        done = data["next", "done"].reshape(-1).tolist()
+        scores = {name: data["next", "scores", name].reshape(-1).tolist() for name in data["next", "scores"].keys()}
+        records, earlier = [], []
+        for i, (probe, reply) in enumerate(zip(probes, replies, strict=True)):
+            records.append(
+                {
+                    "probe": probe,
+                    "reply": reply,
+                    "conversation": conversation_turns(openers[i], earlier),
+                    "scores": {name: values[i] for name, values in scores.items()},
+                    "reward": rewards[i],
+                    "turn": len(earlier),
+                }
+            )
+            earlier = [] if done[i] else [*earlier, (probe, reply)]
+        return records
+
     def state_dict(self) -> dict:
-        return {}
+        """The histories of the env's novelty terms (empty without them)."""
+        return {"novelty": [t.state_dict() for t in self.novelty]}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        load_novelty_states(self.novelty, state.get("novelty", []))
 
 
 class GRPO(OnPolicy):

@@ -71,9 +71,10 @@ class PPO(OnPolicy):
         return self.loss_module(minibatch)
 
     def state_dict(self) -> dict:
-        return {"value_head": self.value_head.state_dict(), "kl_reward": self.kl_reward.state_dict()}
+        return {"value_head": self.value_head.state_dict(), "kl_reward": self.kl_reward.state_dict(), **super().state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
         self.value_head.load_state_dict(state["value_head"])
         self.kl_reward.load_state_dict(state["kl_reward"])
 

@@ -18,6 +18,8 @@ import torch
 from tensordict import TensorDictBase
 
 from astrl._compat import as_list
+from astrl.envs.transforms import ScoreReward
+from astrl.evaluation.archive import conversation_turns
 from astrl.losses import DPOLoss, IPOLoss, PreferenceLoss
 from astrl.sampling import TreeSampler
 from astrl.training.batches import shuffled_minibatches
@@ -81,6 +83,37 @@ class TreeAlgorithm:
             {"opener": openers[t], "turn": d - 1, "probe": p, "response": r, "reward": w}
             for t, d, p, r, w in zip(trees, depths, probes, replies, rewards, strict=True)
         ]
+
+    @property
+    def reward_scorer(self) -> str | None:
+        """Name of the scorer that gives the reward (None for a System, whose reward is its own)."""
+        return next((t.reward_scorer for t in self.sampler.transforms if isinstance(t, ScoreReward)), None)
+
+    @staticmethod
+    def turn_records(result: TensorDictBase) -> list[dict]:
+        """One record per tree node for the attack archive; its conversation is the path from the opener."""
+        nodes = result["nodes"]
+        probes, replies = as_list(nodes["probe"]), as_list(nodes["reply"])
+        parents, trees = nodes["parent"].reshape(-1).tolist(), nodes["tree"].reshape(-1).tolist()
+        rewards, openers = nodes["reward"].reshape(-1).tolist(), as_list(result["openers"])
+        scores = {name: nodes["scores", name].reshape(-1).tolist() for name in nodes["scores"].keys()}
+        records = []
+        for i, (probe, reply) in enumerate(zip(probes, replies, strict=True)):
+            path, node = [], parents[i]
+            while node >= 0:
+                path.append((probes[node], replies[node]))
+                node = parents[node]
+            records.append(
+                {
+                    "probe": probe,
+                    "reply": reply,
+                    "conversation": conversation_turns(openers[trees[i]], path[::-1]),
+                    "scores": {name: values[i] for name, values in scores.items()},
+                    "reward": rewards[i],
+                    "turn": len(path),
+                }
+            )
+        return records
 
     def state_dict(self) -> dict:
         return {"sampler": self.sampler.state_dict()}

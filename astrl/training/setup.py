@@ -81,6 +81,7 @@ def conversation_parts(config: TrainConfig, models: RunModels) -> tuple:
         "target_system_prompt": config.target_system_prompt,
         "reward": config.reward,
         "reward_options": config.reward_options(),
+        "novelty": config.novelty_options(),
         "seed": config.seed,
     }
     if config.tester_system_prompt is not None:  # otherwise the env's default red-teaming prompt

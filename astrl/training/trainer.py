@@ -2,9 +2,12 @@
 
 A run directory holds ``config.yaml`` (the resolved config), ``metrics.csv`` (one row per
 step), ``samples.jsonl`` (sample conversations), ``checkpoints/step_NNNNNN/`` and, at the end,
-``final/tester/`` (the LoRA adapter or the full model, with its tokenizer). ``resume`` continues
-from the newest checkpoint; on CPU with the same seed the metrics after resuming equal those of
-an uninterrupted run.
+``final/tester/`` (the LoRA adapter or the full model, with its tokenizer), and ``attacks.jsonl``
+(the attack archive: every turn whose reward scorer's score is above ``archive_threshold``, once
+per normalised probe; new attacks are appended after each step and the file is rewritten with
+current counts at each checkpoint). ``resume`` continues from the newest checkpoint; on CPU with
+the same seed the metrics after resuming equal those of an uninterrupted run, and the archive is
+restored from the checkpoint (no attack is archived twice).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
+from astrl.evaluation.archive import ARCHIVE_FILE, AttackArchive
 from astrl.models import LoadedModel
 from astrl.rewards.reference import is_peft_model
 from astrl.training.config import ConfigError, TrainConfig, load_config
@@ -156,6 +160,9 @@ class Trainer:
                 return per_step(self.step)
 
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        scorer = getattr(self.algorithm, "reward_scorer", None)  # a System's reward has no scorer: nothing archived
+        self.archive = AttackArchive(config.archive_threshold, scorers=[scorer] if scorer else [])
+        self._new_attacks: list = []
         self._built = True
 
     def _build_system(self) -> None:
@@ -199,6 +206,7 @@ class Trainer:
         self.config.save(self.run_dir / "config.yaml")
         if not self._built:
             self._build()
+        self.archive.write(self.run_dir / ARCHIVE_FILE)  # drops attacks found after the checkpoint resumed from
         from tqdm.auto import tqdm
 
         loggers = self._loggers()
@@ -209,6 +217,7 @@ class Trainer:
                 row = self.train_step()
                 rows.append(row)
                 self._log(row, loggers)
+                AttackArchive.append(self.run_dir / ARCHIVE_FILE, self._new_attacks)
                 bar.update(1)
                 bar.set_postfix(reward=f"{row['reward_mean']:.3f}", loss=f"{row['loss']:.3f}")
                 if self.step % self.config.save_every == 0 or self.step == self.config.total_steps:
@@ -219,6 +228,7 @@ class Trainer:
         finally:
             bar.close()
         self._save_trained(self.run_dir / "final" / "tester")
+        self.archive.write(self.run_dir / ARCHIVE_FILE)
         return rows
 
     def train_step(self) -> dict:
@@ -247,8 +257,9 @@ class Trainer:
         if pending:
             grad_norms.append(self._optimizer_step())
         self.step += 1
+        self._new_attacks = self.archive.extend(self.algorithm.turn_records(rollout), step=self.step)
         metrics = getattr(self.algorithm, "metrics", self._rollout_metrics)
-        row = {"step": self.step, **metrics(rollout)}
+        row = {"step": self.step, **metrics(rollout), "attacks_unique": len(self.archive)}
         row.update({k: sum(v) / len(v) for k, v in losses.items()})
         if not losses:  # nothing to learn from this batch (e.g. every sibling group tied)
             row["loss"] = float("nan")
@@ -330,8 +341,10 @@ class Trainer:
             "generator": self.generator.get_state(),
             "stream": self._stream_state_for_next_step(),
             "algorithm": self.algorithm.state_dict(),
+            "archive": self.archive.state_dict(),
         }
         torch.save(state, tmp / "state.pt")
+        self.archive.write(self.run_dir / ARCHIVE_FILE)
         shutil.rmtree(folder, ignore_errors=True)
         tmp.rename(folder)
         self._prune_checkpoints()
@@ -381,6 +394,8 @@ class Trainer:
         self._build()
         self._load_trainable_state(state["trainable"])
         self.algorithm.load_state_dict(state["algorithm"])
+        if "archive" in state:
+            self.archive.load_state_dict(state["archive"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.generator.set_state(state["generator"])
