@@ -97,21 +97,28 @@ def make_policy(
 
 
 def _vllm_policy(loaded: LoadedModel, wrapper_options: dict, memory: float):
-    """``vLLMWrapper`` over a vLLM engine of ``loaded``'s checkpoint (checked: vllm installed, CUDA present)."""
+    """``vLLMWrapper`` over TorchRL's ``AsyncVLLM`` engine of ``loaded``'s checkpoint.
+
+    Checked first: vllm installed, a CUDA GPU present. ``AsyncVLLM`` runs the engine as a Ray
+    actor on its own GPU, which is what TorchRL's vLLM weight updater sends weights to.
+    """
     if not 0 < memory <= 1:
         raise ValueError(f"vllm_memory must be in (0, 1], got {memory}")
-    check_backend("vllm", str(loaded.device))
-    import vllm
+    check_backend("vllm")
+    from astrl.backends import require_ray
+
+    require_ray()
     from torchrl.modules.llm import vLLMWrapper
+    from torchrl.modules.llm.backends import AsyncVLLM
 
     dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
-    engine = vllm.LLM(
-        model=resolve(loaded.name),
-        tokenizer=resolve(loaded.name),
+    engine = AsyncVLLM.from_pretrained(
+        resolve(loaded.name),
+        num_replicas=1,
+        verbose=False,
         dtype=dtype,
         gpu_memory_utilization=memory,
         max_model_len=loaded.context_window,
-        enable_prefix_caching=True,
     )
     policy = vLLMWrapper(engine, **wrapper_options)
     policy.engine = engine

@@ -144,3 +144,35 @@ def test_rollout_over_ray_writes_the_local_number_of_records(local_ray, tiny_mod
     records = [json.loads(line) for line in (tmp_path / "ray.jsonl").read_text().splitlines()]
     assert [(r["conversation"], r["turn"]) for r in records] == [(c, t) for c in range(6) for t in range(2)]
     assert all(isinstance(r["probe"], str) and len(r["scores"]) == 1 for r in records)
+
+
+def test_trainer_consumes_ray_collection_and_logs_the_policy_version(local_ray, tiny_model_dir, tmp_path):
+    import csv
+
+    from astrl.training import TrainConfig, Trainer
+
+    config = TrainConfig(
+        tester=str(tiny_model_dir),
+        target=str(tiny_model_dir),
+        scorer=KEYWORDS,
+        reward="astprompter",  # never an all-zero reward: the update moves the adapters
+        total_steps=3,
+        save_every=3,
+        prompts_per_step=2,
+        group_size=2,
+        turns=2,
+        max_new_tokens=4,
+        lr=3e-3,
+        warmup_steps=1,
+        lora_targets=["q_proj", "v_proj"],
+        collector="ray",
+        num_collectors=2,
+        run_dir=str(tmp_path / "run"),
+    )
+    trainer = Trainer(config, progress=False)
+    rows = trainer.train()
+    assert [r["turns"] for r in rows] == [config.batch_size * config.turns] * 3
+    assert [r["policy_version"] for r in rows] == [0, 1, 2]  # each step's data comes from the weights after the last update
+    written = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
+    assert [int(r["policy_version"]) for r in written] == [0, 1, 2]
+    assert trainer.algorithm.collector.collectors == []  # workers stopped at the end

@@ -24,20 +24,20 @@ from tensordict import TensorDictBase
 from astrl.models import LoadedModel
 from astrl.rewards.reference import is_peft_model
 from astrl.training.config import ConfigError, TrainConfig, load_config
-from astrl.training.setup import RunModels, build_env, build_models, build_stream
+from astrl.training.setup import RunModels, build_env, build_models, build_stream, conversation_parts
 
 CHECKPOINTS = "checkpoints"
 
 
-def make_algorithm(config: TrainConfig, models: RunModels, env, policy):
+def make_algorithm(config: TrainConfig, models: RunModels, env, policy, stream=None):
     if config.algorithm == "grpo":
         from astrl.training.grpo import GRPO
 
-        return GRPO(config, models, env, policy)
+        return GRPO(config, models, env, policy, stream)
     if config.algorithm == "ppo":
         from astrl.training.ppo import PPO
 
-        return PPO(config, models, env, policy)
+        return PPO(config, models, env, policy, stream)
     raise ConfigError(f"unknown algorithm {config.algorithm!r}")
 
 
@@ -139,8 +139,11 @@ class Trainer:
             return draw()
 
         self.stream.next_batch = recorded_draw
-        self.env, self.policy = build_env(self.config, self.models, self.stream)
-        self.algorithm = make_algorithm(self.config, self.models, self.env, self.policy)
+        if self.config.collector == "ray":  # the workers build their own envs; the tester policy gives the weight layout
+            self.env, self.policy = None, conversation_parts(self.config, self.models)[0]
+        else:
+            self.env, self.policy = build_env(self.config, self.models, self.stream)
+        self.algorithm = make_algorithm(self.config, self.models, self.env, self.policy, self.stream)
 
     # -- the loop -----------------------------------------------------------------------------------
     def train(self) -> list[dict]:
@@ -168,6 +171,9 @@ class Trainer:
             raise
         finally:
             bar.close()
+            if self.config.collector == "ray":  # stop the workers; a later train() builds them again
+                self.algorithm.shutdown()
+                self._built = False
         save_tester(self.models.tester.model, self.models.tester.tokenizer, self.run_dir / "final" / "tester")
         return rows
 
@@ -195,9 +201,15 @@ class Trainer:
                 pending = 0
         if pending:
             grad_norms.append(self._optimizer_step())
+        push = getattr(self.algorithm, "push_weights", None)
+        if push is not None:
+            push()
         self.step += 1
         metrics = getattr(self.algorithm, "metrics", self._rollout_metrics)
         row = {"step": self.step, **metrics(rollout)}
+        version = getattr(self.algorithm, "data_policy_version", lambda _: None)(rollout)
+        # updates behind the data: counted from this process's start (the collectors count from 0)
+        row["policy_version"] = self.step - 1 if version is None else self._start_step + version
         row.update({k: sum(v) / len(v) for k, v in losses.items()})
         if not losses:  # nothing to learn from this batch (e.g. every sibling group tied)
             row["loss"] = float("nan")
