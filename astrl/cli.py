@@ -24,6 +24,16 @@ def _add_run_args(p) -> None:
     p.add_argument("--device", default="cpu")
 
 
+def _add_scale_args(p) -> None:
+    p.add_argument("--backend", default="transformers", choices=["transformers", "vllm"], help="tester generation backend")
+    p.add_argument("--target-backend", default="transformers", choices=["transformers", "vllm"], help="target generation backend")
+    p.add_argument("--collector", default="local", choices=["local", "ray"], help="collect in this process or over Ray workers")
+    p.add_argument("--num-collectors", type=int, default=1, help="Ray workers (collector ray); each runs an equal share")
+    p.add_argument("--collector-cpus", type=float, default=1.0, help="CPUs per Ray worker")
+    p.add_argument("--collector-gpus", type=float, default=0.0, help="GPUs per Ray worker")
+    p.add_argument("--ray-address", default=None, help="existing Ray cluster (e.g. auto); default: start Ray here")
+
+
 def _generation(args, max_new: int):
     from astrl.policies import GenerationSettings
 
@@ -65,6 +75,7 @@ def _add_rollout(sub) -> None:
     p.add_argument("--zeta", type=float, default=0.5, help="astprompter weight of the probe+reply toxicity")
     p.add_argument("--gamma", type=float, default=0.1, help="astprompter weight of the probe's mean log-prob under the target")
     _add_run_args(p)
+    _add_scale_args(p)
     p.add_argument("--out", default="rollouts.jsonl", help="output JSONL path")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -93,6 +104,13 @@ def _rollout(args) -> int:
         seed=args.seed,
         dtype=args.dtype,
         device=args.device,
+        backend=args.backend,
+        target_backend=args.target_backend,
+        collector=args.collector,
+        num_collectors=args.num_collectors,
+        collector_cpus=args.collector_cpus,
+        collector_gpus=args.collector_gpus,
+        ray_address=args.ray_address,
     )
     summary = run_rollout(config, args.out, progress=not args.quiet)
     width = max(len(k) for k in summary)
@@ -260,13 +278,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"astrl: error: '{args.command}' is not available in this version yet", file=sys.stderr)
         return 2
     _quiet_libraries()
+    from astrl.backends import MissingExtraError
     from astrl.models import ModelLoadError
     from astrl.prompts import PromptSourceError
     from astrl.scorers import ScorerError
 
     try:
         return COMMANDS[args.command](args)
-    except (ModelLoadError, PromptSourceError, ScorerError, ValueError, TypeError) as err:
+    except (MissingExtraError, ModelLoadError, PromptSourceError, ScorerError, ValueError, TypeError) as err:
         print(f"astrl: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from astrl.models import LoadedModel
-
-BACKENDS = ("transformers",)
+from astrl.backends import BACKENDS, check_backend
+from astrl.models import LoadedModel, resolve
 
 
 @dataclass
@@ -60,6 +59,7 @@ def make_policy(
     input_mode: str = "history",
     backend: str = "transformers",
     return_log_probs: bool = True,
+    vllm_memory: float = 0.5,
 ):
     """Wrap a loaded model as a generating TorchRL LLM policy.
 
@@ -67,17 +67,17 @@ def make_policy(
         loaded: model, tokenizer and context window from :func:`astrl.models.load_model`.
         generation: sampling settings (default :class:`GenerationSettings`).
         input_mode: ``"history"`` for chat models, ``"text"`` for base models.
-        backend: only ``"transformers"`` (``TransformersWrapper``) is available in this build.
+        backend: ``"transformers"`` (``TransformersWrapper`` over ``loaded.model``) or ``"vllm"``
+            (``vLLMWrapper`` over a vLLM engine that loads the same checkpoint, ``loaded.name``;
+            ``loaded.model`` stays the Transformers copy used for scoring and gradients).
+        vllm_memory: share of the GPU memory the vLLM engine may take (``backend="vllm"``).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
     if input_mode not in ("history", "text"):
         raise ValueError(f"input_mode must be 'history' or 'text', got {input_mode!r}")
-    from torchrl.modules.llm import TransformersWrapper
-
     generation = generation or GenerationSettings()
-    policy = TransformersWrapper(
-        loaded.model,
+    wrapper_options = dict(
         tokenizer=loaded.tokenizer,
         input_mode=input_mode,
         generate=True,
@@ -85,6 +85,41 @@ def make_policy(
         return_log_probs=return_log_probs,
         pad_output=False,
     )
+    if backend == "vllm":
+        policy = _vllm_policy(loaded, wrapper_options, vllm_memory)
+    else:
+        from torchrl.modules.llm import TransformersWrapper
+
+        policy = TransformersWrapper(loaded.model, **wrapper_options)
     policy.context_window = loaded.context_window
     policy.generation = generation
+    return policy
+
+
+def _vllm_policy(loaded: LoadedModel, wrapper_options: dict, memory: float):
+    """``vLLMWrapper`` over TorchRL's ``AsyncVLLM`` engine of ``loaded``'s checkpoint.
+
+    Checked first: vllm installed, a CUDA GPU present. ``AsyncVLLM`` runs the engine as a Ray
+    actor on its own GPU, which is what TorchRL's vLLM weight updater sends weights to.
+    """
+    if not 0 < memory <= 1:
+        raise ValueError(f"vllm_memory must be in (0, 1], got {memory}")
+    check_backend("vllm")
+    from astrl.backends import require_ray
+
+    require_ray()
+    from torchrl.modules.llm import vLLMWrapper
+    from torchrl.modules.llm.backends import AsyncVLLM
+
+    dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+    engine = AsyncVLLM.from_pretrained(
+        resolve(loaded.name),
+        num_replicas=1,
+        verbose=False,
+        dtype=dtype,
+        gpu_memory_utilization=memory,
+        max_model_len=loaded.context_window,
+    )
+    policy = vLLMWrapper(engine, **wrapper_options)
+    policy.engine = engine
     return policy

@@ -221,3 +221,38 @@ class PromptStream:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
         self._order = self._make_order()
+
+    def shard(self, index: int, count: int) -> PromptShard:
+        """Part ``index`` of ``count`` of every batch of this stream (same seed and position).
+
+        The shards of one stream together draw exactly the batches the stream would, split
+        into ``count`` contiguous slices of whole groups (for collection over several workers).
+        """
+        return PromptShard(self, index, count)
+
+
+class PromptShard(PromptStream):
+    """Slice ``index`` of ``count`` of each batch of a :class:`PromptStream` (see :meth:`PromptStream.shard`)."""
+
+    def __init__(self, stream: PromptStream, index: int, count: int) -> None:
+        if count < 1 or not 0 <= index < count:
+            raise PromptSourceError(f"shard index must be in [0, {count}), got {index}")
+        if stream.batch_size % (count * stream.group_size):
+            raise PromptSourceError(
+                f"batch of {stream.batch_size} prompts ({stream.batch_size // stream.group_size} groups of "
+                f"{stream.group_size}) cannot be split into {count} shards of whole groups"
+            )
+        super().__init__(
+            stream.prompts, stream.batch_size, seed=stream.seed, shuffle=stream.shuffle, group_size=stream.group_size
+        )
+        self.load_state_dict(stream.state_dict())
+        self.full_batch_size, self.index, self.count = stream.batch_size, index, count
+        self.batch_size = stream.batch_size // count
+
+    def next_batch(self) -> list[str]:
+        size, self.batch_size = self.batch_size, self.full_batch_size
+        try:
+            batch = super().next_batch()
+        finally:
+            self.batch_size = size
+        return batch[self.index * size : (self.index + 1) * size]

@@ -8,11 +8,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDictBase, lazy_stack
 
 from astrl._compat import as_list
+from astrl.backends import BACKENDS, check_backend, check_collector
 from astrl.envs import make_redteam_env
 from astrl.envs.transforms import PROBE_KEY, RESPONSE_KEY, SCORES_KEY
 from astrl.models import LoadedModel, load_model
@@ -20,6 +22,9 @@ from astrl.policies import GenerationSettings, input_mode, make_policy
 from astrl.prompts import PromptStream, load_prompts, split_prompts
 from astrl.rewards.astprompter import REWARD_TERMS_KEY
 from astrl.scorers import make_scorers
+
+if TYPE_CHECKING:
+    from astrl.distributed import WorkerSpec
 
 
 @dataclass
@@ -46,8 +51,24 @@ class RolloutConfig:
     seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"
+    backend: str = "transformers"
+    target_backend: str = "transformers"
+    collector: str = "local"
+    num_collectors: int = 1
+    collector_cpus: float = 1.0
+    collector_gpus: float = 0.0
+    ray_address: str | None = None
 
     def __post_init__(self) -> None:
+        for key in ("backend", "target_backend"):
+            if getattr(self, key) not in BACKENDS:
+                raise ValueError(f"{key} must be one of {BACKENDS}, got {getattr(self, key)!r}")
+        check_collector(self.collector, self.num_collectors, self.collector_cpus, self.collector_gpus, self.ray_address)
+        if self.collector == "ray" and min(self.batch_size, self.num_conversations) % self.num_collectors:
+            raise ValueError(
+                f"batch_size {min(self.batch_size, self.num_conversations)} must be a multiple of "
+                f"num_collectors {self.num_collectors} (each worker runs an equal share)"
+            )
         if self.turns < 1:
             raise ValueError(f"turns must be >= 1, got {self.turns}")
         if self.num_conversations < 1:
@@ -96,6 +117,69 @@ def records_from_rollout(rollout: TensorDictBase, openers: Sequence[str], first_
     return records
 
 
+def worker_spec(config: RolloutConfig) -> WorkerSpec:
+    """The recipe each Ray worker builds its env and policies from."""
+    from astrl.distributed import WorkerSpec
+
+    options = {
+        "target_system_prompt": config.target_system_prompt,
+        "reward": config.reward,
+        "reward_options": config.reward_options(),
+    }
+    if config.tester_system_prompt is not None:
+        options["tester_system_prompt"] = config.tester_system_prompt
+    return WorkerSpec(
+        tester=config.tester,
+        target=config.target,
+        scorers=list(config.scorers),
+        prompts=config.prompts,
+        split=config.split,
+        mode=config.mode,
+        batch_size=min(config.batch_size, config.num_conversations),
+        turns=config.turns,
+        tester_generation=config.tester_generation,
+        target_generation=config.target_generation,
+        env_options=options,
+        backend=config.backend,
+        target_backend=config.target_backend,
+        seed=config.seed,
+        dtype=config.dtype,
+        device=config.device,
+        threads=max(1, int(config.collector_cpus)),
+        num_workers=config.num_collectors,
+    )
+
+
+def conversations(turns: TensorDictBase, num_turns: int) -> TensorDictBase:
+    """Flat, conversation-contiguous turns ``(B*T,)`` -> a ``(B, T)`` stack, as ``env.rollout`` returns."""
+    items = turns.unbind(0)
+    if len(items) % num_turns:
+        raise ValueError(f"{len(items)} turns do not split into conversations of {num_turns} turns")
+    return lazy_stack([lazy_stack(list(items[i : i + num_turns])) for i in range(0, len(items), num_turns)])
+
+
+def _iter_ray_rollouts(config: RolloutConfig, on_turn: Callable[[], None] | None) -> Iterator[list[dict]]:
+    from astrl.distributed import RayCollectors
+
+    batch = min(config.batch_size, config.num_conversations)
+    collectors = RayCollectors(
+        worker_spec(config), num_cpus=config.collector_cpus, num_gpus=config.collector_gpus, ray_address=config.ray_address
+    )
+    try:
+        done = 0
+        for _ in range(math.ceil(config.num_conversations / batch)):
+            rollout = conversations(collectors.next(), config.turns)
+            openers = [row[0] for row in as_list(rollout["query"])]
+            records = records_from_rollout(rollout, openers, done)
+            if on_turn:
+                for _ in range(config.turns):
+                    on_turn()
+            done += min(batch, config.num_conversations - done)
+            yield [r for r in records if r["conversation"] < done]
+    finally:
+        collectors.shutdown()
+
+
 def _load_pair(config: RolloutConfig) -> tuple[LoadedModel, LoadedModel]:
     tester = load_model(config.tester, dtype=config.dtype, device=config.device)
     target = tester if config.target == config.tester else load_model(config.target, dtype=config.dtype, device=config.device)
@@ -103,12 +187,21 @@ def _load_pair(config: RolloutConfig) -> tuple[LoadedModel, LoadedModel]:
 
 
 def iter_rollouts(config: RolloutConfig, on_turn: Callable[[], None] | None = None) -> Iterator[list[dict]]:
-    """Yield the records of each batch of conversations, seeded by ``config.seed``."""
+    """Yield the records of each batch of conversations, seeded by ``config.seed``.
+
+    With ``collector="ray"`` the batch is split over ``num_collectors`` Ray workers
+    (:mod:`astrl.distributed`); the openers and the record layout are those of the local run.
+    """
+    if config.collector == "ray":
+        yield from _iter_ray_rollouts(config, on_turn)
+        return
+    check_backend(config.backend, config.device)
+    check_backend(config.target_backend, config.device)
     scorers = make_scorers(config.scorers, device=config.device)
     prompts = split_prompts(load_prompts(config.prompts), config.split, seed=config.seed)
     tester_lm, target_lm = _load_pair(config)
-    tester = make_policy(tester_lm, config.tester_generation, input_mode=input_mode(config.mode))
-    target = make_policy(target_lm, config.target_generation, input_mode=input_mode(config.mode))
+    tester = make_policy(tester_lm, config.tester_generation, input_mode=input_mode(config.mode), backend=config.backend)
+    target = make_policy(target_lm, config.target_generation, input_mode=input_mode(config.mode), backend=config.target_backend)
     batch = min(config.batch_size, config.num_conversations)
     stream = PromptStream(prompts, batch, seed=config.seed)
     kwargs = {"tester_system_prompt": config.tester_system_prompt} if config.tester_system_prompt is not None else {}

@@ -25,7 +25,9 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="small sizes: under 2 minutes on 2 CPU cores")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--backend", default="transformers", help="generation backend of the policies")
+    parser.add_argument(
+        "--backend", default="transformers", choices=["transformers", "vllm"], help="generation backend of the policies"
+    )
     parser.add_argument("--model", default="smollm2-135m", help="embedded model name or a local model folder")
     parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -35,6 +37,9 @@ def base_parser(description: str) -> argparse.ArgumentParser:
 
 def setup(args: argparse.Namespace) -> dict:
     """Apply threads/seed, resolve the dtype; return the fields every JSON result carries."""
+    from astrl.backends import check_backend
+
+    check_backend(args.backend, args.device)  # vllm: fails here, with the fix, without vllm or a GPU
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.dtype is None:

@@ -100,6 +100,20 @@ def main() -> None:
     recording["on"] = False
     model.generate = original_generate
     parts = dict(timer.seconds)
+    if not calls:  # vLLM generates outside model.generate: report the rollout alone
+        emit(
+            {
+                "benchmark": "rollout_throughput",
+                **info,
+                "batch": batch,
+                "turns": turns,
+                "new_tokens": new_tokens,
+                "repeats": repeats,
+                "astrl_s": r(astrl_s),
+                "model_turns_per_s": r(2 * batch * turns * repeats / astrl_s, 2),
+            }
+        )
+        return
 
     # physical limit: the same generate calls, bare; the scorer alone on the same replies
     raw = Timer(args.device)

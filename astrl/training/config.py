@@ -89,6 +89,15 @@ class TrainConfig:
     lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     dtype: str = "float32"
     device: str = "cpu"
+    # scale-out: generation backend and collection (docs/scaling.md)
+    backend: str = "transformers"
+    target_backend: str = "transformers"
+    vllm_memory: float = 0.5
+    collector: str = "local"
+    num_collectors: int = 1
+    collector_cpus: float = 1.0
+    collector_gpus: float = 0.0
+    ray_address: str | None = None
     # run directory, logging, checkpoints
     run_dir: str = "runs/train"
     save_every: int = 25
@@ -140,6 +149,44 @@ class TrainConfig:
                 set(self.loggers) <= {"csv", "tensorboard", "wandb"},
                 f"loggers must be among csv, tensorboard, wandb, got {self.loggers}",
             ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        self._check_scale()
+
+    def _check_scale(self) -> None:
+        from astrl.backends import BACKENDS, check_collector
+
+        for key in ("backend", "target_backend"):
+            if getattr(self, key) not in BACKENDS:
+                raise ConfigError(f"{key} must be one of {BACKENDS}, got {getattr(self, key)!r}")
+        try:
+            check_collector(self.collector, self.num_collectors, self.collector_cpus, self.collector_gpus, self.ray_address)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        scaled = self.collector == "ray" or "vllm" in (self.backend, self.target_backend)
+        checks = [
+            (
+                not scaled or self.algorithm in ("grpo", "ppo"),
+                f"collector 'ray' and backend 'vllm' apply to grpo and ppo (the tree sampler of {self.algorithm} "
+                "generates with Transformers)",
+            ),
+            (
+                self.prompts_per_step % self.num_collectors == 0,
+                f"prompts_per_step ({self.prompts_per_step}) must be a multiple of num_collectors ({self.num_collectors}): "
+                "each worker runs whole groups",
+            ),
+            (
+                not (self.collector == "ray" and self.backend == "vllm"),
+                "backend 'vllm' runs with collector 'local' (one engine next to the trainer); with collector 'ray' "
+                "use backend 'transformers' in the workers",
+            ),
+            (
+                self.target_backend == "transformers" or self.reward != "astprompter",
+                "reward 'astprompter' scores probes with the target's Transformers model: use target_backend 'transformers'",
+            ),
+            (0 < self.vllm_memory <= 1, f"vllm_memory must be in (0, 1], got {self.vllm_memory}"),
         ]
         for ok, message in checks:
             if not ok:

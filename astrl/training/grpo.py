@@ -88,21 +88,75 @@ class OnPolicy:
     ``minibatches(batch, generator)``, and optimises ``parameter_groups(lr)``.
     """
 
-    def __init__(self, config: TrainConfig, models: RunModels, env, policy) -> None:
+    def __init__(self, config: TrainConfig, models: RunModels, env, policy, stream=None) -> None:
         self.config = config
         self.models = models
         self.env = env
-        self.novelty = novelty_transforms(env)
+        self.policy = policy
+        self.novelty = novelty_transforms(env) if env is not None else []  # Ray workers keep their own
         self.tokenizer = models.tester.tokenizer
         self.stops = stop_ids(self.tokenizer, models.tester.model)
-        self.collector = LLMCollector(
-            env, policy=policy, dialog_turns_per_batch=config.batch_size * config.turns, yield_completed_trajectories=True
-        )
+        self.stream = stream
+        self.vllm_updater = None
+        if config.collector == "ray":
+            from astrl.distributed import RayCollectors
+            from astrl.training.setup import worker_spec
+
+            state = stream.state_dict() if stream is not None else None
+            self.collector = RayCollectors(
+                worker_spec(config, state),
+                num_cpus=config.collector_cpus,
+                num_gpus=config.collector_gpus,
+                ray_address=config.ray_address,
+            )
+        else:
+            self.collector = LLMCollector(
+                env,
+                policy=policy,
+                dialog_turns_per_batch=config.batch_size * config.turns,
+                yield_completed_trajectories=True,
+                track_policy_version=True,
+            )
+            if config.backend == "vllm":
+                from astrl.training.vllm_sync import make_vllm_updater
+
+                self.vllm_updater = make_vllm_updater(policy, models.tester.model)
         self._batches = iter(self.collector)
 
     def next_rollout(self) -> TensorDictBase:
         """One batch of completed conversations, flat: one entry per tester turn."""
+        if self.config.collector == "ray" and self.stream is not None:
+            self.stream.next_batch()  # the workers draw their shards of this batch: keep the run's stream in step
         return next(self._batches).reshape(-1)
+
+    def push_weights(self) -> None:
+        """After an update: bring the acting policy up to date and advance the policy version.
+
+        Local Transformers collection shares the tester's weights (only the version moves); Ray
+        workers get the trainable weights through ``update_policy_weights_``; a vLLM engine gets
+        the merged weights through TorchRL's vLLM weight updater.
+        """
+        if self.config.collector == "ray":
+            from astrl.distributed import trainable_weights
+
+            self.collector.update_policy_weights_(trainable_weights(self.policy))
+        elif self.vllm_updater is not None:
+            from astrl.training.vllm_sync import push_to_vllm
+
+            push_to_vllm(self.vllm_updater, self.models.tester.model)
+            self.collector.increment_version()
+        else:
+            self.collector.increment_version()
+
+    @staticmethod
+    def data_policy_version(data: TensorDictBase) -> int | None:
+        """The oldest policy version that generated a turn of ``data`` (None if untracked)."""
+        key = ("next", "policy_version")
+        return int(data.get(key).min()) if key in data.keys(True) else None
+
+    def shutdown(self) -> None:
+        if hasattr(self.collector, "shutdown"):
+            self.collector.shutdown()
 
     def parameter_groups(self, lr: float) -> list[dict]:
         return [{"params": [p for p in self.models.tester.model.parameters() if p.requires_grad], "lr": lr}]
@@ -123,8 +177,10 @@ class OnPolicy:
         ]
 
     @property
-    def reward_scorer(self) -> str:
-        """Name of the scorer that gives the reward."""
+    def reward_scorer(self) -> str | None:
+        """Name of the scorer that gives the reward (None with Ray workers)."""
+        if self.env is None:  # Ray workers score in their own envs
+            return None
         return next(t.reward_scorer for t in self.env.transform if isinstance(t, ScoreReward))
 
     @staticmethod
@@ -163,8 +219,8 @@ class GRPO(OnPolicy):
 
     name = "grpo"
 
-    def __init__(self, config: TrainConfig, models: RunModels, env, policy) -> None:
-        super().__init__(config, models, env, policy)
+    def __init__(self, config: TrainConfig, models: RunModels, env, policy, stream=None) -> None:
+        super().__init__(config, models, env, policy, stream)
         rewards_key = RETURN_KEY if config.returns == "to_go" else ("next", "reward")
         self.buffer = ReplayBuffer(storage=LazyStackStorage(config.batch_size * config.turns * 2), batch_size=1)
         self.buffer.append_transform(MCAdvantage(grpo_size=config.group_size, prompt_key="query", rewards_key=rewards_key))

@@ -23,8 +23,8 @@ class PPO(OnPolicy):
 
     name = "ppo"
 
-    def __init__(self, config: TrainConfig, models: RunModels, env, policy) -> None:
-        super().__init__(config, models, env, policy)
+    def __init__(self, config: TrainConfig, models: RunModels, env, policy, stream=None) -> None:
+        super().__init__(config, models, env, policy, stream)
         model = models.tester.model
         self.value_head = ValueHead.for_model(model).to(next(model.parameters()).device)
         window = models.tester.context_window

@@ -43,6 +43,10 @@ def add_lora(model: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
 
 def build_models(config: TrainConfig, tester_lm: LoadedModel | None = None) -> RunModels:
     """Load (or take) the tester, wrap it with LoRA, and derive the reference and the target."""
+    from astrl.backends import check_backend
+
+    check_backend(config.backend, config.device)
+    check_backend(config.target_backend, config.device)
     tester_lm = tester_lm or load_model(config.tester, dtype=config.dtype, device=config.device)
     base = tester_lm.model
     model = add_lora(base, config) if config.lora else base
@@ -73,8 +77,11 @@ def build_stream(config: TrainConfig) -> PromptStream:
 def conversation_parts(config: TrainConfig, models: RunModels) -> tuple:
     """Tester and target policies, scorers, and the conversation settings that the red-team env
     and the tree sampler share: ``(tester, target, scorers, settings)``."""
-    tester = make_policy(models.tester, generation(config), input_mode=input_mode(config.mode))
-    target = make_policy(models.target, generation(config, target=True), input_mode=input_mode(config.mode))
+    mode, memory = input_mode(config.mode), config.vllm_memory
+    tester = make_policy(models.tester, generation(config), input_mode=mode, backend=config.backend, vllm_memory=memory)
+    target = make_policy(
+        models.target, generation(config, target=True), input_mode=mode, backend=config.target_backend, vllm_memory=memory
+    )
     scorers = make_scorers([config.scorer, *config.judges], device=config.device)
     settings = {
         "mode": config.mode,
@@ -87,6 +94,46 @@ def conversation_parts(config: TrainConfig, models: RunModels) -> tuple:
     if config.tester_system_prompt is not None:  # otherwise the env's default red-teaming prompt
         settings["tester_system_prompt"] = config.tester_system_prompt
     return tester, target, scorers, settings
+
+
+def worker_spec(config: TrainConfig, stream_state: dict | None = None):
+    """The recipe from which each Ray worker builds the env and tester policy of this run."""
+    from astrl.distributed import WorkerSpec
+
+    options = {
+        "target_system_prompt": config.target_system_prompt,
+        "reward": config.reward,
+        "reward_options": config.reward_options(),
+    }
+    if config.tester_system_prompt is not None:
+        options["tester_system_prompt"] = config.tester_system_prompt
+    lora = None
+    if config.lora:
+        keys = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
+        lora = {key: getattr(config, key) for key in keys}
+    return WorkerSpec(
+        tester=config.tester,
+        target=config.target,
+        scorers=[config.scorer, *config.judges],
+        prompts=config.prompts,
+        split=config.split,
+        mode=config.mode,
+        batch_size=config.batch_size,
+        group_size=config.group_size,
+        turns=config.turns,
+        tester_generation=generation(config),
+        target_generation=generation(config, target=True),
+        env_options=options,
+        lora=lora,
+        backend=config.backend,
+        target_backend=config.target_backend,
+        seed=config.seed,
+        dtype=config.dtype,
+        device=config.device,
+        threads=max(1, int(config.collector_cpus)),
+        stream_state=stream_state,
+        num_workers=config.num_collectors,
+    )
 
 
 def build_env(config: TrainConfig, models: RunModels, stream: PromptStream):

@@ -28,20 +28,20 @@ from astrl.evaluation.archive import ARCHIVE_FILE, AttackArchive
 from astrl.models import LoadedModel
 from astrl.rewards.reference import is_peft_model
 from astrl.training.config import ConfigError, TrainConfig, load_config
-from astrl.training.setup import RunModels, build_env, build_models, build_stream
+from astrl.training.setup import RunModels, build_env, build_models, build_stream, conversation_parts
 
 CHECKPOINTS = "checkpoints"
 
 
-def make_algorithm(config: TrainConfig, models: RunModels, env, policy):
+def make_algorithm(config: TrainConfig, models: RunModels, env, policy, stream=None):
     if config.algorithm == "grpo":
         from astrl.training.grpo import GRPO
 
-        return GRPO(config, models, env, policy)
+        return GRPO(config, models, env, policy, stream)
     if config.algorithm == "ppo":
         from astrl.training.ppo import PPO
 
-        return PPO(config, models, env, policy)
+        return PPO(config, models, env, policy, stream)
     raise ConfigError(f"unknown algorithm {config.algorithm!r}")
 
 
@@ -160,8 +160,9 @@ class Trainer:
                 return per_step(self.step)
 
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
-        scorer = getattr(self.algorithm, "reward_scorer", None)  # a System's reward has no scorer: nothing archived
-        self.archive = AttackArchive(config.archive_threshold, scorers=[scorer] if scorer else [])
+        # the reward scorer decides; unknown here (Ray workers, a System's own reward): any score present does
+        scorer = getattr(self.algorithm, "reward_scorer", None)
+        self.archive = AttackArchive(config.archive_threshold, scorers=[scorer] if scorer else None)
         self._new_attacks: list = []
         self._built = True
 
@@ -196,8 +197,11 @@ class Trainer:
             return draw()
 
         self.stream.next_batch = recorded_draw
-        self.env, self.policy = build_env(self.config, self.models, self.stream)
-        self.algorithm = make_algorithm(self.config, self.models, self.env, self.policy)
+        if self.config.collector == "ray":  # the workers build their own envs; the tester policy gives the weight layout
+            self.env, self.policy = None, conversation_parts(self.config, self.models)[0]
+        else:
+            self.env, self.policy = build_env(self.config, self.models, self.stream)
+        self.algorithm = make_algorithm(self.config, self.models, self.env, self.policy, self.stream)
 
     # -- the loop -----------------------------------------------------------------------------------
     def train(self) -> list[dict]:
@@ -227,6 +231,9 @@ class Trainer:
             raise
         finally:
             bar.close()
+            if self.config.collector == "ray":  # stop the workers; a later train() builds them again
+                self.algorithm.shutdown()
+                self._built = False
         self._save_trained(self.run_dir / "final" / "tester")
         self.archive.write(self.run_dir / ARCHIVE_FILE)
         return rows
@@ -256,10 +263,16 @@ class Trainer:
                 pending = 0
         if pending:
             grad_norms.append(self._optimizer_step())
+        push = getattr(self.algorithm, "push_weights", None)
+        if push is not None:
+            push()
         self.step += 1
         self._new_attacks = self.archive.extend(self.algorithm.turn_records(rollout), step=self.step)
         metrics = getattr(self.algorithm, "metrics", self._rollout_metrics)
         row = {"step": self.step, **metrics(rollout), "attacks_unique": len(self.archive)}
+        version = getattr(self.algorithm, "data_policy_version", lambda _: None)(rollout)
+        # updates behind the data: counted from this process's start (the collectors count from 0)
+        row["policy_version"] = self.step - 1 if version is None else self._start_step + version
         row.update({k: sum(v) / len(v) for k, v in losses.items()})
         if not losses:  # nothing to learn from this batch (e.g. every sibling group tied)
             row["loss"] = float("nan")

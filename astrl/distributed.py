@@ -1,0 +1,232 @@
+"""Collection over Ray: TorchRL ``RayLLMCollector`` workers that each run a shard of the batch.
+
+Each worker is a Ray actor holding a TorchRL ``LLMCollector`` over its own red-team env. The
+env and the tester policy are built *inside* the worker from a :class:`WorkerSpec` (model ids
+or folders plus settings: plain, picklable data), so the tester, the target and the scorers all
+run in the worker. Worker ``i`` of ``n`` draws slice ``i`` of every batch of openers of the
+run's seeded :class:`~astrl.prompts.PromptStream` (whole groups), so the workers together
+collect the conversations a local collector would, in worker order.
+
+After each update the trainer sends the tester's trainable weights (the LoRA adapters, or the
+full model) with the collectors' ``update_policy_weights_``, TorchRL's weight-update path,
+which also advances each worker's ``PolicyVersion``; every collected turn carries the
+``policy_version`` it was generated with.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+import torch
+from tensordict import TensorDict, TensorDictBase, lazy_stack
+
+from astrl.backends import init_ray, require_ray
+from astrl.policies import GenerationSettings, make_policy
+
+_PARTS: dict[str, tuple] = {}  # per process: (env, policy) of each spec, built once
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker needs to build its env and tester policy (models are loaded in the worker).
+
+    ``tester``/``target`` are embedded model names, local checkpoint folders (visible to every
+    node) or hub ids. ``batch_size`` is the size of the *whole* batch of conversations (all
+    workers); worker ``worker`` of ``num_workers`` runs ``batch_size / num_workers`` of them.
+    """
+
+    tester: str
+    target: str
+    scorers: list[str]
+    prompts: str = "builtin"
+    split: str = "all"
+    mode: str = "chat"
+    batch_size: int = 8
+    group_size: int = 1
+    turns: int = 3
+    tester_generation: GenerationSettings = field(default_factory=GenerationSettings)
+    target_generation: GenerationSettings = field(default_factory=GenerationSettings)
+    env_options: dict = field(default_factory=dict)
+    lora: dict | None = None
+    backend: str = "transformers"
+    target_backend: str = "transformers"
+    seed: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int | None = None
+    stream_state: dict | None = None
+    worker: int = 0
+    num_workers: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
+        if self.batch_size % (self.num_workers * self.group_size):
+            raise ValueError(
+                f"{self.batch_size} conversations ({self.batch_size // self.group_size} openers x group {self.group_size}) "
+                f"cannot be split into {self.num_workers} workers of whole groups"
+            )
+
+    @property
+    def worker_batch_size(self) -> int:
+        return self.batch_size // self.num_workers
+
+    def for_worker(self, index: int) -> WorkerSpec:
+        return replace(self, worker=index)
+
+
+def build_worker(spec: WorkerSpec) -> tuple:
+    """Build (once per process) the env and tester policy of ``spec``'s worker: ``(env, policy)``."""
+    key = repr(spec)
+    if key in _PARTS:
+        return _PARTS[key]
+    from astrl.envs import make_redteam_env
+    from astrl.models import LoadedModel, load_model
+    from astrl.policies import input_mode
+    from astrl.prompts import PromptStream, load_prompts, split_prompts
+    from astrl.rewards.reference import AdaptersDisabled
+    from astrl.scorers import make_scorers
+
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    torch.manual_seed(spec.seed + 7919 * spec.worker)
+    tester_lm = load_model(spec.tester, dtype=spec.dtype, device=spec.device)
+    tester_model = tester_lm.model
+    if spec.lora is not None:
+        from types import SimpleNamespace
+
+        from astrl.training.setup import add_lora
+
+        tester_model = add_lora(tester_model, SimpleNamespace(**spec.lora)).eval()
+    tester_lm = LoadedModel(tester_lm.name, tester_model, tester_lm.tokenizer, tester_lm.context_window)
+    if spec.target != spec.tester:
+        target_lm = load_model(spec.target, dtype=spec.dtype, device=spec.device)
+    elif spec.lora is not None:  # the target is the base model, without the tester's adapters
+        target_lm = LoadedModel(tester_lm.name, AdaptersDisabled(tester_model), tester_lm.tokenizer, tester_lm.context_window)
+    else:
+        target_lm = tester_lm
+    mode = input_mode(spec.mode)
+    tester = make_policy(tester_lm, spec.tester_generation, input_mode=mode, backend=spec.backend)
+    target = make_policy(target_lm, spec.target_generation, input_mode=mode, backend=spec.target_backend)
+    prompts = split_prompts(load_prompts(spec.prompts), spec.split, seed=spec.seed)
+    stream = PromptStream(prompts, spec.batch_size, seed=spec.seed, group_size=spec.group_size)
+    if spec.stream_state is not None:
+        stream.load_state_dict(spec.stream_state)
+    env = make_redteam_env(
+        tester,
+        target,
+        make_scorers(spec.scorers, device=spec.device),
+        stream.shard(spec.worker, spec.num_workers),
+        batch_size=spec.worker_batch_size,
+        max_turns=spec.turns,
+        mode=spec.mode,
+        seed=spec.seed,
+        **spec.env_options,
+    )
+    _PARTS[key] = (env, tester)
+    return _PARTS[key]
+
+
+def worker_env(spec: WorkerSpec):
+    """Env factory run inside a worker."""
+    return build_worker(spec)[0]
+
+
+def worker_policy(spec: WorkerSpec):
+    """Policy factory run inside a worker."""
+    return build_worker(spec)[1]
+
+
+def trainable_weights(policy: torch.nn.Module) -> TensorDictBase:
+    """The trainable parameters of a policy module as a TensorDict laid out like the module
+    (the LoRA adapters under LoRA), detached and on CPU: what a worker's policy is updated with."""
+    params = TensorDict.from_module(policy)
+    names = {name for name, p in policy.named_parameters() if p.requires_grad}
+    keys = [k for k in params.keys(include_nested=True, leaves_only=True) if ".".join(k) in names]
+    if not keys:
+        raise ValueError(f"{type(policy).__name__} has no trainable parameters to send to the workers")
+    return params.select(*keys).data.detach().to("cpu").clone()
+
+
+class RayCollectors:
+    """``num_workers`` TorchRL ``RayLLMCollector`` actors that together collect one batch per call.
+
+    Each call of :meth:`next` asks every worker for its shard (one completed trajectory per
+    conversation, ``turns`` steps each) in parallel and returns them concatenated in worker
+    order, flat: one entry per tester turn.
+
+    Args:
+        spec: the run's worker recipe (the worker index is set per actor).
+        num_cpus / num_gpus: Ray resources of each worker.
+        ray_address: an existing cluster (``"auto"`` or ``"ray://host:10001"``); None starts a
+            local Ray instance unless one is already initialised.
+        ray_options: keyword arguments of ``ray.init`` for a local start.
+    """
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        *,
+        num_cpus: float = 1,
+        num_gpus: float = 0,
+        ray_address: str | None = None,
+        ray_options: dict | None = None,
+    ) -> None:
+        self._ray = require_ray()
+        from torchrl.collectors.llm import RayLLMCollector
+
+        self._started_ray = init_ray(ray_address, **(ray_options or {}))
+        self.spec = spec
+        self.collectors = []
+        for index in range(spec.num_workers):
+            worker = spec.for_worker(index)
+            self.collectors.append(
+                RayLLMCollector(
+                    functools.partial(worker_env, worker),
+                    policy_factory=functools.partial(worker_policy, worker),
+                    dialog_turns_per_batch=worker.worker_batch_size * worker.turns,
+                    yield_completed_trajectories=True,
+                    track_policy_version=True,
+                    remote_config={"num_cpus": num_cpus, "num_gpus": num_gpus},
+                )
+            )
+
+    def next(self) -> TensorDictBase:
+        """One batch of completed conversations from all workers, flat (one entry per tester turn)."""
+        parts = self._ray.get([collector._next_remote() for collector in self.collectors])
+        return lazy_stack([turn for part in parts for turn in part.reshape(-1).unbind(0)])
+
+    def __iter__(self) -> Iterator[TensorDictBase]:
+        while True:
+            yield self.next()
+
+    def update_policy_weights_(self, weights: TensorDictBase) -> None:
+        """Send ``weights`` (see :func:`trainable_weights`) to every worker's policy; bumps their policy version."""
+        ref = self._ray.put(weights)
+        self._ray.get([c._collector.update_policy_weights_.remote(policy_or_weights=ref) for c in self.collectors])
+
+    @property
+    def policy_version(self) -> int:
+        versions = self._ray.get([c._collector.get_policy_version.remote() for c in self.collectors])
+        if len(set(versions)) != 1:
+            raise RuntimeError(f"workers disagree on the policy version: {versions}")
+        return versions[0]
+
+    def worker_weights(self, index: int = 0) -> dict[str, torch.Tensor]:
+        """The state dict of worker ``index``'s tester model (for checks)."""
+        model = self._ray.get(self.collectors[index]._collector.get_policy_model.remote())
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def shutdown(self) -> None:
+        """Stop the workers (and the local Ray instance, if this object started it)."""
+        for collector in self.collectors:
+            try:
+                collector.shutdown()
+            finally:
+                self._ray.kill(collector._collector)
+        self.collectors = []
+        if self._started_ray:
+            self._ray.shutdown()
+            self._started_ray = False
