@@ -11,7 +11,27 @@ def add_train_parser(sub) -> None:
     p.add_argument("--config", default=None, help="YAML config (configs/NAME.yaml); defaults apply to missing keys")
     p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest checkpoint")
     p.add_argument("--quiet", action="store_true", help="no progress bar or sample tables")
+    for flag, key, kind, text in _SCALE_FLAGS:
+        p.add_argument(flag, dest=key, type=kind, default=None, help=f"{text} (the config key {key})")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. total_steps=50 lr=1e-4")
+
+
+# scale-out flags of `astrl train`, shorthands for config overrides (as on `astrl rollout`)
+_SCALE_FLAGS = (
+    ("--collector", "collector", str, "local | ray"),
+    ("--num-collectors", "num_collectors", int, "Ray workers"),
+    ("--collector-cpus", "collector_cpus", float, "CPUs per Ray worker"),
+    ("--collector-gpus", "collector_gpus", float, "GPUs per Ray worker"),
+    ("--ray-address", "ray_address", str, "an existing Ray cluster"),
+    ("--backend", "backend", str, "tester generation: transformers | vllm"),
+    ("--target-backend", "target_backend", str, "target generation: transformers | vllm"),
+)
+
+
+def train_overrides(args) -> list[str]:
+    """The ``key=value`` overrides, with the scale-out flags first (explicit overrides win)."""
+    flags = [f"{key}={getattr(args, key)}" for _, key, _, _ in _SCALE_FLAGS if getattr(args, key, None) is not None]
+    return flags + list(args.overrides)
 
 
 def add_demo_parser(sub) -> None:
@@ -28,9 +48,9 @@ def run_train(args) -> int:
     if args.resume:
         if args.config:
             raise ValueError("--resume continues a run with its own config.yaml; pass overrides instead of --config")
-        trainer = resume(args.resume, args.overrides, progress=not args.quiet)
+        trainer = resume(args.resume, train_overrides(args), progress=not args.quiet)
     else:
-        trainer = Trainer(load_config(args.config, args.overrides), progress=not args.quiet)
+        trainer = Trainer(load_config(args.config, train_overrides(args)), progress=not args.quiet)
     try:
         rows = trainer.train()
     except KeyboardInterrupt:
