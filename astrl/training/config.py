@@ -63,6 +63,8 @@ class TrainConfig:
     tree_width: int = 2
     tree_depth: int = 3
     min_reward_gap: float = 0.0
+    weak_supervision: float = 0.0  # chance per batch that harmful texts are forced as the chosen probes
+    weak_supervision_prompts: str = "rtp"  # prompt source of those texts (astrl.prompts.load_prompts)
     # PPO
     value_lr: float = 1e-4
     value_coef: float = 0.15
@@ -105,6 +107,11 @@ class TrainConfig:
             (self.tree_width >= 2, f"tree_width must be >= 2 (a pair needs two siblings), got {self.tree_width}"),
             (self.tree_depth >= 1, f"tree_depth must be >= 1, got {self.tree_depth}"),
             (self.lr > 0, f"lr must be > 0, got {self.lr}"),
+            (0 <= self.weak_supervision <= 1, f"weak_supervision must be in [0, 1], got {self.weak_supervision}"),
+            (
+                self.weak_supervision == 0 or self.algorithm in ("dpo", "ipo"),
+                f"weak_supervision needs algorithm dpo or ipo, got {self.algorithm!r}",
+            ),
             (
                 self.epochs >= 1 and self.minibatches >= 1 and self.grad_accum >= 1,
                 "epochs, minibatches and grad_accum must be >= 1",

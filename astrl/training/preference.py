@@ -3,7 +3,8 @@
 Per step the :class:`~astrl.sampling.TreeSampler` grows ``prompts_per_step`` trees of
 ``tree_width`` probes per state and ``tree_depth`` levels; each sibling group gives one pair
 (best vs worst reward, skipped below ``min_reward_gap``). Reference log-probs are computed once
-per batch, then ``epochs`` passes of the loss over ``minibatches``.
+per batch, then ``epochs`` passes of the loss over ``minibatches``. With ``weak_supervision: p``,
+a batch is forced with probability ``p`` (:class:`~astrl.sampling.WeakSupervision`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from tensordict import TensorDictBase
 
 from astrl._compat import as_list
 from astrl.losses import DPOLoss, IPOLoss
-from astrl.sampling import TreeSampler
+from astrl.sampling import TreeSampler, WeakSupervision
 from astrl.training.config import TrainConfig
 from astrl.training.setup import RunModels, conversation_parts
 
@@ -41,6 +42,15 @@ class Preference:
             min_reward_gap=config.min_reward_gap,
             **settings,
         )
+        self.weak = None
+        if config.weak_supervision > 0:
+            self.weak = WeakSupervision.from_source(
+                config.weak_supervision_prompts,
+                models.tester.tokenizer,
+                probability=config.weak_supervision,
+                max_new_tokens=config.max_new_tokens,
+                seed=config.seed,
+            )
         loss_class = DPOLoss if config.algorithm == "dpo" else IPOLoss
         self.loss_module = loss_class(
             models.tester.model, models.reference, beta=config.beta, max_length=models.tester.context_window
@@ -53,6 +63,9 @@ class Preference:
         self.models.tester.model.eval()
         result = self.sampler.sample()
         pairs = result["pairs"]
+        if self.weak is not None:
+            pairs, forced = self.weak(result)
+            result["pairs"], result["num_forced"] = pairs, torch.tensor(forced)
         if pairs.batch_size[0] > 0:
             self.loss_module.reference_logprobs(pairs)
         return pairs, result
@@ -79,6 +92,8 @@ class Preference:
             row[f"harmful_rate_{name}"] = float((scores > 0.5).float().mean())
         row["pairs"] = int(result["num_pairs"])
         row["pairs_skipped"] = int(result["num_skipped"])
+        if "num_forced" in result.keys():
+            row["pairs_forced"] = int(result["num_forced"])
         return row
 
     @staticmethod
@@ -94,7 +109,14 @@ class Preference:
         ]
 
     def state_dict(self) -> dict:
-        return {"sampler": self.sampler.state_dict()}
+        state = {"sampler": self.sampler.state_dict()}
+        if self.weak is not None:
+            state["weak"] = self.weak.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
+        if self.weak is not None:
+            if "weak" not in state:
+                raise KeyError("the checkpoint has no weak supervision state (it was saved with weak_supervision: 0)")
+            self.weak.load_state_dict(state["weak"])
