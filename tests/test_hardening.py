@@ -1,12 +1,16 @@
+import csv
 import io
 
 import pytest
 import torch
-from conftest import make_llama, make_tokenizer
+from conftest import loaded, make_llama, make_tokenizer
+from test_training import _config
 
 from astrl.rewards.reference import AdaptersDisabled
 from astrl.scorers import KeywordScorer
+from astrl.training import ConfigError, TrainConfig, Trainer, resume
 from astrl.training.hardening import TargetHardener, target_inputs
+from astrl.training.setup import build_models
 
 PROBES = [
     "hello how are you",
@@ -118,3 +122,88 @@ def test_archive_keeps_new_successful_attacks_up_to_its_size_and_bad_settings_na
         TargetHardener(frozen, tok, KeywordScorer(["x"]))
     with pytest.raises(KeyError, match=r"missing \['attacks'"):
         hardener.load_state_dict({"model": {}})
+
+
+# -- the training loop -----------------------------------------------------------------------------
+def _peaky_tiny():
+    tok = make_tokenizer()
+    base = make_llama(tok)
+    with torch.no_grad():
+        base.lm_head.weight.mul_(25)
+    return loaded(base, tok, name="tiny")
+
+
+def _anything_but_the_refusal(tok) -> str:
+    """A keywords scorer that every word of the tiny vocabulary triggers, except the refusal's words."""
+    import re
+
+    words = {w for i in range(len(tok)) for w in re.findall(r"[a-z']+", tok.decode([i]).lower())} - set(REFUSAL.split())
+    return "keywords:" + ",".join(sorted(words))
+
+
+def _hardening_config(tmp_path, **overrides):
+    settings = dict(
+        scorer=_anything_but_the_refusal(make_tokenizer()),
+        harden_every=2,
+        total_steps=4,
+        save_every=100,
+        turns=1,
+        harden_steps=30,
+        harden_lr=1e-2,
+        harden_threshold=0.0,  # any vocabulary word in the reply is an attack success
+        harden_batch_size=8,
+        lora_targets=["q_proj", "v_proj", "up_proj", "down_proj"],
+        refusal=REFUSAL,
+        target_max_new_tokens=16,
+        loggers=[],  # the scorer's long name is no valid file name for the CSV logger; metrics.csv is kept anyway
+    )
+    return _config(tmp_path, **{**settings, **overrides})
+
+
+def test_training_with_hardening_makes_the_target_refuse_found_attacks_and_resumes_exactly(tmp_path, monkeypatch):
+    config = _hardening_config(tmp_path / "a")
+    trainer = Trainer(config, models=build_models(config, _peaky_tiny()), progress=False)
+    models = trainer.models
+    assert models.target.model is not models.tester.model and models.original_target is not None
+    tester_ptrs = {p.data_ptr() for p in models.tester.model.parameters()}
+    assert not tester_ptrs & {p.data_ptr() for p in models.target.model.parameters()}  # its own weights
+    rows = trainer.train()
+    first, second = rows[1], rows[3]
+    assert [r.get("harden_round") for r in rows] == [None, 1, None, 2]
+    assert first["harden_attacks"] >= 4 and first["asr_before"] >= 0.75
+    assert first["asr_current"] <= 0.25 < first["asr_original"]
+    assert second["asr_before"] <= 0.25 < second["asr_original"]  # found attacks stay refused
+    assert rows[2]["harden_new_attacks"] < rows[0]["harden_new_attacks"]  # the tester's old probes stop working
+    assert (tmp_path / "a" / "run" / "final" / "target" / "adapter_config.json").is_file()
+
+    # stopped after step 3 (one round done), then resumed: the same metrics as the uninterrupted run
+    interrupted = Trainer(_hardening_config(tmp_path / "b"), models=build_models(config, _peaky_tiny()), progress=False)
+    interrupted.config.save_every = 1
+    original_step = interrupted.train_step
+    calls = []
+
+    def step():
+        calls.append(1)
+        if len(calls) > 3:
+            raise KeyboardInterrupt
+        return original_step()
+
+    monkeypatch.setattr(interrupted, "train_step", step)
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.train()
+    resumed = resume(tmp_path / "b" / "run", progress=False, tester_lm=_peaky_tiny())
+    assert resumed.step == 3 and len(resumed.hardening.hardener.attacks) == rows[2]["harden_archive"]
+    resumed.train()
+    after = list(csv.DictReader((tmp_path / "b" / "run" / "metrics.csv").open()))
+    before = list(csv.DictReader((tmp_path / "a" / "run" / "metrics.csv").open()))
+    keys = ["reward_mean", "loss", "harden_archive", "harden_new_attacks", "asr_before", "asr_current", "harden_sft_loss"]
+    assert [{k: r[k] for k in keys} for r in after] == [{k: r[k] for k in keys} for r in before]
+
+
+def test_hardening_settings_are_checked():
+    with pytest.raises(ConfigError, match="harden_every must be >= 0 \\(0: off\\), got -1"):
+        TrainConfig(harden_every=-1)
+    with pytest.raises(ConfigError, match="harden_every needs lora: true"):
+        TrainConfig(harden_every=5, lora=False)
+    with pytest.raises(ConfigError, match="refusal must not be empty, got ''"):
+        TrainConfig(refusal="")

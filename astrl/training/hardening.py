@@ -249,3 +249,49 @@ class TargetHardener:
         self.attacks = list(state["attacks"])
         self.generator.set_state(state["generator"])
         self.rounds = int(state["rounds"])
+
+
+class Hardening:
+    """The trainer's hardening loop: archive the attacks of every batch, harden every ``harden_every`` steps."""
+
+    def __init__(self, config, models) -> None:
+        from astrl.scorers import make_scorers
+
+        if models.original_target is None:
+            raise ValueError("hardening needs a target with its own adapter (build the models with harden_every > 0)")
+        self.config, self.every, self.mode = config, config.harden_every, config.mode
+        self.scorer_name, scorer = next(iter(make_scorers([config.scorer], device=config.device).items()))
+        target = models.target
+        self.hardener = TargetHardener(
+            target.model,
+            target.tokenizer,
+            scorer,
+            original=models.original_target,
+            refusal=config.refusal,
+            steps=config.harden_steps,
+            lr=config.harden_lr,
+            batch_size=config.harden_batch_size,
+            threshold=config.harden_threshold,
+            max_new_tokens=config.target_max_new_tokens or config.max_new_tokens,
+            context_window=target.context_window,
+            add_special_tokens=config.mode == "text",
+            max_attacks=config.harden_max_attacks,
+            seed=config.seed,
+        )
+
+    def observe(self, data: TensorDictBase) -> int:
+        """Archive the successful attacks of a training batch; returns how many were new."""
+        contexts, probes, scores = attacks_from(data, self.scorer_name)
+        return self.hardener.add(target_inputs(self.hardener.tokenizer, contexts, probes, self.mode), scores)
+
+    def after_step(self, step: int) -> dict[str, float]:
+        """Metrics of a hardening round when ``step`` is a multiple of ``harden_every``, else the archive size."""
+        if step % self.every:
+            return {"harden_archive": len(self.hardener.attacks)}
+        return {"harden_archive": len(self.hardener.attacks), **self.hardener.round()}
+
+    def state_dict(self) -> dict:
+        return self.hardener.state_dict()
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.hardener.load_state_dict(state)

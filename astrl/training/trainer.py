@@ -2,7 +2,8 @@
 
 A run directory holds ``config.yaml`` (the resolved config), ``metrics.csv`` (one row per
 step), ``samples.jsonl`` (sample conversations), ``checkpoints/step_NNNNNN/`` and, at the end,
-``final/tester/`` (the LoRA adapter or the full model, with its tokenizer). ``resume`` continues
+``final/tester/`` (the LoRA adapter or the full model, with its tokenizer; with target hardening
+also ``final/target/``, the target's adapter). ``resume`` continues
 from the newest checkpoint; on CPU with the same seed the metrics after resuming equal those of
 an uninterrupted run.
 """
@@ -112,6 +113,11 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             self.algorithm.parameter_groups(config.lr), lr=config.lr, weight_decay=config.weight_decay
         )
+        self.hardening = None
+        if config.harden_every > 0:
+            from astrl.training.hardening import Hardening
+
+            self.hardening = Hardening(config, self.models)
         updates = config.total_steps * config.epochs * math.ceil(config.minibatches / config.grad_accum)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_then_linear(config.warmup_steps, updates))
         self._built = True
@@ -169,6 +175,8 @@ class Trainer:
         finally:
             bar.close()
         save_tester(self.models.tester.model, self.models.tester.tokenizer, self.run_dir / "final" / "tester")
+        if self.hardening is not None:
+            save_tester(self.models.target.model, self.models.target.tokenizer, self.run_dir / "final" / "target")
         return rows
 
     def train_step(self) -> dict:
@@ -176,6 +184,7 @@ class Trainer:
         self.models.tester.model.eval()
         batch, rollout = self.algorithm.collect()
         collect_seconds = time.perf_counter() - start
+        new_attacks = self.hardening.observe(rollout) if self.hardening is not None else 0
         losses: dict[str, list[float]] = {}
         grad_norms = []
         self.optimizer.zero_grad(set_to_none=True)
@@ -204,6 +213,8 @@ class Trainer:
         grad_norm = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
         row.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0])
         row.update(getattr(self.algorithm, "step_metrics", dict)())
+        if self.hardening is not None:
+            row.update(harden_new_attacks=new_attacks, **self.hardening.after_step(self.step))
         row.update(collect_seconds=collect_seconds, step_seconds=time.perf_counter() - start)
         self._last_samples = self.algorithm.samples(rollout)
         return row
@@ -280,6 +291,8 @@ class Trainer:
             "stream": self._stream_state_for_next_step(),
             "algorithm": self.algorithm.state_dict(),
         }
+        if self.hardening is not None:
+            state["hardening"] = self.hardening.state_dict()
         torch.save(state, tmp / "state.pt")
         shutil.rmtree(folder, ignore_errors=True)
         tmp.rename(folder)
@@ -302,6 +315,10 @@ class Trainer:
         self._build()
         load_trainable_state(self.models.tester.model, state["trainable"])
         self.algorithm.load_state_dict(state["algorithm"])
+        if self.hardening is not None:
+            if "hardening" not in state:
+                raise ConfigError(f"checkpoint {str(folder)!r} has no hardening state (it was saved with harden_every: 0)")
+            self.hardening.load_state_dict(state["hardening"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.generator.set_state(state["generator"])
