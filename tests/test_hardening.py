@@ -207,3 +207,10 @@ def test_hardening_settings_are_checked():
         TrainConfig(harden_every=5, lora=False)
     with pytest.raises(ConfigError, match="refusal must not be empty, got ''"):
         TrainConfig(refusal="")
+
+
+def test_hardening_archives_the_tree_sampler_nodes_with_ipo(tmp_path):
+    config = _hardening_config(tmp_path, algorithm="ipo", tree_depth=1, beta=0.1, total_steps=2)
+    rows = Trainer(config, models=build_models(config, _peaky_tiny()), progress=False).train()
+    assert rows[0]["harden_new_attacks"] > 0 and rows[1]["harden_round"] == 1
+    assert rows[1]["asr_current"] < rows[1]["asr_before"] and rows[1]["asr_original"] == rows[1]["asr_before"]
