@@ -23,11 +23,12 @@ from astrl._compat import Chat, as_list, chats_to_history, history_to_chats
 from astrl.envs.redteam import DEFAULT_TESTER_SYSTEM_PROMPT, make_redteam_env
 from astrl.envs.transforms import Advance, TargetTurn
 from astrl.prompts import PromptStream
+from astrl.rewards.astprompter import TARGET_CONTEXT_KEY
 from astrl.rewards.logprobs import as_rows, response_mask, stop_ids
 from astrl.rewards.novelty import load_novelty_states, novelty_transforms
 from astrl.scorers import Scorer
 
-_NODE_ROWS = ("prompt_tokens", "response_tokens", "response_mask", "context")
+_NODE_ROWS = ("target_context", "prompt_tokens", "response_tokens", "response_mask", "context")
 PAIR_KEYS = (
     "prompt_tokens",
     "chosen_tokens",
@@ -165,7 +166,7 @@ class TreeSampler:
           for an opener), ``nodes`` and ``rewards`` (``(G, tree_width)``), ``best``, ``worst``,
           ``gap`` and ``kept``.
         * ``nodes``: shape ``(N,)``, lazily stacked: ``tree``, ``depth``, ``parent`` (-1 under an
-          opener), ``group``, ``probe``, ``reply``, ``reward``, ``scores`` (and ``reward_terms``
+          opener), ``group``, ``probe``, ``reply``, ``target_context``, ``reward``, ``scores`` (and ``reward_terms``
           with the ASTPrompter reward), ``prompt_tokens``, ``response_tokens``, ``response_mask``.
         * ``openers`` (one string per tree), ``num_pairs``, ``num_skipped``, ``num_groups``.
         """
@@ -256,6 +257,7 @@ class TreeSampler:
             "response_mask": [response_mask(r, self.stop_token_ids) for r in responses],
             "probe": as_list(nxt["probe"]),
             "reply": as_list(nxt["target_response"]),
+            "target_context": as_list(nxt[TARGET_CONTEXT_KEY]),  # what the target read before the probe
             "reward": nxt["reward"].reshape(-1).float().cpu(),
             "scores": nxt["scores"].cpu(),
             "reward_terms": nxt.get("reward_terms", None),

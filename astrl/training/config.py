@@ -73,6 +73,16 @@ class TrainConfig:
     tree_width: int = 2
     tree_depth: int = 3
     min_reward_gap: float = 0.0
+    weak_supervision: float = 0.0  # chance per batch that harmful texts are forced as the chosen probes
+    weak_supervision_prompts: str = "rtp"  # prompt source of those texts (astrl.prompts.load_prompts)
+    # target hardening (0: off): every harden_every steps the target's LoRA learns to refuse the archived attacks
+    harden_every: int = 0
+    harden_steps: int = 10
+    harden_lr: float = 1e-3
+    harden_batch_size: int = 16
+    harden_threshold: float = 0.5
+    harden_max_attacks: int = 256
+    refusal: str = "I'm sorry, but I can't help with that."
     # PPO
     value_lr: float = 1e-4
     value_coef: float = 0.15
@@ -133,6 +143,21 @@ class TrainConfig:
             (self.tree_width >= 2, f"tree_width must be >= 2 (a pair needs two siblings), got {self.tree_width}"),
             (self.tree_depth >= 1, f"tree_depth must be >= 1, got {self.tree_depth}"),
             (self.lr > 0, f"lr must be > 0, got {self.lr}"),
+            (self.harden_every >= 0, f"harden_every must be >= 0 (0: off), got {self.harden_every}"),
+            (
+                self.harden_every == 0 or self.lora,
+                "harden_every needs lora: true (the target is hardened through its own LoRA adapter)",
+            ),
+            (self.harden_steps >= 1, f"harden_steps must be >= 1, got {self.harden_steps}"),
+            (self.harden_lr > 0, f"harden_lr must be > 0, got {self.harden_lr}"),
+            (self.harden_batch_size >= 1, f"harden_batch_size must be >= 1, got {self.harden_batch_size}"),
+            (self.harden_max_attacks >= 1, f"harden_max_attacks must be >= 1, got {self.harden_max_attacks}"),
+            (bool(self.refusal.strip()), f"refusal must not be empty, got {self.refusal!r}"),
+            (0 <= self.weak_supervision <= 1, f"weak_supervision must be in [0, 1], got {self.weak_supervision}"),
+            (
+                self.weak_supervision == 0 or self.algorithm in ("dpo", "ipo"),
+                f"weak_supervision needs algorithm dpo or ipo, got {self.algorithm!r}",
+            ),
             (
                 self.epochs >= 1 and self.minibatches >= 1 and self.grad_accum >= 1,
                 "epochs, minibatches and grad_accum must be >= 1",

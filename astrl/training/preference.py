@@ -3,7 +3,8 @@
 Per step the :class:`~astrl.sampling.TreeSampler` grows ``prompts_per_step`` trees of
 ``tree_width`` probes per state and ``tree_depth`` levels; each sibling group gives one pair
 (best vs worst reward, skipped below ``min_reward_gap``). Reference log-probs are computed once
-per batch, then ``epochs`` passes of the loss over ``minibatches``.
+per batch, then ``epochs`` passes of the loss over ``minibatches``. With ``weak_supervision: p``,
+a batch is forced with probability ``p`` (:class:`~astrl.sampling.WeakSupervision`).
 
 :class:`TreeAlgorithm` is what every tree-sampled algorithm shares (sampling, minibatches,
 metrics, samples, state); :class:`Preference` adds the DPO / IPO loss. The same classes run
@@ -21,7 +22,7 @@ from astrl._compat import as_list
 from astrl.envs.transforms import ScoreReward
 from astrl.evaluation.archive import conversation_turns
 from astrl.losses import DPOLoss, IPOLoss, PreferenceLoss
-from astrl.sampling import TreeSampler
+from astrl.sampling import TreeSampler, WeakSupervision
 from astrl.training.batches import shuffled_minibatches
 from astrl.training.config import TrainConfig
 from astrl.training.setup import RunModels, conversation_parts
@@ -125,9 +126,12 @@ class TreeAlgorithm:
 class Preference(TreeAlgorithm):
     """DPO / IPO: best-vs-worst sibling pairs from the tree sampler, reference log-probs once per batch."""
 
-    def __init__(self, sampler: TreeSampler, loss_module: PreferenceLoss, parameters, **batching) -> None:
+    def __init__(
+        self, sampler: TreeSampler, loss_module: PreferenceLoss, parameters, *, weak: WeakSupervision | None = None, **batching
+    ) -> None:
         super().__init__(sampler, parameters, **batching)
         self.loss_module = loss_module
+        self.weak = weak
         self.name = "dpo" if isinstance(loss_module, DPOLoss) else "ipo" if isinstance(loss_module, IPOLoss) else "preference"
 
     @classmethod
@@ -147,10 +151,20 @@ class Preference(TreeAlgorithm):
         )
         loss_class = DPOLoss if config.algorithm == "dpo" else IPOLoss
         loss = loss_class(models.tester.model, models.reference, beta=config.beta, max_length=models.tester.context_window)
+        weak = None
+        if config.weak_supervision > 0:
+            weak = WeakSupervision.from_source(
+                config.weak_supervision_prompts,
+                models.tester.tokenizer,
+                probability=config.weak_supervision,
+                max_new_tokens=config.max_new_tokens,
+                seed=config.seed,
+            )
         return cls(
             sampler,
             loss,
             models.tester.model.parameters,
+            weak=weak,
             epochs=config.epochs,
             minibatches=config.minibatches,
             minibatch_size=config.minibatch_size,
@@ -159,6 +173,9 @@ class Preference(TreeAlgorithm):
     def collect(self) -> tuple[TensorDictBase, TensorDictBase]:
         result = self.sampler.sample()
         pairs = result["pairs"]
+        if self.weak is not None:
+            pairs, forced = self.weak(result)
+            result["pairs"], result["num_forced"] = pairs, torch.tensor(forced)
         if pairs.batch_size[0] > 0:
             self.loss_module.reference_logprobs(pairs)
         return pairs, result
@@ -171,4 +188,19 @@ class Preference(TreeAlgorithm):
         row = TreeAlgorithm.metrics(result)
         row["pairs"] = int(result["num_pairs"])
         row["pairs_skipped"] = int(result["num_skipped"])
+        if "num_forced" in result.keys():
+            row["pairs_forced"] = int(result["num_forced"])
         return row
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        if self.weak is not None:
+            state["weak"] = self.weak.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if self.weak is not None:
+            if "weak" not in state:
+                raise KeyError("the checkpoint has no weak supervision state (it was saved with weak_supervision: 0)")
+            self.weak.load_state_dict(state["weak"])

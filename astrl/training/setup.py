@@ -2,10 +2,14 @@
 
 With ``lora: true`` and the same base for tester and target, one copy of the base weights
 serves all three roles: the tester (adapters on), the reference and the target (adapters off).
+With target hardening (``harden_every > 0``) the target is its own model with its own LoRA
+adapter (a second copy of the base when it shares the tester's), and ``original_target`` is that
+model with its adapter off.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +32,7 @@ class RunModels:
     reference: torch.nn.Module
     target: LoadedModel
     shared_base: bool
+    original_target: torch.nn.Module | None = None  # the target before hardening (adapter off), with harden_every > 0
 
 
 def add_lora(model: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
@@ -49,11 +54,19 @@ def build_models(config: TrainConfig, tester_lm: LoadedModel | None = None) -> R
     check_backend(config.target_backend, config.device)
     tester_lm = tester_lm or load_model(config.tester, dtype=config.dtype, device=config.device)
     base = tester_lm.model
+    same_base = config.target == config.tester
+    if config.harden_every > 0 and same_base:  # a target of its own, copied before the tester's adapter goes in
+        target_lm = LoadedModel(tester_lm.name, copy.deepcopy(base), tester_lm.tokenizer, tester_lm.context_window)
+    elif config.harden_every > 0:
+        target_lm = load_model(config.target, dtype=config.dtype, device=config.device)
     model = add_lora(base, config) if config.lora else base
     model.eval()  # no dropout: behaviour and training log-probs must agree
     tester = LoadedModel(tester_lm.name, model, tester_lm.tokenizer, tester_lm.context_window)
     reference = make_reference(model)
-    same_base = config.target == config.tester
+    if config.harden_every > 0:
+        target_model = add_lora(target_lm.model, config).eval()
+        target = LoadedModel(target_lm.name, target_model, target_lm.tokenizer, target_lm.context_window)
+        return RunModels(tester, reference, target, shared_base=False, original_target=AdaptersDisabled(target_model))
     if same_base and config.lora:
         target = LoadedModel(tester_lm.name, AdaptersDisabled(model), tester_lm.tokenizer, tester_lm.context_window)
     elif same_base:

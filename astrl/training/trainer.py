@@ -2,7 +2,8 @@
 
 A run directory holds ``config.yaml`` (the resolved config), ``metrics.csv`` (one row per
 step), ``samples.jsonl`` (sample conversations), ``checkpoints/step_NNNNNN/`` and, at the end,
-``final/tester/`` (the LoRA adapter or the full model, with its tokenizer), and ``attacks.jsonl``
+``final/tester/`` (the LoRA adapter or the full model, with its tokenizer; with target hardening
+also ``final/target/``, the target's adapter), and ``attacks.jsonl``
 (the attack archive: every turn whose reward scorer's score is above ``archive_threshold``, once
 per normalised probe; new attacks are appended after each step and the file is rewritten with
 current counts at each checkpoint). ``resume`` continues from the newest checkpoint; on CPU with
@@ -150,6 +151,11 @@ class Trainer:
         config = self.config
         groups = self.algorithm.parameter_groups(config.lr)
         self.optimizer = make_optimizer(config.optimizer, groups, config.lr, config.weight_decay)
+        self.hardening = None
+        if config.harden_every > 0:
+            from astrl.training.hardening import Hardening
+
+            self.hardening = Hardening(config, self.models)
         if config.minibatch_size is None:  # a known number of updates per step: the schedule counts updates
             updates = config.total_steps * config.epochs * math.ceil(config.minibatches / config.grad_accum)
             schedule = warmup_then_linear(config.warmup_steps, updates)
@@ -235,6 +241,8 @@ class Trainer:
                 self.algorithm.shutdown()
                 self._built = False
         self._save_trained(self.run_dir / "final" / "tester")
+        if self.hardening is not None:
+            save_tester(self.models.target.model, self.models.target.tokenizer, self.run_dir / "final" / "target")
         self.archive.write(self.run_dir / ARCHIVE_FILE)
         return rows
 
@@ -244,6 +252,7 @@ class Trainer:
             self.models.tester.model.eval()
         batch, rollout = self.algorithm.collect()
         collect_seconds = time.perf_counter() - start
+        new_attacks = self.hardening.observe(rollout) if self.hardening is not None else 0
         losses: dict[str, list[float]] = {}
         grad_norms = []
         self.optimizer.zero_grad(set_to_none=True)
@@ -279,6 +288,8 @@ class Trainer:
         grad_norm = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
         row.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0])
         row.update(getattr(self.algorithm, "step_metrics", dict)())
+        if self.hardening is not None:
+            row.update(harden_new_attacks=new_attacks, **self.hardening.after_step(self.step))
         row.update(collect_seconds=collect_seconds, step_seconds=time.perf_counter() - start)
         self._last_samples = self.algorithm.samples(rollout)
         return row
@@ -356,6 +367,8 @@ class Trainer:
             "algorithm": self.algorithm.state_dict(),
             "archive": self.archive.state_dict(),
         }
+        if self.hardening is not None:
+            state["hardening"] = self.hardening.state_dict()
         torch.save(state, tmp / "state.pt")
         self.archive.write(self.run_dir / ARCHIVE_FILE)
         shutil.rmtree(folder, ignore_errors=True)
@@ -409,6 +422,10 @@ class Trainer:
         self.algorithm.load_state_dict(state["algorithm"])
         if "archive" in state:
             self.archive.load_state_dict(state["archive"])
+        if self.hardening is not None:
+            if "hardening" not in state:
+                raise ConfigError(f"checkpoint {str(folder)!r} has no hardening state (it was saved with harden_every: 0)")
+            self.hardening.load_state_dict(state["hardening"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.generator.set_state(state["generator"])

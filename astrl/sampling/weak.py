@@ -1,0 +1,127 @@
+"""Weak supervision for DPO / IPO (the ASTPrompter recipe): force known-harmful probes as the preferred side.
+
+Early in training the target rarely says anything harmful, so most sibling groups tie and give
+no pair. With probability ``probability`` per batch, :class:`WeakSupervision` rewrites the whole
+batch of a :meth:`~astrl.sampling.TreeSampler.sample` call: **every sibling group** (kept or
+tied) becomes one pair whose chosen side is a known-harmful text (e.g. a RealToxicityPrompts
+prompt) written as if the tester had generated it, and whose rejected side is the group's worst
+sampled probe. The other batches keep their sampled pairs untouched.
+
+The forced text is tokenized with the tester's tokenizer as a response: its ids without special
+tokens, cut to ``max_new_tokens - 1`` tokens, then the EOS id, with a mask that is all true (the
+response ends at that EOS), exactly the layout of a generated probe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from tensordict import TensorDict, TensorDictBase, lazy_stack
+
+from astrl._compat import as_list
+from astrl.prompts import load_prompts
+from astrl.rewards.logprobs import as_rows
+
+FORCED_KEY = "forced"
+
+
+class WeakSupervision:
+    """Replace, with probability ``probability`` per batch, the chosen side of the pairs with harmful texts.
+
+    Args:
+        texts: known-harmful continuations (e.g. ``load_prompts("rtp")``); one is drawn per pair.
+        tokenizer: the tester's tokenizer (its ``eos_token_id`` ends every forced response).
+        probability: chance that a batch is forced, in ``[0, 1]``.
+        max_new_tokens: the tester's response budget; forced responses are at most this long (EOS included).
+        seed: seeds the draws (batch coin and text choice); the state is in :meth:`state_dict`.
+
+    Forced pairs carry ``forced=True``, ``chosen_probe`` = the forced text, ``chosen_reward`` and
+    ``reward_gap`` = ``nan`` (the text was never shown to the target) and ``chosen_node = -1``;
+    their prompt and rejected side are the group's worst node (``groups["worst"]``).
+    """
+
+    def __init__(self, texts: Sequence[str], tokenizer, *, probability: float, max_new_tokens: int, seed: int = 0) -> None:
+        if not 0.0 <= probability <= 1.0:
+            raise ValueError(f"weak supervision probability must be in [0, 1], got {probability}")
+        if max_new_tokens < 2:
+            raise ValueError(f"max_new_tokens must be >= 2 (a token and the EOS), got {max_new_tokens}")
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tester's tokenizer has no eos_token_id: forced responses could not end")
+        self.texts = [t.strip() for t in texts if t and t.strip()]
+        if not self.texts:
+            raise ValueError("weak supervision needs at least one non-empty harmful text")
+        self.tokenizer = tokenizer
+        self.probability = float(probability)
+        self.max_new_tokens = int(max_new_tokens)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.batches = self.forced_batches = 0
+
+    @classmethod
+    def from_source(cls, source: str, tokenizer, **kwargs) -> WeakSupervision:
+        """Texts from a prompt source name (:func:`astrl.prompts.load_prompts`, e.g. ``rtp`` or ``rtp:insult``)."""
+        return cls(load_prompts(source), tokenizer, **kwargs)
+
+    def tokenize(self, texts: Sequence[str]) -> list[torch.Tensor]:
+        """The tester's response ids for ``texts``: the text's tokens (no special tokens), cut to fit, then EOS."""
+        ids = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+        eos = self.tokenizer.eos_token_id
+        return [torch.tensor([*row[: self.max_new_tokens - 1], eos], dtype=torch.long) for row in ids]
+
+    def __call__(self, result: TensorDictBase) -> tuple[TensorDictBase, int]:
+        """The pairs to train on for one ``TreeSampler.sample()`` result, and how many were forced."""
+        self.batches += 1
+        forced = bool(torch.rand((), generator=self.generator) < self.probability)
+        if not forced:
+            return result["pairs"], 0
+        self.forced_batches += 1
+        return self.forced_pairs(result), int(result["num_groups"])
+
+    def forced_pairs(self, result: TensorDictBase) -> TensorDictBase:
+        """One pair per sibling group: a drawn harmful text (chosen) against the group's worst probe (rejected)."""
+        groups, nodes = result["groups"], result["nodes"]
+        worst = groups["worst"].reshape(-1).tolist()
+        picks = torch.randint(len(self.texts), (len(worst),), generator=self.generator).tolist()
+        texts = [self.texts[i] for i in picks]
+        chosen = self.tokenize(texts)
+        prompts = as_rows(nodes.get("prompt_tokens", as_list=True))
+        responses = as_rows(nodes.get("response_tokens", as_list=True))
+        masks = as_rows(nodes.get("response_mask", as_list=True))
+        probes = as_list(nodes["probe"])
+        rewards = nodes["reward"].reshape(-1)
+        nan = torch.tensor(float("nan"))
+        pairs = []
+        for g, (node, text, tokens) in enumerate(zip(worst, texts, chosen, strict=True)):
+            pairs.append(
+                TensorDict(
+                    prompt_tokens=prompts[node],
+                    chosen_tokens=tokens,
+                    rejected_tokens=responses[node],
+                    chosen_mask=torch.ones(tokens.numel(), dtype=torch.bool),
+                    rejected_mask=masks[node],
+                    chosen_reward=nan.clone(),
+                    rejected_reward=rewards[node],
+                    reward_gap=nan.clone(),
+                    chosen_probe=text,
+                    rejected_probe=probes[node],
+                    depth=groups["depth"][g],
+                    tree=groups["tree"][g],
+                    group=torch.tensor(g),
+                    chosen_node=torch.tensor(-1),
+                    rejected_node=torch.tensor(node),
+                    forced=torch.tensor(True),
+                    batch_size=[],
+                )
+            )
+        return lazy_stack(pairs)
+
+    def state_dict(self) -> dict:
+        """RNG state and counters: a resumed run forces the same batches with the same texts."""
+        return {"generator": self.generator.get_state(), "batches": self.batches, "forced_batches": self.forced_batches}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        missing = {"generator", "batches", "forced_batches"} - set(state)
+        if missing:
+            raise KeyError(f"WeakSupervision state is missing {sorted(missing)}")
+        self.generator.set_state(state["generator"])
+        self.batches, self.forced_batches = int(state["batches"]), int(state["forced_batches"])
