@@ -350,3 +350,16 @@ def test_resume_drops_attacks_archived_after_the_checkpoint(tmp_path, monkeypatc
 
 def attack_scorer(attack: dict) -> str:
     return next(iter(attack["scores"]))
+
+
+def test_train_scale_out_flags_are_config_overrides():
+    from astrl.cli import build_parser
+    from astrl.training.commands import train_overrides
+
+    args = build_parser().parse_args(["train", "--collector", "ray", "--num-collectors", "2", "lr=0.1", "num_collectors=4"])
+    overrides = train_overrides(args)
+    assert overrides == ["collector=ray", "num_collectors=2", "lr=0.1", "num_collectors=4"]
+    config = load_config(None, overrides)
+    assert (config.collector, config.num_collectors, config.lr) == ("ray", 4, 0.1)  # an explicit override wins
+    with pytest.raises(ConfigError, match="collector"):
+        load_config(None, train_overrides(build_parser().parse_args(["train", "--collector", "slurm"])))
