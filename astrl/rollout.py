@@ -120,14 +120,9 @@ def records_from_rollout(rollout: TensorDictBase, openers: Sequence[str], first_
 def worker_spec(config: RolloutConfig) -> WorkerSpec:
     """The recipe each Ray worker builds its env and policies from."""
     from astrl.distributed import WorkerSpec
+    from astrl.envs.redteam import conversation_options
 
-    options = {
-        "target_system_prompt": config.target_system_prompt,
-        "reward": config.reward,
-        "reward_options": config.reward_options(),
-    }
-    if config.tester_system_prompt is not None:
-        options["tester_system_prompt"] = config.tester_system_prompt
+    options = conversation_options(config)
     return WorkerSpec(
         tester=config.tester,
         target=config.target,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from astrl.envs import make_redteam_env
+from astrl.envs.redteam import conversation_options
 from astrl.models import LoadedModel, load_model
 from astrl.policies import GenerationSettings, input_mode, make_policy
 from astrl.prompts import PromptStream, load_prompts, split_prompts
@@ -96,16 +97,7 @@ def conversation_parts(config: TrainConfig, models: RunModels) -> tuple:
         models.target, generation(config, target=True), input_mode=mode, backend=config.target_backend, vllm_memory=memory
     )
     scorers = make_scorers([config.scorer, *config.judges], device=config.device)
-    settings = {
-        "mode": config.mode,
-        "target_system_prompt": config.target_system_prompt,
-        "reward": config.reward,
-        "reward_options": config.reward_options(),
-        "novelty": config.novelty_options(),
-        "seed": config.seed,
-    }
-    if config.tester_system_prompt is not None:  # otherwise the env's default red-teaming prompt
-        settings["tester_system_prompt"] = config.tester_system_prompt
+    settings = {"mode": config.mode, **conversation_options(config), "novelty": config.novelty_options(), "seed": config.seed}
     return tester, target, scorers, settings
 
 
@@ -113,13 +105,7 @@ def worker_spec(config: TrainConfig, stream_state: dict | None = None):
     """The recipe from which each Ray worker builds the env and tester policy of this run."""
     from astrl.distributed import WorkerSpec
 
-    options = {
-        "target_system_prompt": config.target_system_prompt,
-        "reward": config.reward,
-        "reward_options": config.reward_options(),
-    }
-    if config.tester_system_prompt is not None:
-        options["tester_system_prompt"] = config.tester_system_prompt
+    options = conversation_options(config)
     lora = None
     if config.lora:
         keys = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
