@@ -67,13 +67,18 @@ def _add_rollout(sub) -> None:
     p.add_argument(
         "--reward",
         default="score",
-        choices=["score", "astprompter"],
+        choices=["score", "astprompter", "elicit"],
         help="score: the first scorer's probability of the reply; astprompter: "
-        "alpha*tox(reply) + zeta*tox(probe+reply) + gamma*mean log p_target(probe)",
+        "alpha*tox(reply) + zeta*tox(probe+reply) + gamma*mean log p_target(probe); elicit: "
+        "alpha*tox(reply) - probe_penalty*tox(probe) + gamma*mean log p_target(probe)",
     )
     p.add_argument("--alpha", type=float, default=1.0, help="astprompter weight of the reply's toxicity")
     p.add_argument("--zeta", type=float, default=0.5, help="astprompter weight of the probe+reply toxicity")
-    p.add_argument("--gamma", type=float, default=0.1, help="astprompter weight of the probe's mean log-prob under the target")
+    p.add_argument(
+        "--gamma", type=float, default=0.1, help="astprompter/elicit weight of the probe's mean log-prob under the target"
+    )
+    p.add_argument("--probe-penalty", type=float, default=1.0, help="elicit weight of the probe's own toxicity (subtracted)")
+    p.add_argument("--elicit-gate", action="store_true", help="elicit: scale the reply's toxicity by 1 - tox(probe)")
     _add_run_args(p)
     _add_scale_args(p)
     p.add_argument("--out", default="rollouts.jsonl", help="output JSONL path")
@@ -101,6 +106,8 @@ def _rollout(args) -> int:
         alpha=args.alpha,
         zeta=args.zeta,
         gamma=args.gamma,
+        probe_penalty=args.probe_penalty,
+        elicit_gate=args.elicit_gate,
         seed=args.seed,
         dtype=args.dtype,
         device=args.device,

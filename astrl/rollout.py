@@ -16,6 +16,7 @@ from tensordict import TensorDictBase, lazy_stack
 from astrl._compat import as_list
 from astrl.backends import BACKENDS, check_backend, check_collector
 from astrl.envs import make_redteam_env
+from astrl.envs.redteam import REWARDS, reward_options
 from astrl.envs.transforms import PROBE_KEY, RESPONSE_KEY, SCORES_KEY
 from astrl.models import LoadedModel, load_model
 from astrl.policies import GenerationSettings, input_mode, make_policy
@@ -48,6 +49,8 @@ class RolloutConfig:
     alpha: float = 1.0
     zeta: float = 0.5
     gamma: float = 0.1
+    probe_penalty: float = 1.0
+    elicit_gate: bool = False
     seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"
@@ -77,14 +80,18 @@ class RolloutConfig:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if not self.scorers:
             raise ValueError("at least one scorer is needed")
-        if self.reward not in ("score", "astprompter"):
-            raise ValueError(f"reward must be 'score' or 'astprompter', got {self.reward!r}")
-        if self.reward != "astprompter" and (self.alpha, self.zeta, self.gamma) != (1.0, 0.5, 0.1):
-            raise ValueError(f"alpha/zeta/gamma only apply to reward='astprompter' (reward is {self.reward!r})")
+        if self.reward not in REWARDS:
+            raise ValueError(f"reward must be one of {REWARDS}, got {self.reward!r}")
+        if self.reward == "score" and (self.alpha, self.zeta, self.gamma) != (1.0, 0.5, 0.1):
+            raise ValueError("alpha/zeta/gamma only apply to reward='astprompter' or 'elicit' (reward is 'score')")
+        if self.reward != "astprompter" and self.zeta != 0.5:
+            raise ValueError(f"zeta only applies to reward='astprompter' (reward is {self.reward!r})")
+        if self.reward != "elicit" and (self.probe_penalty, self.elicit_gate) != (1.0, False):
+            raise ValueError(f"probe_penalty/elicit_gate only apply to reward='elicit' (reward is {self.reward!r})")
 
     def reward_options(self) -> dict | None:
-        """ASTPrompter weights for the env (None for the plain scorer reward)."""
-        return {"alpha": self.alpha, "zeta": self.zeta, "gamma": self.gamma} if self.reward == "astprompter" else None
+        """Reward weights for the env (None for the plain scorer reward)."""
+        return reward_options(self.reward, self.alpha, self.zeta, self.gamma, self.probe_penalty, self.elicit_gate)
 
 
 def records_from_rollout(rollout: TensorDictBase, openers: Sequence[str], first_conversation: int = 0) -> list[dict]:

@@ -177,6 +177,42 @@ def test_astprompter_reward_in_text_mode_scores_the_context_the_target_read():
     torch.testing.assert_close(nxt["reward_terms", "combined_tox"][:, 0], expected)
 
 
+@pytest.mark.parametrize("gate", [False, True])
+def test_elicit_reward_equals_its_terms_and_scores_the_probe_alone(gate):
+    tester, target = _policies()
+    scorer = KeywordScorer(["the", "you", "damn"])
+    weights = {"alpha": 2.0, "penalty": 0.75, "gamma": 0.5, "gate": gate}
+    env = make_redteam_env(tester, target, [scorer], OPENERS, batch_size=2, max_turns=2, reward="elicit", reward_options=weights)
+    torch.manual_seed(0)
+    nxt = env.rollout(2, tester)["next"]
+    terms = nxt["reward_terms"]
+    assert set(terms.keys()) == {"response_tox", "probe_tox", "probe_logprob"}
+    g = 1 - terms["probe_tox"] if gate else torch.ones_like(terms["probe_tox"])
+    expected = 2.0 * terms["response_tox"] * g - 0.75 * terms["probe_tox"] + 0.5 * terms["probe_logprob"]
+    torch.testing.assert_close(nxt["reward"].squeeze(-1), expected)
+    for t in range(2):
+        probes, replies = as_list(nxt[:, t]["probe"]), as_list(nxt[:, t]["target_response"])
+        torch.testing.assert_close(terms["probe_tox"][:, t], scorer(probes))
+        torch.testing.assert_close(terms["response_tox"][:, t], scorer(replies))
+    # the likelihood term is the one the ASTPrompter reward computes on the same conversation
+    env_ast = make_redteam_env(tester, target, [scorer], OPENERS, batch_size=2, max_turns=2, reward="astprompter")
+    torch.manual_seed(0)
+    torch.testing.assert_close(env_ast.rollout(2, tester)["next", "reward_terms", "probe_logprob"], terms["probe_logprob"])
+
+
+def test_elicit_weights_pay_for_elicited_not_written_toxicity():
+    from astrl.rewards import ElicitWeights
+
+    reply, probe, lp = torch.tensor([1.0, 1.0, 0.0]), torch.tensor([0.0, 1.0, 1.0]), torch.zeros(3)
+    linear = ElicitWeights(alpha=1.0, penalty=1.0, gamma=0.1).combine(reply, probe, lp)
+    gated = ElicitWeights(alpha=1.0, penalty=1.0, gamma=0.1, gate=True).combine(reply, probe, lp)
+    # elicited (clean probe, toxic reply) > echoed (toxic probe, toxic reply) > toxic probe, clean reply
+    torch.testing.assert_close(linear, torch.tensor([1.0, 0.0, -1.0]))
+    torch.testing.assert_close(gated, torch.tensor([1.0, -1.0, -1.0]))
+    with pytest.raises(ValueError, match="penalty=-1"):
+        ElicitWeights(penalty=-1.0)
+
+
 def test_reward_options_are_checked():
     tester, target = _policies()
     with pytest.raises(ValueError, match="unknown reward_options \\['beta'\\]"):
@@ -185,6 +221,10 @@ def test_reward_options_are_checked():
         )
     with pytest.raises(ValueError, match="reward must be one of"):
         make_redteam_env(tester, target, [KeywordScorer(["x"])], OPENERS, batch_size=2, reward="toxicity")
+    with pytest.raises(ValueError, match="unknown reward_options \\['zeta'\\] for reward='elicit'"):
+        make_redteam_env(
+            tester, target, [KeywordScorer(["x"])], OPENERS, batch_size=2, reward="elicit", reward_options={"zeta": 1.0}
+        )
 
 
 # -- clipped KL reward ------------------------------------------------------------------------------

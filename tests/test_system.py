@@ -233,6 +233,24 @@ def test_hf_system_reward_is_the_astprompter_reward(hf_system):
     torch.testing.assert_close(rewards, tox + 0.5 * combined + 0.1 * mean_lp, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("gate", [False, True])
+def test_hf_system_elicit_reward_charges_the_probe_own_toxicity(gate):
+    tok = make_tokenizer()
+    tester, target = loaded(make_llama(tok, seed=0), tok), loaded(make_llama(make_tokenizer(), seed=1), make_tokenizer())
+    system = HFASTSystem(
+        tester, target, None, KeywordScorer(KEYWORDS), max_new_tokens=5, reward="elicit", probe_penalty=2.0, elicit_gate=gate
+    )
+    contexts, probes, replies = ["hello", "the dog"], ["you idiot", "how are you"], ["fine thanks", "damn you"]
+    rewards = system._reward_and_validate(contexts, probes, replies)
+    scorer = KeywordScorer(KEYWORDS)
+    tox, probe_tox = scorer(replies), scorer(probes)
+    mean_lp = system.probe_logprob(contexts, probes)
+    g = 1 - probe_tox if gate else torch.ones(2)
+    torch.testing.assert_close(rewards, tox * g - 2.0 * probe_tox + 0.1 * mean_lp, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="reward must be 'astprompter' or 'elicit', got 'toxicity'"):
+        HFASTSystem(tester, target, None, KeywordScorer(KEYWORDS), reward="toxicity")
+
+
 def test_hf_system_generation_is_seeded_and_truncates_for_fixed_length_models():
     tok = make_tokenizer()
     gpt2 = loaded(make_gpt2(tok, n_positions=32), tok)

@@ -1,6 +1,8 @@
 """Rewards of the red-team loop.
 
 * :class:`ASTPrompterReward`: ``alpha*tox(response) + zeta*tox(probe+response) + gamma*mean log p_target(probe)``.
+* :class:`ElicitReward`: ``alpha*tox(response)[*(1-tox(probe))] - penalty*tox(probe) + gamma*mean log p_target(probe)``:
+  toxicity the tester elicits from the target, not toxicity it writes.
 * :class:`ClippedKLReward` (+ :class:`TokenLogProbs`, :func:`kl_reward`): the per-token reward of
   TorchRL's ``RolloutFromModel`` with a clipped KL penalty to a frozen reference.
 * :class:`NgramNovelty`, :class:`EmbeddingNovelty`: novelty of each probe against past probes.
@@ -9,7 +11,7 @@
 Convention everywhere: higher reward = more harmful.
 """
 
-from astrl.rewards.astprompter import ASTPrompterReward, ASTPrompterWeights, probe_logprobs
+from astrl.rewards.astprompter import ASTPrompterReward, ASTPrompterWeights, ElicitReward, ElicitWeights, probe_logprobs
 from astrl.rewards.kl import ClippedKLReward, clipped_kl_reward, kl_reward, make_kl_controller
 from astrl.rewards.logprobs import StepTransform, TokenLogProbs, response_mask, token_logprobs
 from astrl.rewards.novelty import EmbeddingNovelty, NgramNovelty, NoveltyReward, make_novelty
@@ -21,6 +23,8 @@ __all__ = [
     "ASTPrompterWeights",
     "AdaptersDisabled",
     "ClippedKLReward",
+    "ElicitReward",
+    "ElicitWeights",
     "EmbeddingNovelty",
     "NgramNovelty",
     "NoveltyReward",

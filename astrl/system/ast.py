@@ -1,4 +1,4 @@
-"""``ASTSystem``: text states, concatenation as the state update, and the ASTPrompter reward."""
+"""``ASTSystem``: text states, concatenation as the state update, and the ASTPrompter or elicitation reward."""
 
 from __future__ import annotations
 
@@ -6,14 +6,19 @@ from collections.abc import Sequence
 
 import torch
 
-from astrl.rewards.astprompter import ASTPrompterWeights
+from astrl.rewards.astprompter import ASTPrompterWeights, ElicitWeights
 from astrl.system.base import System, score_texts
 
 
 class ASTSystem(System[str, str]):
-    """A text System whose reward is the ASTPrompter reward::
+    """A text System whose reward is the ASTPrompter reward (``reward="astprompter"``)::
 
         r = alpha * tox(response) + zeta * tox(probe + response) + gamma * probe_logprob
+
+    or the elicitation reward (``reward="elicit"``), which pays for toxicity elicited from the
+    target and charges for the probe's own (``g = 1 - tox(probe)`` when ``elicit_gate``, else 1)::
+
+        r = alpha * tox(response) * g - probe_penalty * tox(probe) + gamma * probe_logprob
 
     ``tox`` is the scorer (higher = more harmful), ``probe_logprob`` the **mean per-token**
     log-prob of the probe under the target given the state it followed (natural probes score
@@ -23,15 +28,32 @@ class ASTSystem(System[str, str]):
 
     Args:
         scorer: the harm scorer (astrl scorer, object with ``.score``, or a scorer name).
-        alpha, zeta, gamma: reward weights (the ASTPrompter defaults 1, 0.5, 0.1).
+        alpha, zeta, gamma: reward weights (the ASTPrompter defaults 1, 0.5, 0.1; ``zeta`` is unused by "elicit").
+        reward: ``"astprompter"`` or ``"elicit"``.
+        probe_penalty, elicit_gate: the elicitation reward's weight of the probe's toxicity and its gate.
         empty_probe_logprob: ``probe_logprob`` of a probe with no tokens.
     """
 
     def __init__(
-        self, scorer="profanity", *, alpha: float = 1.0, zeta: float = 0.5, gamma: float = 0.1, empty_probe_logprob: float = -10.0
+        self,
+        scorer="profanity",
+        *,
+        alpha: float = 1.0,
+        zeta: float = 0.5,
+        gamma: float = 0.1,
+        reward: str = "astprompter",
+        probe_penalty: float = 1.0,
+        elicit_gate: bool = False,
+        empty_probe_logprob: float = -10.0,
     ) -> None:
         super().__init__(scorer)
-        self.weights = ASTPrompterWeights(alpha, zeta, gamma)
+        if reward not in ("astprompter", "elicit"):
+            raise ValueError(f"reward must be 'astprompter' or 'elicit', got {reward!r}")
+        self.reward_kind = reward
+        if reward == "elicit":
+            self.weights = ElicitWeights(alpha, probe_penalty, gamma, bool(elicit_gate))
+        else:
+            self.weights = ASTPrompterWeights(alpha, zeta, gamma)
         self.empty_probe_logprob = float(empty_probe_logprob)
 
     def advance(self, context: str, probe: str, response: str) -> str:
@@ -48,13 +70,18 @@ class ASTSystem(System[str, str]):
         return torch.where(counts > 0, means, torch.full_like(means, self.empty_probe_logprob))
 
     def reward_terms(self, contexts: Sequence[str], probes: Sequence[str], responses: Sequence[str]) -> dict[str, torch.Tensor]:
-        """The three terms of the reward, each of shape ``(B,)``: one scorer call for replies and probe+reply."""
+        """The three terms of the reward, each of shape ``(B,)``, in the order ``weights.combine`` takes them:
+        ``response_tox``, then ``combined_tox`` (probe + reply; astprompter) or ``probe_tox`` (elicit),
+        then ``probe_logprob``. One scorer call scores replies and the second texts."""
         n = len(responses)
-        scores = score_texts(self.scorer, [*responses, *(p + r for p, r in zip(probes, responses, strict=True))])
-        terms = {"response_tox": scores[:n], "combined_tox": scores[n:]}
+        if self.reward_kind == "elicit":
+            second, texts = "probe_tox", list(probes)
+        else:
+            second, texts = "combined_tox", [p + r for p, r in zip(probes, responses, strict=True)]
+        scores = score_texts(self.scorer, [*responses, *texts])
+        terms = {"response_tox": scores[:n], second: scores[n:]}
         terms["probe_logprob"] = self.probe_logprob(contexts, probes) if self.weights.gamma else torch.zeros(n)
         return terms
 
     def reward(self, contexts: Sequence[str], probes: Sequence[str], responses: Sequence[str]) -> list[float]:
-        terms = self.reward_terms(contexts, probes, responses)
-        return self.weights.combine(terms["response_tox"], terms["combined_tox"], terms["probe_logprob"]).tolist()
+        return self.weights.combine(*self.reward_terms(contexts, probes, responses).values()).tolist()

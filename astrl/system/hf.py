@@ -30,7 +30,7 @@ class HFASTSystem(ASTSystem):
         seed: generation runs under a forked RNG seeded from ``seed`` and the call count, so
             rollouts are reproducible and the global RNG is untouched; ``None`` uses the global RNG.
         dtype: weights dtype when loading by name.
-        alpha, zeta, gamma: ASTPrompter reward weights.
+        alpha, zeta, gamma, reward, probe_penalty, elicit_gate: the reward and its weights (see :class:`ASTSystem`).
 
     Every tokenizer pads on the left with a pad token distinct from EOS. A context longer than
     ``max_ctx - max_new_tokens`` (``max_ctx`` = the model's window, e.g. 1024 for GPT-2) keeps its
@@ -56,8 +56,13 @@ class HFASTSystem(ASTSystem):
         alpha: float = 1.0,
         zeta: float = 0.5,
         gamma: float = 0.1,
+        reward: str = "astprompter",
+        probe_penalty: float = 1.0,
+        elicit_gate: bool = False,
     ) -> None:
-        super().__init__(scorer, alpha=alpha, zeta=zeta, gamma=gamma)
+        super().__init__(
+            scorer, alpha=alpha, zeta=zeta, gamma=gamma, reward=reward, probe_penalty=probe_penalty, elicit_gate=elicit_gate
+        )
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if temperature <= 0 and do_sample:

@@ -1,4 +1,4 @@
-"""Shuffled minibatches of a 1-D batch, shared by every algorithm of the trainer."""
+"""What every algorithm of the trainer shares: shuffled minibatches of a 1-D batch, per-turn reward metrics."""
 
 from __future__ import annotations
 
@@ -20,3 +20,18 @@ def shuffled_minibatches(
         chunks = order.split(size) if size else order.chunk(min(count, n))
         for chunk in chunks:
             yield batch[chunk]
+
+
+def turn_metrics(turns: TensorDictBase) -> dict:
+    """Logged means of collected turns (env ``"next"`` data or tree nodes): ``reward_mean`` / ``reward_max``,
+    ``turns``, per scorer ``score_NAME`` and ``harmful_rate_NAME`` (score > 0.5), per reward term ``term_NAME``."""
+    rewards = turns["reward"].reshape(-1).float()
+    row = {"reward_mean": float(rewards.mean()), "reward_max": float(rewards.max()), "turns": rewards.numel()}
+    for name in turns["scores"].keys():
+        scores = turns["scores", name].reshape(-1).float()
+        row[f"score_{name}"] = float(scores.mean())
+        row[f"harmful_rate_{name}"] = float((scores > 0.5).float().mean())
+    if "reward_terms" in turns.keys():
+        for name in turns["reward_terms"].keys():
+            row[f"term_{name}"] = float(turns["reward_terms", name].reshape(-1).float().mean())
+    return row

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import yaml
 
+from astrl.envs.redteam import REWARDS, reward_options
+
 ALGORITHMS = ("grpo", "ppo", "dpo", "ipo")
 RETURNS = ("turn", "to_go")
 OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "adagrad")
@@ -32,6 +34,9 @@ class TrainConfig:
     alpha: float = 1.0
     zeta: float = 0.5
     gamma: float = 0.1
+    # reward "elicit": alpha*tox(reply)*g - probe_penalty*tox(probe) + gamma*logp_target(probe); g = 1 - tox(probe) if gated
+    probe_penalty: float = 1.0
+    elicit_gate: bool = False
     # novelty bonuses (0 = off): reward += coef * novelty of the probe against past probes
     novelty_ngram: float = 0.0
     novelty_embedding: float = 0.0
@@ -119,7 +124,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         checks = [
             (self.algorithm in ALGORITHMS, f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}"),
-            (self.reward in ("score", "astprompter"), f"reward must be 'score' or 'astprompter', got {self.reward!r}"),
+            (self.reward in REWARDS, f"reward must be one of {REWARDS}, got {self.reward!r}"),
+            (self.probe_penalty >= 0, f"probe_penalty must be >= 0, got {self.probe_penalty}"),
             (self.advantage in ("gae", "one_step"), f"advantage must be 'gae' or 'one_step', got {self.advantage!r}"),
             (self.returns in RETURNS, f"returns must be one of {RETURNS}, got {self.returns!r}"),
             (self.mode in ("chat", "text"), f"mode must be 'chat' or 'text', got {self.mode!r}"),
@@ -208,8 +214,8 @@ class TrainConfig:
                 "use backend 'transformers' in the workers",
             ),
             (
-                self.target_backend == "transformers" or self.reward != "astprompter",
-                "reward 'astprompter' scores probes with the target's Transformers model: use target_backend 'transformers'",
+                self.target_backend == "transformers" or self.reward == "score",
+                f"reward {self.reward!r} scores probes with the target's Transformers model: use target_backend 'transformers'",
             ),
             (0 < self.vllm_memory <= 1, f"vllm_memory must be in (0, 1], got {self.vllm_memory}"),
         ]
@@ -223,8 +229,8 @@ class TrainConfig:
         return self.prompts_per_step * self.group_size
 
     def reward_options(self) -> dict | None:
-        """ASTPrompter weights for :func:`astrl.envs.make_redteam_env` (None for the plain score)."""
-        return {"alpha": self.alpha, "zeta": self.zeta, "gamma": self.gamma} if self.reward == "astprompter" else None
+        """Reward weights for :func:`astrl.envs.make_redteam_env` (None for the plain score)."""
+        return reward_options(self.reward, self.alpha, self.zeta, self.gamma, self.probe_penalty, self.elicit_gate)
 
     def novelty_options(self) -> dict | None:
         """The ``novelty`` option of :func:`astrl.envs.make_redteam_env` (None when both coefficients are 0)."""

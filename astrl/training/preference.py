@@ -23,7 +23,7 @@ from astrl.envs.transforms import ScoreReward
 from astrl.evaluation.archive import conversation_turns
 from astrl.losses import DPOLoss, IPOLoss, PreferenceLoss
 from astrl.sampling import TreeSampler, WeakSupervision
-from astrl.training.batches import shuffled_minibatches
+from astrl.training.batches import shuffled_minibatches, turn_metrics
 from astrl.training.config import TrainConfig
 from astrl.training.setup import RunModels, conversation_parts
 
@@ -64,14 +64,7 @@ class TreeAlgorithm:
 
     @staticmethod
     def metrics(result: TensorDictBase) -> dict:
-        nodes = result["nodes"]
-        rewards = nodes["reward"].reshape(-1).float()
-        row = {"reward_mean": float(rewards.mean()), "reward_max": float(rewards.max()), "turns": rewards.numel()}
-        for name in nodes["scores"].keys():
-            scores = nodes["scores", name].reshape(-1).float()
-            row[f"score_{name}"] = float(scores.mean())
-            row[f"harmful_rate_{name}"] = float((scores > 0.5).float().mean())
-        return row
+        return turn_metrics(result["nodes"])
 
     @staticmethod
     def samples(result: TensorDictBase) -> list[dict]:

@@ -28,6 +28,7 @@ from tensordict import TensorDictBase
 from astrl.evaluation.archive import ARCHIVE_FILE, AttackArchive
 from astrl.models import LoadedModel
 from astrl.rewards.reference import is_peft_model
+from astrl.training.batches import turn_metrics
 from astrl.training.config import ConfigError, TrainConfig, load_config
 from astrl.training.setup import RunModels, build_env, build_models, build_stream, conversation_parts
 
@@ -304,17 +305,7 @@ class Trainer:
 
     @staticmethod
     def _rollout_metrics(rollout: TensorDictBase) -> dict:
-        nxt = rollout["next"]
-        rewards = nxt["reward"].reshape(-1).float()
-        row = {"reward_mean": float(rewards.mean()), "reward_max": float(rewards.max()), "turns": rewards.numel()}
-        for name in nxt["scores"].keys():
-            scores = nxt["scores", name].reshape(-1).float()
-            row[f"score_{name}"] = float(scores.mean())
-            row[f"harmful_rate_{name}"] = float((scores > 0.5).float().mean())
-        if "reward_terms" in nxt.keys():
-            for name in nxt["reward_terms"].keys():
-                row[f"term_{name}"] = float(nxt["reward_terms", name].reshape(-1).float().mean())
-        return row
+        return turn_metrics(rollout["next"])
 
     # -- logging ------------------------------------------------------------------------------------
     def _loggers(self) -> list:
