@@ -1,9 +1,10 @@
-"""Multi-turn GRPO: ``LLMCollector`` -> replay buffer with ``MCAdvantage`` -> TorchRL's ``GRPOLoss``.
+"""Multi-turn GRPO: ``LLMCollector`` -> group-relative advantages per turn -> ``ResponseGRPOLoss``.
 
 Each tester turn is one training sample. A step runs ``prompts_per_step`` openers, each in
-``group_size`` conversations of ``turns`` tester turns; ``MCAdvantage`` normalises each turn's
-return within its group (the conversations that share an opener). The return of a turn is its
-own reward (``returns: turn``) or the sum of its and the later turns' rewards (``returns: to_go``).
+``group_size`` conversations of ``turns`` tester turns. The return of a turn is its own reward
+(``returns: turn``) or the sum of its and the later turns' rewards (``returns: to_go``), and
+:func:`turn_group_advantages` normalises it among the turns at the same position of the
+conversations that share its opener, so that an advantage never carries the turn index.
 
 Behaviour and reference log-probs are recomputed on the exact token ids with the same
 tokens-mode wrapper the loss uses, so the importance ratio is exactly 1 before the first update
@@ -18,9 +19,8 @@ from types import SimpleNamespace
 import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 from torchrl.collectors.llm import LLMCollector
-from torchrl.data import LazyStackStorage, ReplayBuffer
 from torchrl.modules.llm import TransformersWrapper
-from torchrl.objectives.llm import GRPOLoss, MCAdvantage
+from torchrl.objectives.llm import GRPOLoss
 
 from astrl._compat import as_list
 from astrl.envs.transforms import ScoreReward
@@ -31,8 +31,6 @@ from astrl.training.batches import shuffled_minibatches
 from astrl.training.config import TrainConfig
 from astrl.training.setup import RunModels
 
-RETURN_KEY = ("next", "return")
-
 
 def returns_to_go(rewards: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
     """``G_t = r_t + G_{t+1}`` within each trajectory of a flat, trajectory-contiguous batch."""
@@ -42,6 +40,47 @@ def returns_to_go(rewards: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
         running = rewards[i] + torch.where(done[i], torch.zeros_like(running), running)
         out[i] = running
     return out
+
+
+def turn_group_advantages(
+    returns: torch.Tensor, openers: list[str], turns: torch.Tensor, group_size: int, eps: float = 1e-6
+) -> torch.Tensor:
+    """Group-relative advantages of a flat batch of tester turns, normalised per (opener, turn) cell.
+
+    A cell holds the turns at one position (``turns[i]``, the turn index) of the conversations
+    that share an opener (``openers[i]``) in this batch. Within each cell of ``n`` returns::
+
+        A_i = (R_i - mean) / (std + eps),   mean = sum(R) / n,   std = sqrt(sum((R - mean)^2) / n)
+
+    (``std`` is the population standard deviation, divided by ``n``, not ``n - 1``). A cell whose
+    returns are all equal (zero std, a cell of one among them) gets ``A = 0``. The advantages of a
+    cell therefore sum to zero, and adding the same value to every return at one turn position
+    (e.g. a reward that grows with the turn index) changes no advantage.
+
+    Every cell must hold whole groups: ``group_size`` turns, or a multiple of it when an opener is
+    drawn twice in one batch (at an epoch boundary of the prompt stream; its conversations then
+    form one larger group). Otherwise a ``ValueError`` names the cells and their sizes.
+    """
+    keys = list(zip(openers, turns.reshape(-1).tolist(), strict=True))
+    index = {key: i for i, key in enumerate(dict.fromkeys(keys))}
+    cell = torch.tensor([index[key] for key in keys], device=returns.device)
+    size = torch.bincount(cell, minlength=len(index))
+    incomplete = {key: int(size[i]) for key, i in index.items() if size[i] % group_size}
+    if incomplete:
+        shown = ", ".join(f"(opener {o[:40]!r}, turn {t}): {n}" for (o, t), n in list(incomplete.items())[:5])
+        raise ValueError(
+            f"GRPO expected complete groups: each (opener, turn) cell needs a multiple of group_size={group_size} "
+            f"turns; {len(incomplete)} of {len(index)} cells do not ({shown})"
+        )
+    values = returns.reshape(-1).double()  # float64 statistics: cell sums of large returns stay exact
+    n = size.to(values.dtype)
+    mean = torch.zeros_like(n).index_add_(0, cell, values) / n
+    deviation = values - mean[cell]
+    std = (torch.zeros_like(n).index_add_(0, cell, deviation**2) / n).sqrt()
+    high = torch.zeros_like(n).scatter_reduce(0, cell, values, "amax", include_self=False)
+    low = torch.zeros_like(n).scatter_reduce(0, cell, values, "amin", include_self=False)
+    advantages = torch.where((high > low)[cell], deviation / (std[cell] + eps), torch.zeros_like(values))
+    return advantages.to(returns.dtype)
 
 
 def full_rows(prompts: list[torch.Tensor], response_logprobs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -215,15 +254,12 @@ class OnPolicy:
 
 
 class GRPO(OnPolicy):
-    """Multi-turn GRPO with TorchRL's ``MCAdvantage`` and ``GRPOLoss``."""
+    """Multi-turn GRPO: advantages per (opener, turn) cell, TorchRL's ``GRPOLoss`` surrogate."""
 
     name = "grpo"
 
     def __init__(self, config: TrainConfig, models: RunModels, env, policy, stream=None) -> None:
         super().__init__(config, models, env, policy, stream)
-        rewards_key = RETURN_KEY if config.returns == "to_go" else ("next", "reward")
-        self.buffer = ReplayBuffer(storage=LazyStackStorage(config.batch_size * config.turns * 2), batch_size=1)
-        self.buffer.append_transform(MCAdvantage(grpo_size=config.group_size, prompt_key="query", rewards_key=rewards_key))
 
         def scorer(model):  # parameters for the loss module; entropy bonus path
             return TransformersWrapper(
@@ -248,24 +284,19 @@ class GRPO(OnPolicy):
     def collect(self) -> tuple[TensorDictBase, TensorDictBase]:
         """One batch of completed conversations -> (training turns, raw flat rollout)."""
         data = self.next_rollout()
-        if self.config.returns == "to_go":
-            rewards, done = data["next", "reward"].reshape(-1, 1), data["next", "done"].reshape(-1)
-            data.set(RETURN_KEY, returns_to_go(rewards, done))
-        self.buffer.extend(data)
-        if len(self.buffer) != data.numel():
-            raise RuntimeError(
-                f"GRPO expected complete groups: {len(self.buffer)} of {data.numel()} turns got an advantage "
-                f"(group_size={self.config.group_size})"
-            )
-        grouped = self.buffer[:]
-        self.buffer.empty()
-        return self.training_batch(grouped), data
+        return self.training_batch(data, self.advantages(data)), data
 
-    def training_batch(self, data: TensorDictBase) -> TensorDictBase:
+    def advantages(self, data: TensorDictBase) -> torch.Tensor:
+        """:func:`turn_group_advantages` of a flat, trajectory-contiguous rollout's returns."""
+        rewards = data["next", "reward"].reshape(-1).float()
+        if self.config.returns == "to_go":
+            rewards = returns_to_go(rewards, data["next", "done"].reshape(-1))
+        return turn_group_advantages(rewards, as_list(data["query"]), data["step_count"], self.config.group_size)
+
+    def training_batch(self, data: TensorDictBase, advantages: torch.Tensor) -> TensorDictBase:
         """Exact tokens (prompt + response up to EOS), behaviour and reference log-probs, advantage."""
         prompts = data.get(("tokens", "prompt"), as_list=True)
         responses = data.get(("tokens", "response"), as_list=True)
-        advantages = data.get("advantage").reshape(-1).float()
         items = []
         for prompt, response, advantage in zip(prompts, responses, advantages, strict=True):
             response = response[: int(response_mask(response, self.stops).sum())]
