@@ -25,6 +25,7 @@ from torchrl.objectives.llm import GRPOLoss
 from astrl._compat import as_list
 from astrl.envs.transforms import ScoreReward
 from astrl.evaluation.archive import conversation_turns
+from astrl.losses.ppo import masked_mean
 from astrl.rewards.logprobs import response_mask, stop_ids, token_logprobs
 from astrl.rewards.novelty import load_novelty_states, novelty_transforms
 from astrl.training.batches import shuffled_minibatches
@@ -88,21 +89,85 @@ def full_rows(prompts: list[torch.Tensor], response_logprobs: list[torch.Tensor]
     return [torch.cat([torch.zeros(len(p)), lp.float().cpu()]) for p, lp in zip(prompts, response_logprobs, strict=True)]
 
 
-class ResponseGRPOLoss(GRPOLoss):
-    """TorchRL's ``GRPOLoss`` with the current log-probs computed for response tokens only.
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """``exp(x) - x - 1`` for ``x = log q(a) - log p(a)``, ``a ~ p``: the k3 estimate of KL(p || q) (>= 0)."""
+    return torch.expm1(log_ratio) - log_ratio
 
-    The objective, clipping, aggregation and KL terms are GRPOLoss's own; only the log-prob
-    evaluation changes: one right-padded forward whose LM head runs on the response positions
-    (:func:`astrl.rewards.token_logprobs`), instead of full-vocabulary logits over the prompt
-    too. The result is laid out as GRPOLoss expects (left-padded over prompt + response, masked
-    to the response). With an entropy bonus the full distribution is needed, so the parent's
-    path is used.
+
+class ResponseGRPOLoss(GRPOLoss):
+    """TorchRL's ``GRPOLoss`` surrogate, with its KL term and diagnostics taken per response token.
+
+    Let ``M`` be the response tokens of the minibatch (each response up to its first EOS; no
+    prompt, no padding), ``x_t = log pi(a_t) - log pi_old(a_t)`` the log importance ratio and
+    ``d_t = log pi_ref(a_t) - log pi(a_t)``. The outputs are::
+
+        loss_objective = GRPOLoss's clipped surrogate, token mean over M
+        loss_kl_to_ref = kl_coef * kl_to_ref                       (only when kl_coef > 0)
+        kl_to_ref      = mean over M of exp(d_t) - d_t - 1         (k3 estimate of KL(pi || pi_ref), >= 0)
+        kl_approx      = mean over M of exp(x_t) - x_t - 1         (k3 estimate of KL(pi_old || pi), >= 0)
+        clip_fraction  = share of M whose ratio exp(x_t) lies outside [1 - eps_low, 1 + eps_high]
+        entropy        = mean over M of the full-vocabulary entropy; loss_entropy = -entropy_coef * entropy
+        ESS            = GRPOLoss's effective sample size of the ratios over M, divided by |M|
+
+    The KL is a token mean over the minibatch, like the surrogate, so ``kl_coef`` weighs the two
+    per token. ``kl_to_ref`` is logged whenever the data holds reference log-probs. GRPOLoss's own
+    KL path is not used: it pads the reference log-probs its own way and averages the KL,
+    ``kl_approx`` and ``clip_fraction`` over every position, prompt included (DESIGN.md §3).
+
+    The current log-probs are computed for response tokens only: one right-padded forward whose LM
+    head runs on the response positions (:func:`astrl.rewards.token_logprobs`), laid out as
+    GRPOLoss expects (left-padded over prompt + response, masked to the response). With an entropy
+    bonus the full distribution is needed, so GRPOLoss's own path is used (its ``sft`` mask also
+    covers the response tokens only).
     """
 
-    def __init__(self, actor_network, *, model: torch.nn.Module, pad_token_id: int, max_length: int | None, **kwargs) -> None:
+    def __init__(
+        self,
+        actor_network,
+        *,
+        model: torch.nn.Module,
+        pad_token_id: int,
+        max_length: int | None,
+        kl_coef: float = 0.0,
+        **kwargs,
+    ) -> None:
+        unused = [k for k in ("kl_to_ref_coeff", "kl_to_inference_coeff", "kl_mask_threshold") if kwargs.get(k) is not None]
+        if unused:
+            raise ValueError(f"ResponseGRPOLoss computes its KL itself (kl_coef); {unused} are not supported")
+        if kwargs.get("aggregation", "token_mean") != "token_mean":
+            raise ValueError("ResponseGRPOLoss aggregates over response tokens (token_mean) only")
         super().__init__(actor_network, **kwargs)
         object.__setattr__(self, "_scored_model", model)  # already registered through actor_network
         self.pad_token_id, self.max_length = pad_token_id, max_length
+        self.kl_coef = kl_coef
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        tensordict = tensordict.copy()
+        advantage = tensordict.get(self.tensor_keys.advantage, as_padded_tensor=True)  # (B, 1, 1): one per sample
+        log_weight, dist, _, mask = self._log_weight(tensordict, adv_shape=advantage.shape[:-1])
+        current = tensordict.get("_cur_log_prob")  # (B, T), left-padded, 0.0 off the response
+        objective, _ = self._compute_policy_objective(log_weight, advantage)
+        out = TensorDict(loss_objective=masked_mean(objective.squeeze(-1), mask))
+        log_ratio = log_weight.squeeze(-1).detach()
+        low, high = self._clip_bounds
+        out["clip_fraction"] = masked_mean(((log_ratio < low) | (log_ratio > high)).float(), mask)
+        out["kl_approx"] = masked_mean(k3(log_ratio), mask)
+        ratios = log_ratio[mask]
+        out["ESS"] = (2 * ratios.logsumexp(0) - (2 * ratios).logsumexp(0)).exp() / mask.sum()
+        reference = tensordict.get(
+            self.tensor_keys.ref_log_probs, None, as_padded_tensor=True, padding_side="left", padding_value=0.0
+        )
+        if reference is not None:
+            reference = reference.reshape(current.shape).to(current)
+            kl = masked_mean(k3(reference - current), mask)
+            out["kl_to_ref"] = kl.detach()
+            if self.kl_coef > 0:
+                out["loss_kl_to_ref"] = self.kl_coef * kl
+        if self.entropy_bonus:
+            entropy = masked_mean(self._get_entropy(dist, adv_shape=advantage.shape[:-1]).squeeze(-1), mask)
+            out["entropy"] = entropy.detach()
+            out["loss_entropy"] = -self.entropy_coeff * entropy
+        return self.output_type.from_tensordict(out)
 
     def _get_cur_log_prob(self, tensordict: TensorDictBase):
         if self.entropy_bonus:
@@ -275,7 +340,7 @@ class GRPO(OnPolicy):
             clip_epsilon=config.clip_epsilon,
             entropy_bonus=config.entropy_coef > 0,
             entropy_coeff=config.entropy_coef,
-            kl_to_ref_coeff=config.kl_coef if config.kl_coef > 0 else None,
+            kl_coef=config.kl_coef,
             masking_strategy="sft",
         )
         self.loss_module.set_keys(ref_log_probs=("ref_log_probs", "full"))
