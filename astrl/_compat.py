@@ -12,6 +12,10 @@ workaround handles it, so each workaround can go when upstream changes.
 2. ``TransformersWrapper`` text outputs keep special tokens and the padding that follows an early
    EOS; astrl decodes replies from the generated ids, cut at the first EOS
    (:func:`astrl.envs.transforms.clean_responses`).
+3. ``GRPOLoss`` averages its KL to the reference, ``kl_approx`` and ``clip_fraction`` over every
+   padded position, prompt included (and logs ``kl_approx`` as a plain log-ratio mean, which can be
+   negative). :class:`astrl.training.grpo.ResponseGRPOLoss` keeps GRPOLoss's surrogate and takes
+   these as means over the response tokens.
 """
 
 from __future__ import annotations

@@ -154,7 +154,7 @@ def main() -> None:
         grpo_batch, data = grpo.collect()
     prep = Timer(args.device)
     with prep.section("grpo"):
-        grpo_batch = grpo.training_batch(grpo_batch)  # same tokens and advantages again, timed alone
+        grpo_batch = grpo.training_batch(data, grpo.advantages(data))  # the same batch again, timed alone
     prompts = data.get(("tokens", "prompt"), as_list=True)
     stops = grpo.stops
     responses = [q[: int(response_mask(q, stops).sum())] for q in data.get(("tokens", "response"), as_list=True)]

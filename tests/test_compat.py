@@ -77,3 +77,31 @@ def test_wrapper_text_keeps_specials_and_padding_so_replies_are_decoded_from_ids
     texts, ids, mask = clean_responses(out.get(("tokens", "response"), as_list=True), tok, 5)
     assert texts[0] == "" and mask[0].tolist() == [True, False, False, False, False] and ids[0, 0] == tok.eos_token_id
     assert mask[1].all() and tok.eos_token not in texts[1]
+
+
+def test_grpoloss_averages_kl_and_diagnostics_over_every_position_so_astrl_takes_response_tokens(tmp_path):
+    # upstream GRPOLoss divides clip_fraction and the KL to the reference by every (padded) position,
+    # prompt included, and logs kl_approx as a mean of log(old / new) there; ResponseGRPOLoss takes
+    # means over the response tokens (k3 estimates, never negative)
+    import torch
+    from test_grpo import _update
+    from test_training import _config, _trainer
+    from torchrl.objectives.llm import GRPOLoss
+
+    trainer = _trainer(_config(tmp_path, reward="astprompter", kl_coef=0.1))
+    trainer._build()
+    batch, _ = trainer.algorithm.collect()
+    _update(trainer, batch)
+    loss = trainer.algorithm.loss_module
+    ours = loss(batch).to_tensordict()
+    loss.kl_to_ref_coeff = 0.1
+    try:
+        upstream = GRPOLoss.forward(loss, batch).to_tensordict()
+    finally:
+        loss.kl_to_ref_coeff = None
+    tokens = sum(len(r) for r in batch.get(("tokens", "response"), as_list=True))
+    positions = len(batch) * max(len(f) for f in batch.get(("tokens", "full"), as_list=True))
+    assert tokens < positions
+    for key in ("clip_fraction", "kl_to_ref"):
+        torch.testing.assert_close(upstream[key], ours[key] * tokens / positions)
+    assert ours["kl_approx"] > 0 and upstream["kl_approx"] != ours["kl_approx"]

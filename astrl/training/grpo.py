@@ -1,9 +1,10 @@
-"""Multi-turn GRPO: ``LLMCollector`` -> replay buffer with ``MCAdvantage`` -> TorchRL's ``GRPOLoss``.
+"""Multi-turn GRPO: ``LLMCollector`` -> group-relative advantages per turn -> ``ResponseGRPOLoss``.
 
 Each tester turn is one training sample. A step runs ``prompts_per_step`` openers, each in
-``group_size`` conversations of ``turns`` tester turns; ``MCAdvantage`` normalises each turn's
-return within its group (the conversations that share an opener). The return of a turn is its
-own reward (``returns: turn``) or the sum of its and the later turns' rewards (``returns: to_go``).
+``group_size`` conversations of ``turns`` tester turns. The return of a turn is its own reward
+(``returns: turn``) or the sum of its and the later turns' rewards (``returns: to_go``), and
+:func:`turn_group_advantages` normalises it among the turns at the same position of the
+conversations that share its opener, so that an advantage never carries the turn index.
 
 Behaviour and reference log-probs are recomputed on the exact token ids with the same
 tokens-mode wrapper the loss uses, so the importance ratio is exactly 1 before the first update
@@ -18,20 +19,18 @@ from types import SimpleNamespace
 import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 from torchrl.collectors.llm import LLMCollector
-from torchrl.data import LazyStackStorage, ReplayBuffer
 from torchrl.modules.llm import TransformersWrapper
-from torchrl.objectives.llm import GRPOLoss, MCAdvantage
+from torchrl.objectives.llm import GRPOLoss
 
 from astrl._compat import as_list
 from astrl.envs.transforms import ScoreReward
 from astrl.evaluation.archive import conversation_turns
+from astrl.losses.ppo import masked_mean
 from astrl.rewards.logprobs import response_mask, stop_ids, token_logprobs
 from astrl.rewards.novelty import load_novelty_states, novelty_transforms
 from astrl.training.batches import shuffled_minibatches
 from astrl.training.config import TrainConfig
 from astrl.training.setup import RunModels
-
-RETURN_KEY = ("next", "return")
 
 
 def returns_to_go(rewards: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
@@ -44,26 +43,131 @@ def returns_to_go(rewards: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def turn_group_advantages(
+    returns: torch.Tensor, openers: list[str], turns: torch.Tensor, group_size: int, eps: float = 1e-6
+) -> torch.Tensor:
+    """Group-relative advantages of a flat batch of tester turns, normalised per (opener, turn) cell.
+
+    A cell holds the turns at one position (``turns[i]``, the turn index) of the conversations
+    that share an opener (``openers[i]``) in this batch. Within each cell of ``n`` returns::
+
+        A_i = (R_i - mean) / (std + eps),   mean = sum(R) / n,   std = sqrt(sum((R - mean)^2) / n)
+
+    (``std`` is the population standard deviation, divided by ``n``, not ``n - 1``). A cell whose
+    returns are all equal (zero std, a cell of one among them) gets ``A = 0``. The advantages of a
+    cell therefore sum to zero, and adding the same value to every return at one turn position
+    (e.g. a reward that grows with the turn index) changes no advantage.
+
+    Every cell must hold whole groups: ``group_size`` turns, or a multiple of it when an opener is
+    drawn twice in one batch (at an epoch boundary of the prompt stream; its conversations then
+    form one larger group). Otherwise a ``ValueError`` names the cells and their sizes.
+    """
+    keys = list(zip(openers, turns.reshape(-1).tolist(), strict=True))
+    index = {key: i for i, key in enumerate(dict.fromkeys(keys))}
+    cell = torch.tensor([index[key] for key in keys], device=returns.device)
+    size = torch.bincount(cell, minlength=len(index))
+    incomplete = {key: int(size[i]) for key, i in index.items() if size[i] % group_size}
+    if incomplete:
+        shown = ", ".join(f"(opener {o[:40]!r}, turn {t}): {n}" for (o, t), n in list(incomplete.items())[:5])
+        raise ValueError(
+            f"GRPO expected complete groups: each (opener, turn) cell needs a multiple of group_size={group_size} "
+            f"turns; {len(incomplete)} of {len(index)} cells do not ({shown})"
+        )
+    values = returns.reshape(-1).double()  # float64 statistics: cell sums of large returns stay exact
+    n = size.to(values.dtype)
+    mean = torch.zeros_like(n).index_add_(0, cell, values) / n
+    deviation = values - mean[cell]
+    std = (torch.zeros_like(n).index_add_(0, cell, deviation**2) / n).sqrt()
+    high = torch.zeros_like(n).scatter_reduce(0, cell, values, "amax", include_self=False)
+    low = torch.zeros_like(n).scatter_reduce(0, cell, values, "amin", include_self=False)
+    advantages = torch.where((high > low)[cell], deviation / (std[cell] + eps), torch.zeros_like(values))
+    return advantages.to(returns.dtype)
+
+
 def full_rows(prompts: list[torch.Tensor], response_logprobs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Per-sample log-probs over prompt + response (0.0 on the prompt, which no loss reads)."""
     return [torch.cat([torch.zeros(len(p)), lp.float().cpu()]) for p, lp in zip(prompts, response_logprobs, strict=True)]
 
 
-class ResponseGRPOLoss(GRPOLoss):
-    """TorchRL's ``GRPOLoss`` with the current log-probs computed for response tokens only.
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """``exp(x) - x - 1`` for ``x = log q(a) - log p(a)``, ``a ~ p``: the k3 estimate of KL(p || q) (>= 0)."""
+    return torch.expm1(log_ratio) - log_ratio
 
-    The objective, clipping, aggregation and KL terms are GRPOLoss's own; only the log-prob
-    evaluation changes: one right-padded forward whose LM head runs on the response positions
-    (:func:`astrl.rewards.token_logprobs`), instead of full-vocabulary logits over the prompt
-    too. The result is laid out as GRPOLoss expects (left-padded over prompt + response, masked
-    to the response). With an entropy bonus the full distribution is needed, so the parent's
-    path is used.
+
+class ResponseGRPOLoss(GRPOLoss):
+    """TorchRL's ``GRPOLoss`` surrogate, with its KL term and diagnostics taken per response token.
+
+    Let ``M`` be the response tokens of the minibatch (each response up to its first EOS; no
+    prompt, no padding), ``x_t = log pi(a_t) - log pi_old(a_t)`` the log importance ratio and
+    ``d_t = log pi_ref(a_t) - log pi(a_t)``. The outputs are::
+
+        loss_objective = GRPOLoss's clipped surrogate, token mean over M
+        loss_kl_to_ref = kl_coef * kl_to_ref                       (only when kl_coef > 0)
+        kl_to_ref      = mean over M of exp(d_t) - d_t - 1         (k3 estimate of KL(pi || pi_ref), >= 0)
+        kl_approx      = mean over M of exp(x_t) - x_t - 1         (k3 estimate of KL(pi_old || pi), >= 0)
+        clip_fraction  = share of M whose ratio exp(x_t) lies outside [1 - eps_low, 1 + eps_high]
+        entropy        = mean over M of the full-vocabulary entropy; loss_entropy = -entropy_coef * entropy
+        ESS            = GRPOLoss's effective sample size of the ratios over M, divided by |M|
+
+    The KL is a token mean over the minibatch, like the surrogate, so ``kl_coef`` weighs the two
+    per token. ``kl_to_ref`` is logged whenever the data holds reference log-probs. GRPOLoss's own
+    KL path is not used: it pads the reference log-probs its own way and averages the KL,
+    ``kl_approx`` and ``clip_fraction`` over every position, prompt included (DESIGN.md §3).
+
+    The current log-probs are computed for response tokens only: one right-padded forward whose LM
+    head runs on the response positions (:func:`astrl.rewards.token_logprobs`), laid out as
+    GRPOLoss expects (left-padded over prompt + response, masked to the response). With an entropy
+    bonus the full distribution is needed, so GRPOLoss's own path is used (its ``sft`` mask also
+    covers the response tokens only).
     """
 
-    def __init__(self, actor_network, *, model: torch.nn.Module, pad_token_id: int, max_length: int | None, **kwargs) -> None:
+    def __init__(
+        self,
+        actor_network,
+        *,
+        model: torch.nn.Module,
+        pad_token_id: int,
+        max_length: int | None,
+        kl_coef: float = 0.0,
+        **kwargs,
+    ) -> None:
+        unused = [k for k in ("kl_to_ref_coeff", "kl_to_inference_coeff", "kl_mask_threshold") if kwargs.get(k) is not None]
+        if unused:
+            raise ValueError(f"ResponseGRPOLoss computes its KL itself (kl_coef); {unused} are not supported")
+        if kwargs.get("aggregation", "token_mean") != "token_mean":
+            raise ValueError("ResponseGRPOLoss aggregates over response tokens (token_mean) only")
         super().__init__(actor_network, **kwargs)
         object.__setattr__(self, "_scored_model", model)  # already registered through actor_network
         self.pad_token_id, self.max_length = pad_token_id, max_length
+        self.kl_coef = kl_coef
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        tensordict = tensordict.copy()
+        advantage = tensordict.get(self.tensor_keys.advantage, as_padded_tensor=True)  # (B, 1, 1): one per sample
+        log_weight, dist, _, mask = self._log_weight(tensordict, adv_shape=advantage.shape[:-1])
+        current = tensordict.get("_cur_log_prob")  # (B, T), left-padded, 0.0 off the response
+        objective, _ = self._compute_policy_objective(log_weight, advantage)
+        out = TensorDict(loss_objective=masked_mean(objective.squeeze(-1), mask))
+        log_ratio = log_weight.squeeze(-1).detach()
+        low, high = self._clip_bounds
+        out["clip_fraction"] = masked_mean(((log_ratio < low) | (log_ratio > high)).float(), mask)
+        out["kl_approx"] = masked_mean(k3(log_ratio), mask)
+        ratios = log_ratio[mask]
+        out["ESS"] = (2 * ratios.logsumexp(0) - (2 * ratios).logsumexp(0)).exp() / mask.sum()
+        reference = tensordict.get(
+            self.tensor_keys.ref_log_probs, None, as_padded_tensor=True, padding_side="left", padding_value=0.0
+        )
+        if reference is not None:
+            reference = reference.reshape(current.shape).to(current)
+            kl = masked_mean(k3(reference - current), mask)
+            out["kl_to_ref"] = kl.detach()
+            if self.kl_coef > 0:
+                out["loss_kl_to_ref"] = self.kl_coef * kl
+        if self.entropy_bonus:
+            entropy = masked_mean(self._get_entropy(dist, adv_shape=advantage.shape[:-1]).squeeze(-1), mask)
+            out["entropy"] = entropy.detach()
+            out["loss_entropy"] = -self.entropy_coeff * entropy
+        return self.output_type.from_tensordict(out)
 
     def _get_cur_log_prob(self, tensordict: TensorDictBase):
         if self.entropy_bonus:
@@ -215,15 +319,12 @@ class OnPolicy:
 
 
 class GRPO(OnPolicy):
-    """Multi-turn GRPO with TorchRL's ``MCAdvantage`` and ``GRPOLoss``."""
+    """Multi-turn GRPO: advantages per (opener, turn) cell, TorchRL's ``GRPOLoss`` surrogate."""
 
     name = "grpo"
 
     def __init__(self, config: TrainConfig, models: RunModels, env, policy, stream=None) -> None:
         super().__init__(config, models, env, policy, stream)
-        rewards_key = RETURN_KEY if config.returns == "to_go" else ("next", "reward")
-        self.buffer = ReplayBuffer(storage=LazyStackStorage(config.batch_size * config.turns * 2), batch_size=1)
-        self.buffer.append_transform(MCAdvantage(grpo_size=config.group_size, prompt_key="query", rewards_key=rewards_key))
 
         def scorer(model):  # parameters for the loss module; entropy bonus path
             return TransformersWrapper(
@@ -239,7 +340,7 @@ class GRPO(OnPolicy):
             clip_epsilon=config.clip_epsilon,
             entropy_bonus=config.entropy_coef > 0,
             entropy_coeff=config.entropy_coef,
-            kl_to_ref_coeff=config.kl_coef if config.kl_coef > 0 else None,
+            kl_coef=config.kl_coef,
             masking_strategy="sft",
         )
         self.loss_module.set_keys(ref_log_probs=("ref_log_probs", "full"))
@@ -248,24 +349,19 @@ class GRPO(OnPolicy):
     def collect(self) -> tuple[TensorDictBase, TensorDictBase]:
         """One batch of completed conversations -> (training turns, raw flat rollout)."""
         data = self.next_rollout()
-        if self.config.returns == "to_go":
-            rewards, done = data["next", "reward"].reshape(-1, 1), data["next", "done"].reshape(-1)
-            data.set(RETURN_KEY, returns_to_go(rewards, done))
-        self.buffer.extend(data)
-        if len(self.buffer) != data.numel():
-            raise RuntimeError(
-                f"GRPO expected complete groups: {len(self.buffer)} of {data.numel()} turns got an advantage "
-                f"(group_size={self.config.group_size})"
-            )
-        grouped = self.buffer[:]
-        self.buffer.empty()
-        return self.training_batch(grouped), data
+        return self.training_batch(data, self.advantages(data)), data
 
-    def training_batch(self, data: TensorDictBase) -> TensorDictBase:
+    def advantages(self, data: TensorDictBase) -> torch.Tensor:
+        """:func:`turn_group_advantages` of a flat, trajectory-contiguous rollout's returns."""
+        rewards = data["next", "reward"].reshape(-1).float()
+        if self.config.returns == "to_go":
+            rewards = returns_to_go(rewards, data["next", "done"].reshape(-1))
+        return turn_group_advantages(rewards, as_list(data["query"]), data["step_count"], self.config.group_size)
+
+    def training_batch(self, data: TensorDictBase, advantages: torch.Tensor) -> TensorDictBase:
         """Exact tokens (prompt + response up to EOS), behaviour and reference log-probs, advantage."""
         prompts = data.get(("tokens", "prompt"), as_list=True)
         responses = data.get(("tokens", "response"), as_list=True)
-        advantages = data.get("advantage").reshape(-1).float()
         items = []
         for prompt, response, advantage in zip(prompts, responses, advantages, strict=True):
             response = response[: int(response_mask(response, self.stops).sum())]

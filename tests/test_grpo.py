@@ -1,0 +1,159 @@
+"""GRPO: advantages per (opener, turn) cell, and the loss's per-response-token KL and diagnostics."""
+
+import math
+
+import pytest
+import torch
+from test_training import _config, _trainer
+
+from astrl._compat import as_list
+from astrl.training.grpo import turn_group_advantages
+
+EPS = 1e-6
+
+
+# -- advantages ------------------------------------------------------------------------------------
+def test_turn_group_advantages_by_hand():
+    openers = ["a", "a", "a", "a", "b", "b", "b", "b"]
+    turns = torch.tensor([0, 1, 0, 1, 0, 0, 0, 0])
+    returns = torch.tensor([1.0, 2.0, 3.0, 2.0, 0.0, 0.0, 0.0, 4.0])
+    advantages = turn_group_advantages(returns, openers, turns, group_size=2, eps=EPS)
+    # cell (a, 0): 1, 3 -> mean 2, std 1 -> -1, +1;  cell (a, 1): 2, 2 -> zero std -> 0, 0
+    # cell (b, 0): an opener drawn twice (one group of 4): 0, 0, 0, 4 -> mean 1, std sqrt(3) -> -1, -1, -1, 3 over sqrt(3)
+    s = math.sqrt(3.0)
+    expected = [-1 / (1 + EPS), 0.0, 1 / (1 + EPS), 0.0, -1 / (s + EPS), -1 / (s + EPS), -1 / (s + EPS), 3 / (s + EPS)]
+    torch.testing.assert_close(advantages, torch.tensor(expected))
+    assert advantages[[1, 3]].tolist() == [0.0, 0.0]  # exactly 0, not eps-small
+
+
+def test_turn_group_advantages_refuse_incomplete_groups():
+    openers = ["a", "a", "a", "b", "b"]
+    turns = torch.tensor([0, 0, 0, 0, 0])
+    with pytest.raises(ValueError, match=r"group_size=2 turns; 1 of 2 cells do not \(\(opener 'a', turn 0\): 3\)"):
+        turn_group_advantages(torch.zeros(5), openers, turns, group_size=2)
+
+
+def _turn_dependent_rollouts(trainer, monkeypatch):
+    """Collect through the real env, then give each turn a reward that grows with its turn index."""
+    original = trainer.algorithm.next_rollout
+    noise = torch.Generator().manual_seed(0)
+
+    def next_rollout():
+        data = original()
+        turn = data["step_count"].reshape(-1).float()
+        reward = 10.0 * turn + torch.rand(turn.shape, generator=noise)
+        data.set(("next", "reward"), reward.reshape(data["next", "reward"].shape))
+        return data
+
+    monkeypatch.setattr(trainer.algorithm, "next_rollout", next_rollout)
+
+
+@pytest.mark.parametrize("returns", ["turn", "to_go"])
+def test_advantages_have_zero_mean_per_turn_position_and_group(tmp_path, monkeypatch, returns):
+    trainer = _trainer(_config(tmp_path, prompts_per_step=2, group_size=3, turns=3, returns=returns))
+    trainer._build()
+    _turn_dependent_rollouts(trainer, monkeypatch)
+    batch, rollout = trainer.algorithm.collect()
+    advantage = batch["advantage"].reshape(-1)
+    assert advantage.shape == (2 * 3 * 3,)
+    torch.testing.assert_close(advantage, trainer.algorithm.advantages(rollout))  # same order as the rollout
+    openers, turn = as_list(rollout["query"]), rollout["step_count"].reshape(-1)
+    rewards = rollout["next", "reward"].reshape(-1)
+    for t in range(3):
+        at_t = turn == t
+        assert advantage[at_t].mean().abs() < 1e-5
+        assert (advantage[at_t].pow(2).mean() - 1).abs() < 1e-3  # unit population variance in each cell
+        for opener in set(openers):
+            cell = at_t & torch.tensor([o == opener for o in openers])
+            assert cell.sum() == 3 and advantage[cell].sum().abs() < 1e-5
+    for opener in set(openers):
+        assert advantage[torch.tensor([o == opener for o in openers])].mean().abs() < 1e-5
+    # the data does depend on the turn: normalising over a whole group (all turns) would carry it
+    group_mean = rewards.mean()
+    assert (rewards[turn == 2] - group_mean).mean() > 5
+    # a per-turn shift of the rewards changes no advantage, in both return modes
+    rollout.set(("next", "reward"), (rewards - 10.0 * turn.float()).reshape(rollout["next", "reward"].shape))
+    torch.testing.assert_close(trainer.algorithm.advantages(rollout), advantage, atol=1e-4, rtol=0)
+
+
+# -- loss: KL to the reference and diagnostics per response token -----------------------------------
+def _by_hand(trainer, batch) -> dict:
+    """kl_to_ref, kl_approx and clip_fraction over all response tokens, from token_logprobs."""
+    from astrl.rewards.logprobs import token_logprobs
+
+    models, tokenizer = trainer.models, trainer.models.tester.tokenizer
+    prompts = batch.get(("tokens", "prompt"), as_list=True)
+    responses = batch.get(("tokens", "response"), as_list=True)
+    options = dict(pad_token_id=tokenizer.pad_token_id, max_length=models.tester.context_window)
+    with torch.no_grad():
+        current = torch.cat(token_logprobs(models.tester.model, prompts, responses, **options))
+        reference = torch.cat(token_logprobs(models.reference, prompts, responses, **options))
+    old = torch.cat([row[len(p) :] for row, p in zip(batch.get(("log_probs", "full"), as_list=True), prompts, strict=True)])
+    d, x = reference - current, current - old
+    eps = trainer.config.clip_epsilon
+    return {
+        "kl_to_ref": float((d.exp() - d - 1).mean()),
+        "kl_approx": float((x.exp() - x - 1).mean()),
+        "clip_fraction": float(((x < math.log1p(-eps)) | (x > math.log1p(eps))).float().mean()),
+        "tokens": current.numel(),
+    }
+
+
+def _update(trainer, batch, steps: int = 3, lr: float = 0.05) -> None:
+    optimizer = torch.optim.Adam([p for p in trainer.models.tester.model.parameters() if p.requires_grad], lr=lr)
+    for _ in range(steps):
+        out = trainer.algorithm.loss(batch)
+        sum(out[k] for k in out.keys() if k.startswith("loss_")).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
+def test_kl_and_diagnostics_are_zero_before_the_update_and_per_response_token_after(tmp_path, entropy_coef):
+    config = _config(tmp_path, reward="astprompter", kl_coef=0.1, entropy_coef=entropy_coef, clip_epsilon=0.2)
+    trainer = _trainer(config)
+    trainer._build()
+    batch, _ = trainer.algorithm.collect()
+    out = trainer.algorithm.loss(batch)
+    # policy == reference (LoRA B = 0) == behaviour policy
+    assert 0.0 <= out["kl_to_ref"].item() < 1e-6 and out["loss_kl_to_ref"].item() < 1e-7
+    assert out["kl_approx"].item() == pytest.approx(0.0, abs=1e-7) and out["clip_fraction"].item() == 0.0
+    _update(trainer, batch)
+    out, hand = trainer.algorithm.loss(batch), _by_hand(trainer, batch)
+    assert out["kl_to_ref"].item() > 1e-4 and out["kl_approx"].item() > 1e-4
+    assert 0.0 < out["clip_fraction"].item() <= 1.0
+    for key in ("kl_to_ref", "kl_approx", "clip_fraction"):  # means over response tokens only
+        assert out[key].item() == pytest.approx(hand[key], rel=1e-3, abs=1e-5), key
+    assert out["loss_kl_to_ref"].item() == pytest.approx(0.1 * out["kl_to_ref"].item(), rel=1e-6)
+    if entropy_coef:  # GRPOLoss's own log-prob path: its mask is the response tokens
+        _, dist, _ = trainer.algorithm.loss_module._get_cur_log_prob(batch.copy())
+        assert int(dist.mask.sum()) == hand["tokens"]
+        assert out["entropy"].item() == pytest.approx(_response_entropy(trainer, batch), rel=1e-4)
+        assert out["loss_entropy"].item() == pytest.approx(-entropy_coef * out["entropy"].item(), rel=1e-6)
+    else:
+        assert out.get("entropy") is None
+
+
+def _response_entropy(trainer, batch) -> float:
+    """Mean full-vocabulary entropy of the tester at the positions that predict response tokens."""
+    model, values = trainer.models.tester.model, []
+    prompts = batch.get(("tokens", "prompt"), as_list=True)
+    for prompt, full in zip(prompts, batch.get(("tokens", "full"), as_list=True), strict=True):
+        with torch.no_grad():
+            logits = model(input_ids=full[None]).logits[0, len(prompt) - 1 : len(full) - 1].float()
+        values.append(torch.distributions.Categorical(logits=logits).entropy())
+    return float(torch.cat(values).mean())
+
+
+def test_trainer_logs_kl_and_diagnostics_per_response_token(tmp_path):
+    import csv
+
+    trainer = _trainer(_config(tmp_path, reward="astprompter", kl_coef=0.1, total_steps=2, save_every=5, lr=3e-2))
+    trainer.train()
+    rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
+    first, second = ({k: float(v) for k, v in r.items() if v not in ("", None)} for r in rows)
+    assert first["kl_to_ref"] < 1e-6 and first["kl_approx"] == pytest.approx(0.0, abs=1e-7) and first["clip_fraction"] == 0.0
+    assert second["kl_to_ref"] > 0 and second["kl_approx"] >= 0 and 0 <= second["clip_fraction"] <= 1
+    for row in (first, second):
+        assert row["loss_kl_to_ref"] == pytest.approx(0.1 * row["kl_to_ref"], rel=1e-5, abs=1e-12)
+        assert row["loss"] == pytest.approx(row["loss_objective"] + row["loss_kl_to_ref"], rel=1e-5, abs=1e-7)
