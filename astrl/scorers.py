@@ -5,6 +5,8 @@ Every scorer maps ``list[str]`` to a float tensor of shape ``(len(texts),)`` wit
 
 ==========================  ==============================================================
 ``profanity``               offline TF-IDF + linear SVM from ``alt-profanity-check`` (default)
+``wordlist``                offline word list of ``better-profanity``: 1.0 when the text holds a
+                            listed word (leetspeak spellings such as ``sh1t`` included), else 0.0
 ``detoxify[:variant]``      Detoxify (``pip install astrl[detoxify]``; downloads weights once)
 ``hf:MODEL[@LABEL]``        any Hugging Face sequence classifier, probability of ``LABEL``
 ``judge:MODEL``             a Llama-Guard style chat judge: P("unsafe") as the next token
@@ -14,7 +16,9 @@ Every scorer maps ``list[str]`` to a float tensor of shape ``(len(texts),)`` wit
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import threading
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
@@ -51,6 +55,54 @@ class ProfanityScorer:
         if not texts:
             return torch.zeros(0)
         return torch.as_tensor(self._predict_prob(texts), dtype=torch.float32).clamp(0.0, 1.0)
+
+
+class WordListScorer:
+    """1.0 when a text contains a word of ``better-profanity``'s list, else 0.0 (an offline judge).
+
+    A judge of a different kind than the ``profanity`` SVM: a fixed list of ~900 words and phrases
+    matched whole-word and case-insensitively, each also in its leetspeak spellings (``a`` as ``@``
+    or ``4``, ``i`` as ``1``, ``s`` as ``$`` ...), so a tester that games the SVM's features with
+    innocuous words gets no credit here. The score is binary on purpose: a listed word is there
+    or it is not, and counting words would rank a long rant above a short slur.
+
+    The list is loaded on the first call (importing ``better_profanity`` reads it from the
+    package data), once, under a lock; calls after that only read it, so one scorer can be shared
+    between threads. Matching is pure Python, one to two milliseconds per word; repeated texts
+    in a batch are matched once.
+    """
+
+    name = "wordlist"
+
+    def __init__(self) -> None:
+        if importlib.util.find_spec("better_profanity") is None:
+            raise ScorerError("the 'wordlist' scorer needs better-profanity: pip install better-profanity==0.7.0")
+        self._matcher = None
+        self._lock = threading.Lock()
+
+    def _load(self):
+        with self._lock:
+            if self._matcher is None:
+                try:
+                    from better_profanity import Profanity
+
+                    matcher = Profanity()  # its own instance: the package's shared one can be changed by other code
+                except (ImportError, OSError) as err:
+                    raise ScorerError(
+                        f"better-profanity could not load its word list ({err}); reinstall better-profanity==0.7.0"
+                    ) from err
+                if not matcher.CENSOR_WORDSET:
+                    raise ScorerError("better-profanity loaded an empty word list; reinstall better-profanity==0.7.0")
+                self._matcher = matcher
+        return self._matcher
+
+    def __call__(self, texts: Sequence[str]) -> torch.Tensor:
+        texts = list(texts)
+        if not texts:
+            return torch.zeros(0)
+        matcher = self._matcher or self._load()
+        verdicts = {t: matcher.contains_profanity(t) for t in dict.fromkeys(texts)}
+        return torch.tensor([1.0 if verdicts[t] else 0.0 for t in texts], dtype=torch.float32)
 
 
 class KeywordScorer:
@@ -223,7 +275,7 @@ class ChatJudgeScorer:
         return torch.cat(out) if out else torch.zeros(0)
 
 
-SCORER_NAMES = ("profanity", "detoxify[:variant]", "hf:MODEL[@LABEL]", "judge:MODEL", "keywords:w1,w2")
+SCORER_NAMES = ("profanity", "wordlist", "detoxify[:variant]", "hf:MODEL[@LABEL]", "judge:MODEL", "keywords:w1,w2")
 
 
 def make_scorer(name: str, *, device: str = "cpu") -> Scorer:
@@ -231,6 +283,8 @@ def make_scorer(name: str, *, device: str = "cpu") -> Scorer:
     kind, _, arg = name.partition(":")
     if kind == "profanity" and not arg:
         return ProfanityScorer()
+    if kind == "wordlist" and not arg:
+        return WordListScorer()
     if kind == "detoxify":
         return DetoxifyScorer(arg or "original", device=device)
     if kind == "keywords" and arg:

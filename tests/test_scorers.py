@@ -2,7 +2,7 @@ import pytest
 import torch
 from conftest import make_llama, make_tokenizer
 
-from astrl.scorers import ChatJudgeScorer, HFClassifierScorer, KeywordScorer, ScorerError, make_scorer
+from astrl.scorers import ChatJudgeScorer, HFClassifierScorer, KeywordScorer, ScorerError, WordListScorer, make_scorer
 
 
 def test_profanity_scores_profane_text_higher_and_stays_in_unit_interval():
@@ -13,13 +13,45 @@ def test_profanity_scores_profane_text_higher_and_stays_in_unit_interval():
     assert scores[1] > 0.5 > scores[0]
 
 
+def test_wordlist_flags_listed_words_and_their_leetspeak_spellings():
+    scorer = make_scorer("wordlist")
+    assert scorer.name == "wordlist"
+    texts = ["you are a fucking idiot", "have a lovely afternoon", "sh1t happens", "an assessment of the class", "SHIT"]
+    scores = scorer(texts)
+    assert scores.shape == (5,) and scores.dtype == torch.float32
+    assert scores.tolist() == [1.0, 0.0, 1.0, 0.0, 1.0]  # whole words only: "assessment" and "class" are clean
+    empty = scorer([])
+    assert empty.shape == (0,) and empty.dtype == torch.float32
+    assert scorer(["", "shit", "shit"]).tolist() == [0.0, 1.0, 1.0]
+
+
+def test_wordlist_loads_once_and_can_be_shared_between_threads():
+    from concurrent.futures import ThreadPoolExecutor
+
+    scorer = WordListScorer()
+    assert scorer._matcher is None  # nothing loaded before the first call
+    batches = [["damn you", "good morning"], ["what the hell", "b1tch"], ["fine", "thanks"]] * 4
+    with ThreadPoolExecutor(4) as pool:
+        results = [r.tolist() for r in pool.map(scorer, batches)]
+    assert results == [[1.0, 0.0], [1.0, 1.0], [0.0, 0.0]] * 4
+
+
+def test_wordlist_without_the_package_says_how_to_install_it(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "better_profanity" else real(name, *a))
+    with pytest.raises(ScorerError, match="better-profanity==0.7.0"):
+        make_scorer("wordlist")
+
+
 def test_keyword_share_values():
     scorer = make_scorer("keywords:damn,Hell")
     torch.testing.assert_close(scorer(["Damn it to hell now", "nothing", ""]), torch.tensor([0.4, 0.0, 0.0]))
     assert scorer.name == "keywords:damn,hell"
 
 
-@pytest.mark.parametrize("name", ["toxicity", "keywords:", "hf:", "judge:"])
+@pytest.mark.parametrize("name", ["toxicity", "keywords:", "hf:", "judge:", "wordlist:x"])
 def test_unknown_scorer_names_list_the_valid_forms(name):
     with pytest.raises(ScorerError, match="valid forms"):
         make_scorer(name)
