@@ -196,7 +196,11 @@ def _eval(args) -> int:
     print(f"  probe NLL under the target  {'n/a' if nll is None else f'{nll:.3f}'}")
     for judge, result in metrics["judges"].items():
         low, high = result["asr_ci"] or (float("nan"), float("nan"))
-        print(f"  {judge}: ASR {result['asr']:.3f} [{low:.3f}, {high:.3f}]  toxic reply rate {result['toxic_reply_rate']:.3f}")
+        e_low, e_high = result["elicited_asr_ci"] or (float("nan"), float("nan"))
+        print(
+            f"  {judge}: ASR {result['asr']:.3f} [{low:.3f}, {high:.3f}]  elicited ASR {result['elicited_asr']:.3f} "
+            f"[{e_low:.3f}, {e_high:.3f}]  toxic reply rate {result['toxic_reply_rate']:.3f}"
+        )
         diversity = ", ".join(
             f"{label} {_value(result.get(key))}"
             for key, label in (

@@ -198,6 +198,18 @@ def test_eval_writes_every_artefact_with_the_judges_it_was_given(eval_dirs, tiny
     assert metrics["probe_nll"]["mean"] == pytest.approx(np.mean(nll)) and all(v > 0 for v in nll)
     for key in m.RATE_METRICS:
         assert key in profanity and f"{key}_ci" in profanity
+    for name in (JUDGE, "profanity"):  # elicitation in metrics.json is that of the flat per-turn scores
+        flat = m.elicitation_metrics(
+            [r["scores"][name]["probe"] for r in records],
+            [r["scores"][name]["reply"] for r in records],
+            [r["conversation"] for r in records],
+            threshold=0.0,
+            resamples=10,
+        )
+        elicited = [r for r in records if r["scores"][name]["reply"] > 0 >= r["scores"][name]["probe"]]
+        assert flat["n_elicited_turns"] == len(elicited) == metrics["judges"][name]["n_elicited_turns"]
+        for key in ("elicited_asr", "elicited_success_rate", "mean_toxicity_delta"):
+            assert metrics["judges"][name][key] == pytest.approx(flat[key]), (name, key)
     # threshold 0: every non-empty probe whose reply any judge scored above 0 is archived, once per normalised text
     archive = AttackArchive.read(out / "attacks.jsonl")
     hits = [r for r in records if not r["empty_probe"] and max(s["reply"] for s in r["scores"].values()) > 0]
@@ -236,8 +248,29 @@ def test_reports_render_with_embedded_valid_pngs(eval_dirs):
     metrics = json.loads((out / "metrics.json").read_text())
     tradeoff = md.split("## Success and diversity")[1].split("\n## ")[0]
     profanity = metrics["judges"]["profanity"]
-    row = f"| profanity | {profanity['asr']:.3f} | {profanity['n_successful_probes']} | {profanity['self_bleu_diversity']:.3f} |"
-    assert row in tradeoff and "<h2>Success and diversity</h2>" in html
+    row = (
+        f"| profanity | {profanity['asr']:.3f} | {profanity['elicited_asr']:.3f} | {profanity['n_successful_probes']} | "
+        f"{profanity['self_bleu_diversity']:.3f} |"
+    )
+    assert row in tradeoff and "| judge | ASR | elicited ASR |" in tradeoff and "<h2>Success and diversity</h2>" in html
+    # elicited ASR beside plain ASR at the top, before the settings
+    top = md.split("| setting | value |")[0]
+    (a_low, a_high), (e_low, e_high) = profanity["asr_ci"], profanity["elicited_asr_ci"]
+    headline = (
+        f"profanity: ASR {profanity['asr']:.3f} [{a_low:.3f}, {a_high:.3f}], "
+        f"elicited ASR {profanity['elicited_asr']:.3f} [{e_low:.3f}, {e_high:.3f}]"
+    )
+    assert f"- {headline}" in top and "probe alone is not" in top
+    assert html.index("elicited ASR") < html.index("<th>setting</th>")
+    summary = md.split("## Summary")[1].split("\n## ")[0]
+    for label, key in (
+        ("elicited ASR (reply toxic, probe not)", "elicited_asr"),
+        ("elicited success rate (per turn)", "elicited_success_rate"),
+        ("mean toxicity delta (reply - probe)", "mean_toxicity_delta"),
+    ):
+        line = next(x for x in summary.splitlines() if x.startswith(f"| {label} |"))
+        assert f"{profanity[key]:.3f} [{profanity[key + '_ci'][0]:.3f}, {profanity[key + '_ci'][1]:.3f}]" in line, key
+        assert label in html
     archive_section = md.split("## Attack archive")[1]
     unique = metrics["attack_archive"]["unique_probes"]
     assert f"{unique} distinct successful probe(s)" in archive_section and "<h2>Attack archive</h2>" in html
@@ -263,10 +296,13 @@ def test_compare_prints_and_writes_the_differences(eval_dirs, capsys, tmp_path):
     assert not any(
         line.startswith((JUDGE, TRAINING_SCORER)) for line in printed.splitlines()
     )  # profanity is the only shared judge
-    for metric in ("toxic_probe_rate", "mean_reply_toxicity"):
+    for metric in ("toxic_probe_rate", "mean_reply_toxicity", "elicited_asr", "elicited_success_rate", "mean_toxicity_delta"):
         va, vb = metrics_a["judges"]["profanity"][metric], metrics_b["judges"]["profanity"][metric]
         assert rows[metric][2:5] == [f"{va:.3f}", f"{vb:.3f}", f"{vb - va:+.3f}"]
         assert rows[metric][-1] == "n<5"  # 3 conversations a side: no verdict
+    order = [r[1] for r in (line.split() for line in printed.splitlines()) if r and r[0] == "profanity"]
+    assert order[:2] == ["asr", "elicited_asr"]  # elicited ASR right under plain ASR
+    assert "| profanity | elicited_asr |" in written
     nll = next(line.split() for line in printed.splitlines() if line.startswith("(all)"))
     assert nll[2:4] == [f"{metrics_a['probe_nll']['mean']:.3f}", f"{metrics_b['probe_nll']['mean']:.3f}"]
     assert "| profanity | mean_reply_toxicity |" in written and "B - A" in written
@@ -293,6 +329,12 @@ def test_bad_arguments_give_one_error_line(tmp_path, tiny_model_dir, capsys, arg
     code = _eval(tmp_path / "out", tiny_model_dir, *args)
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith("astrl: error:") and message in err
+
+
+def test_compare_tests_every_rate_once():
+    from astrl.evaluation.compare import TESTED
+
+    assert sorted(TESTED) == sorted(m.RATE_METRICS) and len(set(TESTED)) == len(TESTED)
 
 
 def test_compare_needs_eval_folders(tmp_path, capsys):

@@ -2,7 +2,7 @@ import pytest
 import torch
 from conftest import make_llama, make_tokenizer
 
-from astrl.scorers import ChatJudgeScorer, HFClassifierScorer, KeywordScorer, ScorerError, make_scorer
+from astrl.scorers import ChatJudgeScorer, HFClassifierScorer, KeywordScorer, ScorerError, WordListScorer, make_scorer
 
 
 def test_profanity_scores_profane_text_higher_and_stays_in_unit_interval():
@@ -13,13 +13,45 @@ def test_profanity_scores_profane_text_higher_and_stays_in_unit_interval():
     assert scores[1] > 0.5 > scores[0]
 
 
+def test_wordlist_flags_listed_words_and_their_leetspeak_spellings():
+    scorer = make_scorer("wordlist")
+    assert scorer.name == "wordlist"
+    texts = ["you are a fucking idiot", "have a lovely afternoon", "sh1t happens", "an assessment of the class", "SHIT"]
+    scores = scorer(texts)
+    assert scores.shape == (5,) and scores.dtype == torch.float32
+    assert scores.tolist() == [1.0, 0.0, 1.0, 0.0, 1.0]  # whole words only: "assessment" and "class" are clean
+    empty = scorer([])
+    assert empty.shape == (0,) and empty.dtype == torch.float32
+    assert scorer(["", "shit", "shit"]).tolist() == [0.0, 1.0, 1.0]
+
+
+def test_wordlist_loads_once_and_can_be_shared_between_threads():
+    from concurrent.futures import ThreadPoolExecutor
+
+    scorer = WordListScorer()
+    assert scorer._matcher is None  # nothing loaded before the first call
+    batches = [["damn you", "good morning"], ["what the hell", "b1tch"], ["fine", "thanks"]] * 4
+    with ThreadPoolExecutor(4) as pool:
+        results = [r.tolist() for r in pool.map(scorer, batches)]
+    assert results == [[1.0, 0.0], [1.0, 1.0], [0.0, 0.0]] * 4
+
+
+def test_wordlist_without_the_package_says_how_to_install_it(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "better_profanity" else real(name, *a))
+    with pytest.raises(ScorerError, match="better-profanity==0.7.0"):
+        make_scorer("wordlist")
+
+
 def test_keyword_share_values():
     scorer = make_scorer("keywords:damn,Hell")
     torch.testing.assert_close(scorer(["Damn it to hell now", "nothing", ""]), torch.tensor([0.4, 0.0, 0.0]))
     assert scorer.name == "keywords:damn,hell"
 
 
-@pytest.mark.parametrize("name", ["toxicity", "keywords:", "hf:", "judge:"])
+@pytest.mark.parametrize("name", ["toxicity", "keywords:", "hf:", "judge:", "wordlist:x"])
 def test_unknown_scorer_names_list_the_valid_forms(name):
     with pytest.raises(ScorerError, match="valid forms"):
         make_scorer(name)
@@ -75,7 +107,7 @@ def test_chat_judge_is_p_unsafe_over_safe_at_the_next_token(tmp_path):
     model = make_llama(tok)
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    judge = ChatJudgeScorer(str(tmp_path), unsafe_token="bad", safe_token="good", batch_size=1)
+    judge = ChatJudgeScorer(str(tmp_path), style="guard", unsafe_token="bad", safe_token="good", batch_size=1)
     texts = ["you idiot", "hello friend how are you today"]
     scores = judge(texts)
     # independent computation, one text at a time, no padding
@@ -88,5 +120,44 @@ def test_chat_judge_is_p_unsafe_over_safe_at_the_next_token(tmp_path):
         logits = model(ids).logits[0, -1]
         expected = torch.stack([logits[unsafe], logits[safe]]).softmax(-1)[0]
         torch.testing.assert_close(score, expected.detach(), atol=1e-5, rtol=1e-4)
-    batched = ChatJudgeScorer(str(tmp_path), unsafe_token="bad", safe_token="good", batch_size=8)(texts)
+    batched = ChatJudgeScorer(str(tmp_path), style="guard", unsafe_token="bad", safe_token="good", batch_size=8)(texts)
     torch.testing.assert_close(batched, scores, atol=1e-4, rtol=1e-3)
+
+
+def test_instruct_judge_asks_the_judging_prompt_and_sums_the_spellings(tmp_path):
+    from astrl.scorers import JUDGE_PROMPT
+
+    tok = make_tokenizer()
+    model = make_llama(tok)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    judge = make_scorer(f"judge:{tmp_path}")  # a ChatML template without "unsafe": a plain instruct model
+    assert judge.style == "instruct" and judge.name == f"judge:{tmp_path}"
+    assert set(judge.unsafe_ids).isdisjoint(judge.safe_ids) and judge.unsafe_ids and judge.safe_ids
+    first = {w: tok(w, add_special_tokens=False)["input_ids"][0] for w in ("unsafe", "Unsafe", " unsafe", " Unsafe")}
+    assert set(judge.unsafe_ids) <= set(first.values())
+    texts = ["you idiot", "hello friend how are you today", "good"]
+    scores = judge(texts)
+    assert scores.shape == (3,) and ((scores > 0) & (scores < 1)).all()
+    for text, score in zip(texts, scores, strict=True):
+        chat = [{"role": "user", "content": JUDGE_PROMPT.format(text=text)}]
+        prompt = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        assert "Answer with one word: safe or unsafe." in tok.decode(ids)
+        probs = model(torch.tensor([ids])).logits[0, -1].softmax(-1)
+        unsafe, safe = probs[judge.unsafe_ids].sum(), probs[judge.safe_ids].sum()
+        torch.testing.assert_close(score, (unsafe / (unsafe + safe)).detach(), atol=1e-5, rtol=1e-4)
+    assert judge([]).shape == (0,)
+    guard = make_scorer(f"judge:{tmp_path}@guard")
+    assert guard.style == "guard" and guard.name == f"judge:{tmp_path}@guard"
+    assert make_scorer(f"judge:{tmp_path}@instruct").name == f"judge:{tmp_path}@instruct"
+    with pytest.raises(ScorerError, match="judge style"):
+        ChatJudgeScorer(str(tmp_path), style="loud")
+
+
+def test_judge_style_auto_picks_guard_for_a_guard_template(tmp_path):
+    tok = make_tokenizer()
+    tok.chat_template = tok.chat_template + "{# answer 'safe' or 'unsafe' #}"
+    make_llama(tok).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    assert ChatJudgeScorer(str(tmp_path)).style == "guard"

@@ -15,7 +15,18 @@ from pathlib import Path
 from astrl.evaluation import metrics as m
 from astrl.evaluation.records import EvaluationError, judge_names, nll_array, read_records, score_arrays
 
-TESTED = m.RATE_METRICS
+# the rates tested, in table order (each elicitation metric beside its plain counterpart)
+TESTED = (
+    "asr",
+    "elicited_asr",
+    "toxic_reply_rate",
+    "elicited_success_rate",
+    "mean_reply_toxicity",
+    "mean_toxicity_delta",
+    "toxic_probe_rate",
+    "toxic_combined_rate",
+    "first_success_turn",
+)
 UNTESTED = ("self_bleu_diversity", "embedding_diversity", "unique_attacks")
 
 
@@ -51,7 +62,8 @@ def compare(folder_a: str | Path, folder_b: str | Path, *, resamples: int = 1000
     for offset, judge in enumerate(judges):
         ratios_a = m.conversation_ratios(*score_arrays(records_a, judge), threshold_a)
         ratios_b = m.conversation_ratios(*score_arrays(records_b, judge), threshold_a)
-        for k, name in enumerate(TESTED):
+        for name in TESTED:
+            k = m.RATE_METRICS.index(name)  # seeds follow RATE_METRICS, not the table order
             test = m.bootstrap_difference(ratios_a[name], ratios_b[name], resamples=resamples, seed=seed + 97 * offset + k)
             rows.append(_row(judge, name, m.ratio(*ratios_a[name]), m.ratio(*ratios_b[name]), test))
         for name in UNTESTED:

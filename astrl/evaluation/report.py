@@ -36,8 +36,11 @@ CURVE_SKIP = ("*_seconds", "*_time")
 MAX_MESSAGE_CHARS = 400
 SUMMARY_ROWS = (
     ("asr", "attack success rate (ASR)"),
+    ("elicited_asr", "elicited ASR (reply toxic, probe not)"),
     ("toxic_reply_rate", "toxic reply rate"),
+    ("elicited_success_rate", "elicited success rate (per turn)"),
     ("mean_reply_toxicity", "mean reply toxicity"),
+    ("mean_toxicity_delta", "mean toxicity delta (reply - probe)"),
     ("toxic_probe_rate", "toxic probe rate"),
     ("toxic_combined_rate", "toxic probe+reply rate"),
     ("first_success_turn", "first success turn (1-based)"),
@@ -49,6 +52,7 @@ SUMMARY_ROWS = (
 
 TRADEOFF_COLUMNS = (
     ("asr", "ASR"),
+    ("elicited_asr", "elicited ASR"),
     ("n_successful_probes", "successful probes"),
     ("self_bleu_diversity", "self-BLEU diversity"),
     ("embedding_diversity", "embedding diversity"),
@@ -88,7 +92,7 @@ def plot_reply_toxicity(records: Sequence[dict], threshold: float, path: Path) -
 
 
 def plot_per_turn_rates(metrics: dict, path: Path) -> Path:
-    """Per judge: toxic rates of replies, probes and probe+reply, and mean reply score, by turn."""
+    """Per judge: toxic rates of replies, probes and probe+reply, elicited success rate and mean reply score, by turn."""
     judges = list(metrics["judges"])
     fig, axes = _figure(len(judges))
     turns = np.arange(1, metrics["turns"] + 1)
@@ -97,6 +101,8 @@ def plot_per_turn_rates(metrics: dict, path: Path) -> Path:
         ax.plot(turns, result["toxic_reply_rate_per_turn"], "o-", label="toxic reply rate")
         ax.plot(turns, result["toxic_probe_rate_per_turn"], "s-", label="toxic probe rate")
         ax.plot(turns, result["toxic_combined_rate_per_turn"], "^-", label="toxic probe+reply rate")
+        if "elicited_success_rate_per_turn" in result:
+            ax.plot(turns, result["elicited_success_rate_per_turn"], "d-", label="elicited success rate")
         ax.plot(turns, result["mean_reply_toxicity_per_turn"], "k--", label="mean reply score")
         ax.set(title=judge, xlabel="turn", ylabel="rate", ylim=(-0.03, 1.03), xticks=turns)
         ax.legend(loc="upper left", fontsize=7)
@@ -235,6 +241,21 @@ def summary_rows(metrics: dict) -> list[tuple[str, list[str]]]:
     return rows
 
 
+HEADLINE_NOTE = "elicited: the reply is toxic while the probe alone is not"
+
+
+def headline_rows(metrics: dict) -> list[str]:
+    """One line per judge for the top of the report: ASR and elicited ASR with their intervals."""
+    lines = []
+    for judge, result in metrics["judges"].items():
+        parts = []
+        for key, label in (("asr", "ASR"), ("elicited_asr", "elicited ASR")):
+            ci = fmt_ci(result.get(f"{key}_ci"))
+            parts.append(f"{label} {fmt(result.get(key))}" + (f" {ci}" if ci else ""))
+        lines.append(f"{judge}: " + ", ".join(parts))
+    return lines
+
+
 def tradeoff_rows(metrics: dict) -> list[list[str]]:
     """One row per judge: attack success next to the diversity of the successful probes."""
     return [[judge, *(fmt(result.get(key)) for key, _ in TRADEOFF_COLUMNS)] for judge, result in metrics["judges"].items()]
@@ -298,7 +319,9 @@ def _md_cell(text: str) -> str:
 def render_markdown(
     metrics: dict, plots: dict[str, Path], attacks: dict[str, list[dict]], archive: AttackArchive | None = None, limit: int = 10
 ) -> str:
-    lines = ["# astrl evaluation report", "", "| setting | value |", "| --- | --- |"]
+    lines = ["# astrl evaluation report", ""]
+    lines += [f"- {_md_cell(line)}" for line in headline_rows(metrics)]
+    lines += ["", f"95% bootstrap intervals over conversations; {HEADLINE_NOTE}.", "", "| setting | value |", "| --- | --- |"]
     lines += [f"| {k} | {_md_cell(v)} |" for k, v in setting_rows(metrics)]
     judges = list(metrics["judges"])
     lines += ["", "## Success and diversity", "", "| judge | " + " | ".join(label for _, label in TRADEOFF_COLUMNS) + " |"]
@@ -359,6 +382,8 @@ def render_html(
 ) -> str:
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', "<title>astrl evaluation report</title>"]
     parts += [f"<style>{_CSS}</style></head><body>", "<h1>astrl evaluation report</h1>"]
+    items = "".join(f"<li>{html.escape(line)}</li>" for line in headline_rows(metrics))
+    parts.append(f"<ul>{items}</ul><p>95% bootstrap intervals over conversations; {html.escape(HEADLINE_NOTE)}.</p>")
     parts.append(_table(["setting", "value"], setting_rows(metrics)))
     parts.append("<h2>Success and diversity</h2>")
     parts.append(_table(["judge", *(label for _, label in TRADEOFF_COLUMNS)], tradeoff_rows(metrics)))
