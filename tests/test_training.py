@@ -6,6 +6,7 @@ import torch
 import yaml
 from conftest import loaded, make_llama, make_tokenizer
 
+from astrl.scorers import make_scorer
 from astrl.training import ConfigError, TrainConfig, Trainer, load_config, resume
 from astrl.training.grpo import returns_to_go
 from astrl.training.setup import build_models
@@ -259,17 +260,35 @@ def test_demo_trains_then_compares_and_reuses_a_finished_run(tmp_path, tiny_mode
     overrides = {k: v for k, v in (o.split("=", 1) for o in _tiny_overrides(tiny_model_dir, tmp_path / "demo"))}
     overrides = {k: yaml.safe_load(v) if k not in ("lora_targets",) else v.split(",") for k, v in overrides.items()}
     overrides = {k: str(v) if k in ("tester", "target", "run_dir") else v for k, v in overrides.items()}
-    first = run_demo(overrides, progress=False, conversations=2)
+    first = run_demo(overrides, progress=False, conversations=3)
     assert len(first["rows"]) == 2
     before, after = first["comparison"]["before"], first["comparison"]["after"]
-    keys = {"mean_reward", "mean_target_toxicity", "toxic_reply_rate", "probe_nll"}
-    assert set(before) == set(after) >= keys | {"best_probe"}
-    assert before["probe_nll"] > 0 and 0 <= before["toxic_reply_rate"] <= 1
+    assert set(before) == set(after) >= {"mean_reward", "probe_nll", "judges", "best_probe", "best_reply"}
+    assert before["probe_nll"] > 0
+    assert list(before["judges"]) == [make_scorer(KEYWORDS).name, "wordlist"]  # the training scorer and a distinct judge
+    for side in (before, after):
+        for metrics in side["judges"].values():
+            assert metrics["n_conversations"] == 3
+            for name in ("elicited_success_rate", "elicited_asr", "toxic_probe_rate", "toxic_reply_rate"):
+                low, high = metrics[f"{name}_ci"]
+                assert 0 <= low <= metrics[name] <= high <= 1
+            assert metrics["elicited_success_rate"] <= metrics["toxic_reply_rate"]
     summary = json.loads((tmp_path / "demo" / "demo_summary.json").read_text())
-    assert set(summary) == {"before", "after"} and set(summary["after"]) == keys
-    assert summary["after"]["mean_reward"] == after["mean_reward"]
-    again = run_demo(overrides, progress=False, conversations=2)
+    assert summary["judge"] == "wordlist" and summary["conversations"] == 3
+    assert summary["after"]["mean_reward"] == after["mean_reward"] and "best_probe" not in summary["after"]
+    again = run_demo(overrides, progress=False, conversations=3)
     assert again["rows"] == [] and again["comparison"]["before"] == before  # the untrained side is seeded
+
+
+def test_demo_table_shows_both_judges_with_intervals():
+    from astrl.training.commands import format_comparison
+
+    metrics = {"elicited_success_rate": 0.25, "elicited_asr": 0.5, "toxic_probe_rate": 0.0, "toxic_reply_rate": 0.25}
+    metrics.update({f"{k}_ci": [0.0, 0.5] for k in list(metrics)})
+    side = {"mean_reward": 0.1, "probe_nll": 2.5, "judges": {"profanity": metrics, "wordlist": metrics}}
+    table = format_comparison(side, {**side, "probe_nll": 3.0})
+    assert "judged by profanity:" in table and "judged by wordlist:" in table
+    assert "0.250 [0.00, 0.50]" in table and "3.000" in table
 
 
 # -- novelty bonuses -------------------------------------------------------------------------------

@@ -124,7 +124,7 @@ def resolve(config: EvalConfig) -> Resolved:
     )
 
 
-def _turn_records(rollout, openers: list[str], judges: list[str], first: int) -> list[dict]:
+def rollout_records(rollout, openers: list[str], judges: list[str], first: int) -> list[dict]:
     """Records (without probe/combined scores) of a ``(B, T)`` rollout."""
     from astrl._compat import as_list
     from astrl.envs.transforms import PROBE_KEY, RESPONSE_KEY, SCORES_KEY
@@ -202,7 +202,7 @@ def generate(config: EvalConfig, resolved: Resolved, scorers: dict, on_turns: Ca
             rollout = env.rollout(config.turns, tester, tensordict=reset, auto_reset=False, callback=callback)
         if on_turns:
             on_turns(keep * (config.turns - len(steps)))
-        chunk = _turn_records(rollout, openers, list(scorers), done)
+        chunk = rollout_records(rollout, openers, list(scorers), done)
         records.extend(r for r in chunk if r["conversation"] < done + keep)
         done += keep
     return records

@@ -38,7 +38,7 @@ def add_demo_parser(sub) -> None:
     p = sub.add_parser("demo", help="train on the embedded default (SmolLM2, profanity scorer) and show before/after")
     p.add_argument("--steps", type=int, default=None, help="training steps (default: configs/demo.yaml)")
     p.add_argument("--run-dir", default=None, help="run directory (default: runs/demo); an existing run resumes")
-    p.add_argument("--conversations", type=int, default=16, help="held-out conversations for the before/after comparison")
+    p.add_argument("--conversations", type=int, default=64, help="held-out conversations for the before/after comparison")
     p.add_argument("--quiet", action="store_true")
 
 
@@ -78,14 +78,31 @@ def run_demo_command(args) -> int:
     config = result["config"]
     print(reward_curve(Path(config.run_dir) / "metrics.csv"))
     before, after = result["comparison"]["before"], result["comparison"]["after"]
-    print(f"\nheld-out openers, {args.conversations} conversations, same seed:")
-    print(f"  {'':<22}{'untrained':>12}{'trained':>12}")
-    for key in ("mean_reward", "mean_target_toxicity", "toxic_reply_rate", "probe_nll"):
-        print(f"  {key:<22}{before[key]:>12.4f}{after[key]:>12.4f}")
-    print(f"\n  best probe before: {before['best_probe']!r}\n    reply: {before['best_reply']!r}")
-    print(f"  best probe after:  {after['best_probe']!r}\n    reply: {after['best_reply']!r}")
+    print(f"\nheld-out openers, {args.conversations} conversations, same seed (95% bootstrap intervals):")
+    print(format_comparison(before, after))
+    for side, values in (("untrained", before), ("trained", after)):
+        kind = "best elicited turn" if values["best_elicited"] else "best turn (nothing elicited)"
+        print(f"\n  {side}, {kind}:\n    probe: {values['best_probe']!r}\n    reply: {values['best_reply']!r}")
     print(f"\nrun directory: {config.run_dir} (demo_summary.json, metrics.csv, samples.jsonl, final/tester)")
     return 0
+
+
+def format_comparison(before: dict, after: dict) -> str:
+    """The demo's before/after table: training reward, probe NLL, then per judge the elicitation metrics."""
+
+    def cell(values: dict, name: str) -> str:
+        low, high = values[f"{name}_ci"]
+        return f"{values[name]:.3f} [{low:.2f}, {high:.2f}]"
+
+    lines = [f"  {'':<34}{'untrained':>22}{'trained':>22}"]
+    lines.append(f"  {'mean training reward':<34}{before['mean_reward']:>22.3f}{after['mean_reward']:>22.3f}")
+    lines.append(f"  {'probe NLL under the target':<34}{before['probe_nll']:>22.3f}{after['probe_nll']:>22.3f}")
+    for judge in before["judges"]:
+        lines.append(f"  judged by {judge}:")
+        for name in ("elicited_success_rate", "elicited_asr", "toxic_probe_rate", "toxic_reply_rate"):
+            b, a = before["judges"][judge], after["judges"][judge]
+            lines.append(f"    {name:<32}{cell(b, name):>22}{cell(a, name):>22}")
+    return "\n".join(lines)
 
 
 def reward_curve(metrics_csv: Path, buckets: int = 6) -> str:
