@@ -200,3 +200,19 @@ def test_set_keys_and_clear_errors():
         loss(short)
     with pytest.raises(ValueError, match="reference is the model itself"):
         DPOLoss(model, model)
+
+
+def test_logratios_are_summed_and_per_token_over_the_scored_tokens():
+    tok = _tokenizer()
+    model, reference = make_llama(tok, seed=0), make_llama(tok, seed=1)
+    pairs = _pairs(tok)
+    out = IPOLoss(model, reference)(pairs)
+    _, chosen, rejected = _expected_h(model, reference, pairs, tok.eos_token_id)
+    # chosen: EOS at index 3 on even pairs (4 tokens), 6 tokens otherwise; rejected: 4 + i % 2 tokens
+    len_w, len_l = torch.tensor([4.0, 6.0, 4.0, 6.0]), torch.tensor([4.0, 5.0, 4.0, 5.0])
+    assert out["chosen_logratio"].item() == pytest.approx(chosen.mean().item(), abs=1e-4)
+    assert out["rejected_logratio"].item() == pytest.approx(rejected.mean().item(), abs=1e-4)
+    assert out["chosen_logratio_per_token"].item() == pytest.approx((chosen / len_w).mean().item(), abs=1e-5)
+    assert out["rejected_logratio_per_token"].item() == pytest.approx((rejected / len_l).mean().item(), abs=1e-5)
+    assert out["chosen_logratio_per_token"].item() != pytest.approx(out["chosen_logratio"].item(), abs=1e-3)
+
