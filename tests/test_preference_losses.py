@@ -200,3 +200,84 @@ def test_set_keys_and_clear_errors():
         loss(short)
     with pytest.raises(ValueError, match="reference is the model itself"):
         DPOLoss(model, model)
+
+
+def test_logratios_are_summed_and_per_token_over_the_scored_tokens():
+    tok = _tokenizer()
+    model, reference = make_llama(tok, seed=0), make_llama(tok, seed=1)
+    pairs = _pairs(tok)
+    out = IPOLoss(model, reference)(pairs)
+    _, chosen, rejected = _expected_h(model, reference, pairs, tok.eos_token_id)
+    # chosen: EOS at index 3 on even pairs (4 tokens), 6 tokens otherwise; rejected: 4 + i % 2 tokens
+    len_w, len_l = torch.tensor([4.0, 6.0, 4.0, 6.0]), torch.tensor([4.0, 5.0, 4.0, 5.0])
+    assert out["chosen_logratio"].item() == pytest.approx(chosen.mean().item(), abs=1e-4)
+    assert out["rejected_logratio"].item() == pytest.approx(rejected.mean().item(), abs=1e-4)
+    assert out["chosen_logratio_per_token"].item() == pytest.approx((chosen / len_w).mean().item(), abs=1e-5)
+    assert out["rejected_logratio_per_token"].item() == pytest.approx((rejected / len_l).mean().item(), abs=1e-5)
+    assert out["chosen_logratio_per_token"].item() != pytest.approx(out["chosen_logratio"].item(), abs=1e-3)
+
+
+# -- what an IPO step of the trainer logs ------------------------------------------------------------
+def test_ipo_step_logs_minibatch_means_and_the_pre_clip_grad_norm(tmp_path, monkeypatch):
+    """configs/ipo.yaml in small: the row's log-ratios are the means over the step's minibatches (the first
+    one scored before any update: exactly 0), ``grad_norm`` the mean of the norms before clipping, and
+    Adam's first update moves ``h`` by ``lr * ||grad h||_1`` whatever the size of the gradient."""
+    from conftest import loaded
+
+    from astrl.training import TrainConfig, Trainer
+    from astrl.training.setup import build_models
+
+    config = TrainConfig(
+        algorithm="ipo", tester="tiny", target="tiny", scorer="keywords:the,you,hello", prompts="builtin",
+        reward="astprompter", prompts_per_step=2, tree_width=2, tree_depth=2, beta=0.01, max_new_tokens=8,
+        lr=5e-5, warmup_steps=10, minibatches=2, lora_rank=16, lora_alpha=32, lora_targets=["q_proj", "v_proj"],
+        total_steps=1, run_dir=str(tmp_path / "run"),
+    )  # fmt: skip
+    tok = _tokenizer()
+    trainer = Trainer(config, models=build_models(config, loaded(make_llama(tok), tok)), progress=False)
+    trainer._build()
+    loss_module = trainer.algorithm.loss_module
+    minibatches, outputs, norms, moves = [], [], [], []
+    loss = trainer.algorithm.loss
+
+    def record_loss(minibatch):
+        minibatches.append(minibatch)
+        outputs.append(loss(minibatch))
+        return outputs[-1]
+
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def record_clip(params, max_norm):
+        params = list(params)
+        grads = [p.grad for p in params if p.grad is not None]
+        norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+        if len(norms) == 1:  # lr * ||grad h||_1 for the first minibatch: its loss gradient is -2 (50 - h) grad h
+            with torch.no_grad():
+                h_before = loss_module.margins(minibatches[0])[0].mean()
+            l1 = sum(float(g.abs().sum()) for g in grads) / (2 * (50 - h_before.item()))
+            moves.append((h_before, trainer.optimizer.param_groups[0]["lr"] * l1))
+        return clip(params, max_norm)
+
+    monkeypatch.setattr(trainer.algorithm, "loss", record_loss)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", record_clip)
+    step = trainer._optimizer_step
+
+    def record_step():
+        norm = step()
+        if len(norms) == 1:
+            with torch.no_grad():
+                moves.append(loss_module.margins(minibatches[0])[0].mean())
+        return norm
+
+    monkeypatch.setattr(trainer, "_optimizer_step", record_step)
+    row = trainer.train_step()
+    assert len(outputs) == 2 and len(norms) == 2
+    first = outputs[0]
+    assert abs(first["chosen_logratio"].item()) < 1e-5
+    assert abs(first["rejected_logratio"].item()) < 1e-5 and first["loss_ipo"].item() == pytest.approx(2500, abs=1e-2)
+    for key in ("chosen_logratio", "rejected_logratio", "chosen_logratio_per_token", "rejected_logratio_per_token"):
+        assert row[key] == pytest.approx(sum(o[key].item() for o in outputs) / 2, abs=1e-7)
+    assert row["grad_norm"] == pytest.approx(sum(norms) / 2, rel=1e-5) and min(norms) > 10 * config.max_grad_norm
+    (h_before, predicted), h_after = moves
+    assert h_before.abs().item() < 1e-5 and predicted > 0
+    assert (h_after - h_before).item() == pytest.approx(predicted, rel=0.02)

@@ -116,6 +116,8 @@ class PreferenceLoss(LossModule):
         else:
             self.in_keys = [keys.prompt, keys.chosen, keys.rejected, keys.chosen_mask, keys.rejected_mask]
         self.out_keys = [self.loss_name, "reward_margin", "preference_accuracy", "chosen_logratio", "rejected_logratio"]
+        if self.system is None:  # token counts are known only for token ids
+            self.out_keys += ["chosen_logratio_per_token", "rejected_logratio_per_token"]
 
     def _forward_value_estimator_keys(self, **kwargs) -> None:
         self._set_in_keys()
@@ -163,6 +165,14 @@ class PreferenceLoss(LossModule):
             if p.numel() == 0:
                 raise ValueError(f"pair {i} has an empty prompt: the first response token would have no context")
         return prompts, cut["chosen"], cut["rejected"]
+
+    def response_lengths(self, tensordict: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Scored tokens per chosen and rejected response (up to and including EOS), shape ``(P,)``;
+        ``None`` with a System (its log-probs come from text, the token counts are its own)."""
+        if self.system is not None:
+            return None
+        _, chosen, rejected = self._pairs(tensordict)
+        return torch.tensor([len(r) for r in chosen]), torch.tensor([len(r) for r in rejected])
 
     def _summed_logprobs(self, model: torch.nn.Module, prompts, chosen, rejected) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed log-probs of chosen and rejected responses, both in one forward."""
@@ -230,20 +240,25 @@ class PreferenceLoss(LossModule):
     def forward(self, tensordict: TensorDictBase) -> TensorDict:
         """Return ``{loss_name: scalar with grad}`` and detached metrics: ``reward_margin`` (mean
         ``beta * h``), ``preference_accuracy`` (share of pairs with ``h > 0``), ``chosen_logratio``
-        and ``rejected_logratio`` (means of ``log pi - log pi_ref``)."""
+        and ``rejected_logratio`` (means over pairs of the summed ``log pi - log pi_ref``) and, on
+        token ids, ``chosen_logratio_per_token`` / ``rejected_logratio_per_token`` (means over
+        pairs of that sum divided by the response's scored tokens)."""
         h, chosen_logratio, rejected_logratio = self.margins(tensordict)
         loss = self.per_pair_loss(h).mean()
-        h = h.detach()
-        return TensorDict(
-            {
-                self.loss_name: loss,
-                "reward_margin": (self.beta * h).mean(),
-                "preference_accuracy": (h > 0).float().mean(),
-                "chosen_logratio": chosen_logratio.detach().mean(),
-                "rejected_logratio": rejected_logratio.detach().mean(),
-            },
-            batch_size=[],
-        )
+        h, chosen_logratio, rejected_logratio = h.detach(), chosen_logratio.detach(), rejected_logratio.detach()
+        out = {
+            self.loss_name: loss,
+            "reward_margin": (self.beta * h).mean(),
+            "preference_accuracy": (h > 0).float().mean(),
+            "chosen_logratio": chosen_logratio.mean(),
+            "rejected_logratio": rejected_logratio.mean(),
+        }
+        lengths = self.response_lengths(tensordict)
+        if lengths is not None:
+            len_w, len_l = (n.to(chosen_logratio).clamp(min=1) for n in lengths)
+            out["chosen_logratio_per_token"] = (chosen_logratio / len_w).mean()
+            out["rejected_logratio_per_token"] = (rejected_logratio / len_l).mean()
+        return TensorDict(out, batch_size=[])
 
 
 class DPOLoss(PreferenceLoss):

@@ -296,6 +296,8 @@ class Trainer:
         return row
 
     def _optimizer_step(self) -> float:
+        """Clip to ``max_grad_norm``, step, zero; returns the total gradient norm **before** clipping
+        (``grad_norm`` in metrics.csv is its mean over the step's updates)."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
         self.optimizer.step()
