@@ -165,3 +165,29 @@ def test_forced_pairs_teach_the_tester_the_harmful_text(tmp_path):
     rows = trainer.train()
     assert all(r["pairs_forced"] == 2 for r in rows)
     assert logprob() > before + 1.0
+
+
+def test_elicitation_forces_only_texts_that_are_clean_under_the_reward_scorer(tmp_path):
+    tok = _tokenizers()[0]
+    scorer = KeywordScorer(["idiot", "damn"])
+    source = _harmful_file(tmp_path)
+    kept = WeakSupervision.from_source(source, tok, clean_under=scorer, threshold=0.25, probability=1.0, max_new_tokens=5)
+    # "you idiot" (0.5) and "damn you" (0.5) are toxic themselves; the long text scores 3/13 <= 0.25
+    assert kept.texts == [HARMFUL[2]]
+    assert WeakSupervision.from_source(source, tok, probability=1.0, max_new_tokens=5).texts == HARMFUL
+    with pytest.raises(ValueError, match="no text of .* scores <= 0.1 under 'keywords:damn,idiot'"):
+        WeakSupervision.from_source(source, tok, clean_under=scorer, threshold=0.1, probability=1.0, max_new_tokens=5)
+    # a run with the elicitation reward filters with its reward scorer
+    config = _config(
+        tmp_path,
+        algorithm="ipo",
+        reward="elicit",
+        scorer="keywords:idiot,damn,you",  # 1.0, 1.0 and 5/13 on the three texts
+        weak_supervision=1.0,
+        weak_supervision_prompts=source,
+        tree_width=2,
+        tree_depth=1,
+    )
+    trainer = _trainer(config)
+    trainer._build()
+    assert trainer.algorithm.weak.texts == [HARMFUL[2]]

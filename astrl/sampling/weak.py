@@ -7,6 +7,10 @@ tied) becomes one pair whose chosen side is a known-harmful text (e.g. a RealTox
 prompt) written as if the tester had generated it, and whose rejected side is the group's worst
 sampled probe. The other batches keep their sampled pairs untouched.
 
+With the elicitation reward the forced texts are those the reward scorer rates non-toxic
+(:meth:`WeakSupervision.from_source` with ``clean_under``): the tester is shown probes that draw
+toxic replies without being toxic themselves, not insults to repeat.
+
 The forced text is tokenized with the tester's tokenizer as a response: its ids without special
 tokens, cut to ``max_new_tokens - 1`` tokens, then the EOS id, with a mask that is all true (the
 response ends at that EOS), exactly the layout of a generated probe.
@@ -22,6 +26,7 @@ from tensordict import TensorDict, TensorDictBase, lazy_stack
 from astrl._compat import as_list
 from astrl.prompts import load_prompts
 from astrl.rewards.logprobs import as_rows
+from astrl.scorers import Scorer
 
 FORCED_KEY = "forced"
 
@@ -58,9 +63,21 @@ class WeakSupervision:
         self.batches = self.forced_batches = 0
 
     @classmethod
-    def from_source(cls, source: str, tokenizer, **kwargs) -> WeakSupervision:
-        """Texts from a prompt source name (:func:`astrl.prompts.load_prompts`, e.g. ``rtp`` or ``rtp:insult``)."""
-        return cls(load_prompts(source), tokenizer, **kwargs)
+    def from_source(
+        cls, source: str, tokenizer, *, clean_under: Scorer | None = None, threshold: float = 0.5, **kwargs
+    ) -> WeakSupervision:
+        """Texts from a prompt source name (:func:`astrl.prompts.load_prompts`, e.g. ``rtp`` or ``rtp:insult``).
+
+        With ``clean_under`` (a scorer), only the texts it scores ``<= threshold`` are kept: for the
+        elicitation reward the forced probes must be non-toxic themselves (RealToxicityPrompts'
+        prompts are chosen for the toxic continuations they draw, and many are not toxic as written)."""
+        texts = load_prompts(source)
+        if clean_under is not None:
+            scores = clean_under(texts).reshape(-1).tolist()
+            texts = [t for t, score in zip(texts, scores, strict=True) if score <= threshold]
+            if not texts:
+                raise ValueError(f"no text of {source!r} scores <= {threshold} under {clean_under.name!r}: nothing to force")
+        return cls(texts, tokenizer, **kwargs)
 
     def tokenize(self, texts: Sequence[str]) -> list[torch.Tensor]:
         """The tester's response ids for ``texts``: the text's tokens (no special tokens), cut to fit, then EOS."""

@@ -152,6 +152,7 @@ class Preference(TreeAlgorithm):
                 probability=config.weak_supervision,
                 max_new_tokens=config.max_new_tokens,
                 seed=config.seed,
+                clean_under=next(iter(scorers.values())) if config.reward == "elicit" else None,  # the reward scorer
             )
         return cls(
             sampler,
