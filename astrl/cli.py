@@ -140,7 +140,8 @@ def _add_eval(sub) -> None:
         dest="judges",
         metavar="NAME",
         help="scorer that judges every turn, repeatable; prefer one other than the training scorer "
-        "(default: the run's judges, else profanity)",
+        "(default: the run's judges, else its training scorer, else profanity; plus wordlist when none differs "
+        "from the training scorer)",
     )
     p.add_argument("--prompts", default=None, help="prompt source (default: the run's prompts, else builtin)")
     p.add_argument("--split", default="test", choices=["train", "dev", "test", "all"], help="prompt split (default: test)")

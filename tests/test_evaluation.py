@@ -95,8 +95,20 @@ def test_run_config_gives_the_defaults(run_dir, tiny_model_dir):
     assert (given.target, given.judges, given.split_seed, given.mode) == ("other", [JUDGE], 1, "text")
     plain = resolve(EvalConfig(tester=str(tiny_model_dir), seed=5))
     assert (
-        plain.judges == ["profanity"] and plain.target == "smollm2-135m" and plain.split_seed == 5 and not plain.training_scorers
+        plain.judges == ["profanity", "wordlist"]  # a judge distinct from the (default) training scorer comes along
+        and plain.target == "smollm2-135m"
+        and plain.split_seed == 5
+        and not plain.training_scorers
     )
+
+
+def test_default_judges_always_hold_one_distinct_from_the_training_scorer():
+    from astrl.evaluation.run import default_judges
+
+    assert default_judges([], ["profanity"]) == ["profanity", "wordlist"]
+    assert default_judges(["profanity"], ["keywords:x"]) == ["profanity"]  # the run's judge is already distinct
+    assert default_judges(["keywords:x"], ["keywords:x"]) == ["keywords:x", "wordlist"]
+    assert default_judges([], ["wordlist"]) == ["wordlist", "profanity"]  # trained against the word list: the SVM judges too
 
 
 def test_checkpoint_selection_and_errors(run_dir, tiny_model_dir):

@@ -95,6 +95,21 @@ class Resolved:
     training_scorers: list[str]
 
 
+DISTINCT_JUDGES = ("wordlist", "profanity")  # offline, and of different kinds (a word list, an SVM)
+
+
+def default_judges(run_judges: list[str], training: list[str]) -> list[str]:
+    """Judges when ``--judge`` is not given: the run's judges, else its training scorer, else
+    ``profanity``; plus the first of :data:`DISTINCT_JUDGES` that is not a training scorer when none
+    of those differs from it, so that every default result has a judge the tester was not trained against."""
+    trained_on = training or ["profanity"]
+    judges = run_judges or trained_on[:1]
+    distinct = next((j for j in DISTINCT_JUDGES if j not in trained_on), None)
+    if all(j in trained_on for j in judges) and distinct is not None:
+        judges = [*judges, distinct]
+    return judges
+
+
 def resolve(config: EvalConfig) -> Resolved:
     """Find the tester and fill unset settings from its training run (if any)."""
     source = resolve_tester(config.tester, config.checkpoint)
@@ -110,7 +125,7 @@ def resolve(config: EvalConfig) -> Resolved:
     return Resolved(
         source=source,
         target=config.target or str(run.get("target", "smollm2-135m")),
-        judges=config.judges or [str(j) for j in run_judges] or ["profanity"],
+        judges=config.judges or default_judges([str(j) for j in run_judges], training),
         prompts=config.prompts or str(run.get("prompts", "builtin")),
         split_seed=config.split_seed if config.split_seed is not None else int(run.get("seed", config.seed)),
         mode=mode,
