@@ -1,44 +1,22 @@
 """The elicitation reward through every path that builds a red-team env: GRPO, PPO, the tree sampler, Ray specs."""
 
 import pytest
-from conftest import loaded, make_llama, make_tokenizer
+from test_training import _config, _trainer
 
-from astrl.training.config import ConfigError, TrainConfig, load_config
-from astrl.training.setup import build_models, worker_spec
-from astrl.training.trainer import Trainer
+from astrl.training.config import ConfigError, load_config
+from astrl.training.setup import worker_spec
 
 KEYWORDS = "keywords:damn,hell,idiot"
 
 
-def _config(tmp_path, **overrides) -> TrainConfig:
-    settings = dict(
-        tester="tiny",
-        target="tiny",
-        scorer=KEYWORDS,
-        prompts="builtin",
-        total_steps=2,
-        save_every=100,
-        prompts_per_step=2,
-        group_size=2,
-        turns=1,
-        max_new_tokens=6,
-        lora_targets=["q_proj", "v_proj"],
-        reward="elicit",
-        alpha=2.0,
-        probe_penalty=0.5,
-        gamma=0.25,
-        run_dir=str(tmp_path / "run"),
-    )
-    settings.update(overrides)
-    return TrainConfig(**settings)
+ELICIT = dict(scorer=KEYWORDS, turns=1, total_steps=2, save_every=100, max_new_tokens=6, reward="elicit", alpha=2.0)
+ELICIT.update(probe_penalty=0.5, gamma=0.25)
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo", "ipo"])
 def test_every_algorithm_trains_on_the_elicit_reward_and_logs_its_terms(tmp_path, algorithm):
     extra = {"tree_width": 2, "tree_depth": 1, "beta": 0.1} if algorithm == "ipo" else {}
-    config = _config(tmp_path, algorithm=algorithm, **extra)
-    tok = make_tokenizer()
-    rows = Trainer(config, models=build_models(config, loaded(make_llama(tok), tok, name="tiny")), progress=False).train()
+    rows = _trainer(_config(tmp_path, algorithm=algorithm, **ELICIT, **extra)).train()
     assert len(rows) == 2
     for row in rows:
         assert {"term_response_tox", "term_probe_tox", "term_probe_logprob"} <= set(row)

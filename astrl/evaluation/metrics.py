@@ -463,10 +463,7 @@ def judge_metrics(
         "n_elicited_conversations": int(ratios["elicited_asr"][0].sum()),
         "n_elicited_turns": int(ratios["elicited_success_rate"][0].sum()),
     }
-    for name in RATE_METRICS:
-        num, den = ratios[name]
-        out[name] = ratio(num, den)
-        out[f"{name}_ci"] = bootstrap_ratio(num, den, resamples=resamples, confidence=confidence, seed=_metric_seed(seed, name))
+    out.update(_rates_with_intervals(ratios, RATE_METRICS, resamples, confidence, seed))
     out["toxic_reply_rate_per_turn"] = per_turn_rate(reply, threshold)
     out["toxic_probe_rate_per_turn"] = per_turn_rate(probe, threshold)
     out["toxic_combined_rate_per_turn"] = per_turn_rate(combined, threshold)
@@ -525,7 +522,14 @@ def elicitation_metrics(
         "n_elicited_turns": int(ratios["elicited_success_rate"][0].sum()),
         "n_elicited_conversations": int(ratios["elicited_asr"][0].sum()),
     }
-    for name in FLAT_METRICS:
+    out.update(_rates_with_intervals(ratios, FLAT_METRICS, resamples, confidence, seed))
+    return out
+
+
+def _rates_with_intervals(ratios: dict, names, resamples: int, confidence: float, seed: int) -> dict:
+    """``name`` and ``name_ci`` for each ratio of per-conversation (numerators, denominators)."""
+    out = {}
+    for name in names:
         num, den = ratios[name]
         out[name] = ratio(num, den)
         out[f"{name}_ci"] = bootstrap_ratio(num, den, resamples=resamples, confidence=confidence, seed=_metric_seed(seed, name))
