@@ -1,8 +1,11 @@
 """``astrl demo``: train a tester on the embedded default, then compare it with the untrained one.
 
-The demo trains SmolLM2-135M (LoRA) against itself with the offline profanity scorer and the
-ASTPrompter reward, then runs the untrained tester (the same weights with adapters off) and the
-trained one on the same held-out openers with the same seed and prints both side by side.
+The demo trains SmolLM2-135M (LoRA) against itself in text mode on RealToxicityPrompts openers,
+with the offline profanity scorer and the elicitation reward (toxicity the target says, minus the
+toxicity the tester writes, plus the probe's likelihood and an n-gram novelty bonus), then runs
+the untrained tester (the same weights with adapters off) and the trained one on the same
+held-out openers with the same seed, and prints both side by side under the training scorer and
+the distinct ``wordlist`` judge.
 """
 
 from __future__ import annotations
@@ -27,17 +30,19 @@ DEMO_CONFIG = {
     "tester": "smollm2-135m",
     "target": "smollm2-135m",
     "scorer": "profanity",
-    "reward": "astprompter",
+    "reward": "elicit",
     "alpha": 1.0,
-    "zeta": 1.0,
+    "probe_penalty": 1.0,
     "gamma": 0.05,
-    "prompts": "builtin",
+    "novelty_ngram": 0.3,
+    "mode": "text",
+    "prompts": "rtp",
     "split": "train",
     "prompts_per_step": 2,
     "group_size": 4,
     "turns": 1,
     "max_new_tokens": 16,
-    "total_steps": 30,
+    "total_steps": 40,
     "lr": 0.002,
     "epochs": 2,
     "warmup_steps": 3,
