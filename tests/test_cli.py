@@ -76,6 +76,28 @@ def test_astprompter_reward_from_the_cli_keeps_its_terms(tmp_path, tiny_model_di
     assert all("reward_terms" not in json.loads(line) for line in plain.read_text().splitlines())
 
 
+@pytest.mark.parametrize("gate", [False, True])
+def test_elicit_reward_from_the_cli_keeps_its_terms(tmp_path, tiny_model_dir, gate):
+    flags = ["--reward", "elicit", "--alpha", "2", "--probe-penalty", "0.75", "--gamma", "0.5"] + (
+        ["--elicit-gate"] if gate else []
+    )
+    code, path = _run(tmp_path, tiny_model_dir, *flags)
+    assert code == 0
+    for r in (json.loads(line) for line in path.read_text().splitlines()):
+        terms = r["reward_terms"]
+        assert set(terms) == {"response_tox", "probe_tox", "probe_logprob"}
+        g = 1 - terms["probe_tox"] if gate else 1.0
+        expected = 2 * terms["response_tox"] * g - 0.75 * terms["probe_tox"] + 0.5 * terms["probe_logprob"]
+        assert r["reward"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_reward_weights_of_another_reward_are_rejected(tmp_path, tiny_model_dir, capsys):
+    code, _ = _run(tmp_path, tiny_model_dir, "--reward", "astprompter", "--probe-penalty", "2")
+    assert code == 2 and "probe_penalty/elicit_gate only apply to reward='elicit'" in capsys.readouterr().err
+    code, _ = _run(tmp_path, tiny_model_dir, "--reward", "elicit", "--zeta", "1")
+    assert code == 2 and "zeta only applies to reward='astprompter'" in capsys.readouterr().err
+
+
 def test_text_mode_from_the_cli(tmp_path, tiny_model_dir):
     code, path = _run(tmp_path, tiny_model_dir, "--mode", "text")
     assert code == 0 and len(path.read_text().splitlines()) == 6
