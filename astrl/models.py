@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,6 +129,15 @@ def _embedded_folder(name: str) -> Path:
     return target
 
 
+def unsafe_weights_message(source: str) -> str:
+    return (
+        f"refusing to load the weights of {source!r}: a pickled weights file (.bin/.pt) in it does not load with "
+        "torch.load(weights_only=True), so it holds objects other than tensors and could run code when unpickled; "
+        "astrl loads safetensors, or pickled weights only with weights_only=True. If you trust its origin, convert "
+        "it to safetensors yourself (save_pretrained writes safetensors) and load that folder"
+    )
+
+
 def resolve(name_or_path: str) -> str:
     """Map an identifier to what ``from_pretrained`` accepts (embedded names become cached folders)."""
     if name_or_path in EMBEDDED_MODELS:
@@ -161,8 +171,13 @@ def load_model(
     source = resolve(name_or_path)
     is_local = Path(source).exists()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=is_local)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, local_files_only=is_local)
+        # never run Python code shipped with a model (trust_remote_code stays off)
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=is_local, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch_dtype, local_files_only=is_local, trust_remote_code=False
+        )
+    except pickle.UnpicklingError:
+        raise ModelLoadError(unsafe_weights_message(source)) from None
     except OSError as err:
         if is_local:
             raise ModelLoadError(f"could not load model folder {source!r}: {err}") from None

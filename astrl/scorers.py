@@ -158,7 +158,7 @@ def _load_pretrained(loader, model_id: str, what: str):
 
     local = Path(model_id).expanduser().exists()
     try:
-        return loader.from_pretrained(model_id, local_files_only=local)
+        return loader.from_pretrained(model_id, local_files_only=local, trust_remote_code=False)
     except OSError:
         raise ScorerError(
             f"could not load {what} {model_id!r}: not a local folder and the Hugging Face hub could not "

@@ -93,7 +93,7 @@ def test_hardening_lowers_attack_success_on_a_trivially_learnable_scorer():
     buffer = io.BytesIO()  # through a file, as a checkpoint goes (the live optimizer state shares its tensors)
     torch.save(hardener.state_dict(), buffer)
     buffer.seek(0)
-    restored.load_state_dict(torch.load(buffer, weights_only=False))
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
     assert restored.attacks == hardener.attacks and restored.rounds == 1
     assert restored.replies(fresh, inputs) == hardener.replies(model, inputs)
     assert restored.harden() == hardener.harden()  # optimizer moments and attack order resume too

@@ -189,7 +189,7 @@ def test_ppo_trains_the_policy_and_its_value_head_and_checkpoints_both(tmp_path)
     assert len(lrs) == 2  # the value head has its own learning rate
     head_after = list(trainer.algorithm.value_head.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(head_before, head_after, strict=True))
-    state = torch.load(tmp_path / "run" / "checkpoints" / "step_000002" / "state.pt", weights_only=False)
+    state = torch.load(tmp_path / "run" / "checkpoints" / "step_000002" / "state.pt", weights_only=True)
     for key, value in state["algorithm"]["value_head"].items():
         assert torch.equal(value, trainer.algorithm.value_head.state_dict()[key])
 
@@ -325,7 +325,7 @@ def test_novelty_history_is_checkpointed_and_resumes_exactly(tmp_path, monkeypat
     else:
         keys = ["reward_mean", "loss", "pairs"]
     assert [{k: r[k] for k in keys} for r in after] == [{k: r[k] for k in keys} for r in uninterrupted]
-    state = torch.load(tmp_path / "a" / "run" / "checkpoints" / "step_000003" / "state.pt", weights_only=False)
+    state = torch.load(tmp_path / "a" / "run" / "checkpoints" / "step_000003" / "state.pt", weights_only=True)
     novelty = state["algorithm"]["novelty"] if algorithm == "grpo" else state["algorithm"]["sampler"]["novelty"]
     assert len(novelty) == 1 and 0 < len(novelty[0]["_extra_state"]["history"]) <= 6
 

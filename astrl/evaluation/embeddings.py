@@ -42,8 +42,8 @@ class SentenceEncoder:
 
         folder = Path(folder) if folder is not None else embedding_folder()
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-            self.model = AutoModel.from_pretrained(folder, local_files_only=True).to(device).eval()
+            self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+            self.model = AutoModel.from_pretrained(folder, local_files_only=True, trust_remote_code=False).to(device).eval()
         except OSError as err:
             raise EmbeddingUnavailable(f"could not read the embedding model in {folder}: {err}") from None
         self.batch_size = batch_size

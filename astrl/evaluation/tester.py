@@ -15,10 +15,11 @@ tokenizer files alongside). Adapters are merged into the base weights for evalua
 from __future__ import annotations
 
 import json
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from astrl.models import LoadedModel, ModelLoadError, context_window, load_model, prepare_tokenizer
+from astrl.models import LoadedModel, ModelLoadError, context_window, load_model, prepare_tokenizer, unsafe_weights_message
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -119,13 +120,15 @@ def load_adapter_model(folder: str | Path, *, dtype: str = "float32", device: st
     if any((folder / name).is_file() for name in _TOKENIZER_FILES):
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
         prepare_tokenizer(tokenizer, loaded.model)
     rows = loaded.model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > rows:
         loaded.model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     try:
         model = PeftModel.from_pretrained(loaded.model, str(folder), is_trainable=False).merge_and_unload()
+    except pickle.UnpicklingError:
+        raise ModelLoadError(unsafe_weights_message(str(folder))) from None
     except (OSError, ValueError, RuntimeError) as err:
         raise ModelLoadError(f"could not apply the adapter in {folder} to {base!r}: {err}") from None
     model.eval()

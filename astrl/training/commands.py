@@ -10,6 +10,12 @@ def add_train_parser(sub) -> None:
     p = sub.add_parser("train", help="train a tester (GRPO; see configs/) and write a run directory")
     p.add_argument("--config", default=None, help="YAML config (configs/NAME.yaml); defaults apply to missing keys")
     p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest checkpoint")
+    p.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="with --resume: load a checkpoint that needs full unpickling (older astrl versions); "
+        "this can run code stored in the file, so use it only for run directories whose origin you trust",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar or sample tables")
     for flag, key, kind, text in _SCALE_FLAGS:
         p.add_argument(flag, dest=key, type=kind, default=None, help=f"{text} (the config key {key})")
@@ -48,8 +54,10 @@ def run_train(args) -> int:
     if args.resume:
         if args.config:
             raise ValueError("--resume continues a run with its own config.yaml; pass overrides instead of --config")
-        trainer = resume(args.resume, train_overrides(args), progress=not args.quiet)
+        trainer = resume(args.resume, train_overrides(args), progress=not args.quiet, trust_checkpoint=args.trust_checkpoint)
     else:
+        if args.trust_checkpoint:
+            raise ValueError("--trust-checkpoint only applies with --resume RUN_DIR")
         trainer = Trainer(load_config(args.config, train_overrides(args)), progress=not args.quiet)
     try:
         rows = trainer.train()

@@ -252,13 +252,24 @@ class TrainConfig:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False), encoding="utf-8")
 
 
+def _yaml_problem(err: Exception) -> str:
+    """A YAML error in one line; tags such as ``!!python/object`` are refused (configs are data, never code)."""
+    text = " ".join(str(err).split())
+    if "python/" in text:
+        return f"python object tags are not allowed in astrl configs ({text})"
+    return text
+
+
 def valid_keys() -> list[str]:
     return [f.name for f in dataclasses.fields(TrainConfig)]
 
 
 def _parse_value(key: str, text: str):
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    value = yaml.safe_load(text)
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {key}={text!r} is not a plain YAML value: {_yaml_problem(err)}") from None
     if fields[key].type in ("list[str]",) and isinstance(value, str):
         value = [v for v in value.split(",") if v]
     return value
@@ -274,7 +285,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} not found")
-        loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {str(path)!r} is not plain YAML data: {_yaml_problem(err)}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys to values")
         values.update(loaded)

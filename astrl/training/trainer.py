@@ -31,6 +31,7 @@ from astrl.rewards.reference import is_peft_model
 from astrl.training.batches import turn_metrics
 from astrl.training.config import ConfigError, TrainConfig, load_config
 from astrl.training.setup import RunModels, build_env, build_models, build_stream, conversation_parts
+from astrl.training.state_io import STATE_FILE, load_state, rng_state, save_state, set_rng_state
 
 CHECKPOINTS = "checkpoints"
 
@@ -56,16 +57,6 @@ def warmup_then_linear(warmup: int, total: int):
         return max(0.0, (total - update) / max(1, total - warmup))
 
     return factor
-
-
-def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
 
 
 def trainable_state(model: torch.nn.Module) -> dict:
@@ -362,7 +353,7 @@ class Trainer:
         }
         if self.hardening is not None:
             state["hardening"] = self.hardening.state_dict()
-        torch.save(state, tmp / "state.pt")
+        save_state(state, tmp / STATE_FILE)
         self.archive.write(self.run_dir / ARCHIVE_FILE)
         shutil.rmtree(folder, ignore_errors=True)
         tmp.rename(folder)
@@ -406,8 +397,10 @@ class Trainer:
         for old in folders[: -self.config.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def load_checkpoint(self, folder: Path) -> None:
-        state = torch.load(folder / "state.pt", weights_only=False)
+    def load_checkpoint(self, folder: Path, *, trust: bool = False) -> None:
+        """Restore the state saved in ``folder``: loaded with ``weights_only=True`` unless ``trust``
+        (full unpickling, for checkpoints of older astrl versions whose origin you trust)."""
+        state = load_state(folder / STATE_FILE, trust=trust)
         self.step = state["step"]
         self._pending_stream_state = state["stream"]
         self._build()
@@ -436,10 +429,14 @@ def resume(
     *,
     progress: bool = True,
     tester_lm: LoadedModel | None = None,
+    trust_checkpoint: bool = False,
 ) -> Trainer:
     """A trainer that continues the run in ``run_dir`` from its newest checkpoint.
 
-    ``tester_lm`` replaces loading the config's tester (for models that are not on disk)."""
+    ``tester_lm`` replaces loading the config's tester (for models that are not on disk). The
+    checkpoint's ``state.pt`` is loaded with ``torch.load(..., weights_only=True)``; one that needs
+    full unpickling (older astrl versions) raises :class:`~astrl.training.state_io.UnsafeCheckpointError`
+    unless ``trust_checkpoint=True``, an explicit opt-in for run directories whose origin you trust."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{str(run_dir)!r} is not a run directory (no config.yaml)")
@@ -447,7 +444,7 @@ def resume(
     trainer = Trainer(config, progress=progress, models=build_models(config, tester_lm) if tester_lm else None)
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is not None:
-        trainer.load_checkpoint(checkpoint)
+        trainer.load_checkpoint(checkpoint, trust=trust_checkpoint)
     return trainer
 
 

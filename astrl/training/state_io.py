@@ -1,0 +1,84 @@
+"""Checkpoint state files (``state.pt``): written with ``torch.save``, read with ``weights_only=True``.
+
+A checkpoint's state holds only tensors and plain data (dicts, lists, tuples, ints, floats, strings,
+booleans, ``None``): model and optimizer tensors, RNG states as tensors and lists of ints, counters,
+prompt-stream positions and novelty histories. ``torch.load(..., weights_only=True)`` reads such a file
+without unpickling arbitrary objects, so a crafted ``state.pt`` from someone else's run directory
+cannot run code when a run is resumed.
+
+Files that need full unpickling (written by older astrl versions, which stored Python and NumPy RNG
+states as pickled objects, or holding anything else) are refused with :class:`UnsafeCheckpointError`;
+``trust=True`` (``astrl train --resume RUN_DIR --trust-checkpoint``) loads them anyway, for files whose
+origin you trust. The next checkpoint the resumed run writes is in the safe format.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from astrl.training.config import ConfigError
+
+STATE_FILE = "state.pt"
+
+
+class UnsafeCheckpointError(ConfigError):
+    """A checkpoint state file that ``torch.load(..., weights_only=True)`` refuses."""
+
+
+def save_state(state: dict, path: str | Path) -> None:
+    """Write a checkpoint state (tensors and plain data only) to ``path``."""
+    torch.save(state, path)
+
+
+def load_state(path: str | Path, *, trust: bool = False) -> dict:
+    """Read a checkpoint state with ``weights_only=True``; ``trust=True`` unpickles it fully (opt-in)."""
+    path = Path(path)
+    if trust:
+        return torch.load(path, weights_only=False)
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UnsafeCheckpointError(
+            f"refusing to load {str(path)!r}: it does not load with torch.load(weights_only=True) ({reason}). "
+            "It was written by an older astrl, or it holds objects other than tensors and plain data; a crafted "
+            "file of this kind can run code when unpickled. Only if you trust where the run directory came from, "
+            "resume it with full unpickling: astrl train --resume RUN_DIR --trust-checkpoint "
+            "(resume(run_dir, trust_checkpoint=True) in Python); its next checkpoint is written in the safe format."
+        ) from None
+
+
+def rng_state() -> dict:
+    """The global torch, Python and NumPy RNG states as tensors and plain data."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "python": {"version": version, "state": list(internal), "gauss": gauss},
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` returned (or the pickled tuples older checkpoints hold)."""
+    torch.set_rng_state(state["torch"])
+    python = state["python"]
+    if isinstance(python, dict):
+        python = (python["version"], tuple(python["state"]), python["gauss"])
+    random.setstate(python)
+    numpy = state["numpy"]
+    if isinstance(numpy, dict):
+        keys = np.asarray(numpy["keys"].numpy(), dtype=np.uint32)
+        numpy = (numpy["kind"], keys, numpy["pos"], numpy["has_gauss"], numpy["cached_gaussian"])
+    np.random.set_state(numpy)
