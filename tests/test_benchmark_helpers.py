@@ -1,0 +1,53 @@
+"""The arithmetic of benchmarks/train_loop.py (the benchmark itself is run by hand, never timed here)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict, lazy_stack
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+train_loop = pytest.importorskip("train_loop")
+
+
+def test_summarize_takes_the_median_of_per_step_ratios():
+    steps = [
+        {"collect_s": 6.0, "generate_s": 3.0, "update_s": 2.0, "bare_update_s": 1.0, "parts": {"update": 2.0}},
+        {"collect_s": 4.0, "generate_s": 4.0, "update_s": 3.0, "bare_update_s": 2.0, "parts": {"update": 3.0}},
+        {"collect_s": 9.0, "generate_s": 2.0, "update_s": 1.0, "bare_update_s": 1.0, "parts": {"update": 1.0}},
+    ]
+    summary = train_loop.summarize(steps)
+    assert summary["collect_vs_generate"] == 2.0  # ratios 2, 1, 4.5
+    assert summary["update_vs_bare"] == 1.5  # ratios 2, 1.5, 1 (the ratio of medians would be 2 / 1 = 2)
+    assert summary["step_s"] == 8.0  # 8, 7, 10
+    assert summary["breakdown_s"]["update"] == 2.0
+    assert summary["breakdown_s"]["scorer"] == 0.0  # a part no step had
+
+
+def test_minibatch_rows_of_turns_cut_at_the_first_stop_token():
+    eos = 9
+    minibatch = lazy_stack(
+        [
+            TensorDict(tokens=TensorDict(prompt=torch.tensor([1, 2]), response=torch.tensor([3, eos, 0, 0]))),
+            TensorDict(tokens=TensorDict(prompt=torch.tensor([4]), response=torch.tensor([5, 6, 7]))),
+        ]
+    )
+    prompts, responses = train_loop._minibatch_rows(minibatch, {eos})
+    assert [p.tolist() for p in prompts] == [[1, 2], [4]]
+    assert [q.tolist() for q in responses] == [[3, eos], [5, 6, 7]]
+
+
+def test_minibatch_rows_of_pairs_give_chosen_then_rejected_under_the_shared_prompt():
+    pair = TensorDict(
+        prompt_tokens=torch.tensor([1, 2]),
+        chosen_tokens=torch.tensor([3, 4, 0]),
+        rejected_tokens=torch.tensor([5, 0, 0]),
+        chosen_mask=torch.tensor([True, True, False]),
+        rejected_mask=torch.tensor([True, False, False]),
+    )
+    prompts, responses = train_loop._minibatch_rows(lazy_stack([pair]), set())
+    assert [p.tolist() for p in prompts] == [[1, 2], [1, 2]]
+    assert [q.tolist() for q in responses] == [[3, 4], [5]]
