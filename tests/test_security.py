@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_llama, make_tokenizer
+from test_training import _tiny_overrides
 
 from astrl.cli import main
 from astrl.evaluation.archive import AttackArchive
@@ -15,8 +16,6 @@ from astrl.evaluation.tester import load_adapter_model, load_tester, resolve_tes
 from astrl.models import ModelLoadError, load_model
 from astrl.training import ConfigError, load_config, resume
 from astrl.training.state_io import UnsafeCheckpointError, load_state
-
-KEYWORDS = "keywords:hello,world"
 
 
 class WritesMarker:
@@ -31,19 +30,7 @@ class WritesMarker:
 
 def _train_run(tmp_path: Path, model_dir: Path, steps: int = 1) -> Path:
     run_dir = tmp_path / "run"
-    overrides = [
-        f"tester={model_dir}",
-        f"target={model_dir}",
-        f"scorer={KEYWORDS}",
-        f"total_steps={steps}",
-        "save_every=1",
-        "prompts_per_step=2",
-        "group_size=2",
-        "turns=1",
-        "max_new_tokens=4",
-        "lora_targets=q_proj,v_proj",
-        f"run_dir={run_dir}",
-    ]
+    overrides = [*_tiny_overrides(model_dir, run_dir), f"total_steps={steps}"]  # the later value wins
     assert main(["train", "--config", "configs/grpo.yaml", "--quiet", *overrides]) == 0
     return run_dir
 
