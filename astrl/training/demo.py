@@ -14,12 +14,13 @@ import json
 from pathlib import Path
 
 import torch
+import yaml
 
 from astrl._compat import as_list
 from astrl.policies import input_mode, make_policy
 from astrl.prompts import PromptStream, load_prompts, split_prompts
 from astrl.rewards.reference import AdaptersDisabled
-from astrl.training.config import TrainConfig
+from astrl.training.config import ConfigError, TrainConfig
 from astrl.training.setup import generation
 from astrl.training.trainer import Trainer, latest_checkpoint, resume
 
@@ -137,10 +138,25 @@ def compare_testers(
     return results
 
 
+def check_same_demo(config: TrainConfig) -> None:
+    """Refuse to resume a run directory that holds a run of other settings (e.g. an older demo's):
+    the run would go on with its own saved config, not the demo's."""
+    saved = yaml.safe_load((Path(config.run_dir) / "config.yaml").read_text(encoding="utf-8")) or {}
+    current = config.to_dict()
+    differ = [k for k in current if k not in ("total_steps", "run_dir") and k in saved and saved[k] != current[k]]
+    if differ:
+        key = differ[0]
+        raise ConfigError(
+            f"{config.run_dir!r} holds a run with other settings than this demo ({len(differ)} keys differ, e.g. "
+            f"{key}: {saved[key]!r} there, {current[key]!r} here); remove it or pass --run-dir NEW_FOLDER"
+        )
+
+
 def run_demo(overrides: dict | None = None, *, progress: bool = True, conversations: int = 64) -> dict:
     """Train (or resume, or reuse a finished run) and return the before/after comparison."""
     config = demo_config(overrides)
     if latest_checkpoint(config.run_dir) is not None:
+        check_same_demo(config)
         trainer = resume(config.run_dir, [f"total_steps={config.total_steps}"], progress=progress)
     else:
         trainer = Trainer(config, progress=progress)
