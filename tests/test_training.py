@@ -278,6 +278,11 @@ def test_demo_trains_then_compares_and_reuses_a_finished_run(tmp_path, tiny_mode
     assert summary["after"]["mean_reward"] == after["mean_reward"] and "best_probe" not in summary["after"]
     again = run_demo(overrides, progress=False, conversations=3)
     assert again["rows"] == [] and again["comparison"]["before"] == before  # the untrained side is seeded
+    from astrl.training.demo import compare_testers
+
+    partial = compare_testers(resume(tmp_path / "demo", progress=False), conversations=17)  # one full batch of 16 + 1
+    assert all(side["judges"]["wordlist"]["n_conversations"] == 17 for side in partial.values())
+    assert all(side["judges"]["wordlist"]["n_turns"] == 17 for side in partial.values())  # one turn each
     with pytest.raises(ConfigError, match="holds a run with other settings than this demo .* lr: 0.002 there, 0.001 here"):
         run_demo({**overrides, "lr": 0.001}, progress=False, conversations=3)  # e.g. a run of an older demo
 

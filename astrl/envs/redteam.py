@@ -28,7 +28,8 @@ from torchrl.envs.llm.transforms import DataLoadingPrimer
 from astrl._compat import as_list
 from astrl.envs.transforms import Advance, ScoreReward, TargetTurn, policy_limits
 from astrl.prompts import PromptStream
-from astrl.rewards import ASTPrompterReward, ASTPrompterWeights, ElicitReward, ElicitWeights, RewardShaping
+from astrl.rewards import ASTPrompterReward, RewardShaping
+from astrl.rewards.astprompter import LIKELIHOOD_REWARDS, reward_weights, weight_names
 from astrl.rewards.novelty import make_novelty
 from astrl.scorers import Scorer
 
@@ -38,8 +39,7 @@ DEFAULT_TESTER_SYSTEM_PROMPT = (
     "offensive. Write only the message."
 )
 MODES = ("chat", "text")
-REWARDS = ("score", "astprompter", "elicit")
-REWARD_WEIGHTS = {"astprompter": ("alpha", "zeta", "gamma"), "elicit": ("alpha", "penalty", "gamma", "gate")}
+REWARDS = ("score", *LIKELIHOOD_REWARDS)
 
 
 class RedTeamEnv(ChatEnv):
@@ -95,12 +95,11 @@ def conversation_options(config) -> dict:
 
 
 def reward_options(reward: str, alpha: float, zeta: float, gamma: float, penalty: float, gate: bool) -> dict | None:
-    """The ``reward_options`` of :func:`astrl.envs.make_redteam_env` for a reward name and its weights."""
-    if reward == "astprompter":
-        return {"alpha": alpha, "zeta": zeta, "gamma": gamma}
-    if reward == "elicit":
-        return {"alpha": alpha, "penalty": penalty, "gamma": gamma, "gate": gate}
-    return None
+    """The ``reward_options`` of :func:`astrl.envs.make_redteam_env` for a reward name: the weights it uses."""
+    if reward not in LIKELIHOOD_REWARDS:
+        return None
+    values = {"alpha": alpha, "zeta": zeta, "gamma": gamma, "penalty": penalty, "gate": gate}
+    return {name: values[name] for name in weight_names(reward)}
 
 
 def make_redteam_env(
@@ -192,18 +191,13 @@ def make_redteam_env(
 
 def _likelihood_reward(reward: str, target, scorer: Scorer, mode: str, options: dict) -> ASTPrompterReward:
     """The ASTPrompter or elicitation reward transform from its ``reward_options``."""
-    names = REWARD_WEIGHTS[reward]
-    allowed = {"join", "empty_probe_logprob"}
-    if set(options) - allowed - set(names):
+    names, allowed = weight_names(reward), {"join", "empty_probe_logprob"}
+    unknown = set(options) - allowed - set(names)
+    if unknown:
         raise ValueError(
-            f"unknown reward_options {sorted(set(options) - allowed - set(names))} for reward={reward!r}; "
-            f"valid: {', '.join(sorted([*names, *allowed]))}"
+            f"unknown reward_options {sorted(unknown)} for reward={reward!r}; valid: {', '.join(sorted([*names, *allowed]))}"
         )
-    values = {k: options.pop(k) for k in names if k in options}
-    if reward == "elicit":
-        weights = ElicitWeights(**{k: bool(v) if k == "gate" else float(v) for k, v in values.items()})
-        kind = ElicitReward
-    else:
-        weights, kind = ASTPrompterWeights(**{k: float(v) for k, v in values.items()}), ASTPrompterReward
+    weights = reward_weights(reward, **{k: options.pop(k) for k in names if k in options})
     tokenizer, window, _ = policy_limits(target, "target")
+    kind = LIKELIHOOD_REWARDS[reward][1]
     return kind(target.model, tokenizer, scorer, weights=weights, mode=mode, max_length=window, **options)

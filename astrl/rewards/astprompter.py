@@ -16,7 +16,7 @@ reward = more harmful and more natural.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -217,3 +217,18 @@ class ElicitReward(ASTPrompterReward):
     def toxicity_terms(self, probes: list[str], replies: list[str], cached: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """``response_tox`` and ``probe_tox`` (one scorer call; the reply's score is reused when cached)."""
         return self._score_with_replies(list(probes), replies, cached, "probe_tox")
+
+
+LIKELIHOOD_REWARDS = {"astprompter": (ASTPrompterWeights, ASTPrompterReward), "elicit": (ElicitWeights, ElicitReward)}
+
+
+def weight_names(reward: str) -> tuple[str, ...]:
+    """The weights of the ``"astprompter"`` or ``"elicit"`` reward (the fields of its weights class)."""
+    return tuple(f.name for f in fields(LIKELIHOOD_REWARDS[reward][0]))
+
+
+def reward_weights(reward: str, **values) -> ASTPrompterWeights | ElicitWeights:
+    """The weights of the ``"astprompter"`` or ``"elicit"`` reward from ``values``: its own names are
+    taken (cast to float, ``gate`` to bool), any other is left out; a missing one keeps its default."""
+    kind = LIKELIHOOD_REWARDS[reward][0]
+    return kind(**{f.name: (bool if f.type == "bool" else float)(values[f.name]) for f in fields(kind) if f.name in values})

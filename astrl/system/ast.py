@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from astrl.rewards.astprompter import ASTPrompterWeights, ElicitWeights
+from astrl.rewards.astprompter import reward_weights
 from astrl.system.base import System, score_texts
 
 
@@ -50,10 +50,7 @@ class ASTSystem(System[str, str]):
         if reward not in ("astprompter", "elicit"):
             raise ValueError(f"reward must be 'astprompter' or 'elicit', got {reward!r}")
         self.reward_kind = reward
-        if reward == "elicit":
-            self.weights = ElicitWeights(alpha, probe_penalty, gamma, bool(elicit_gate))
-        else:
-            self.weights = ASTPrompterWeights(alpha, zeta, gamma)
+        self.weights = reward_weights(reward, alpha=alpha, zeta=zeta, gamma=gamma, penalty=probe_penalty, gate=elicit_gate)
         self.empty_probe_logprob = float(empty_probe_logprob)
 
     def advance(self, context: str, probe: str, response: str) -> str:

@@ -110,8 +110,11 @@ def compare_testers(
             for start in range(0, conversations, batch):
                 reset = env.reset()
                 rollout = env.rollout(config.turns, tester, tensordict=reset, auto_reset=False)
-                records += rollout_records(rollout, as_list(reset["query"]), list(scorers), start)
-                rewards += rollout["next", "reward"].reshape(-1).tolist()
+                chunk = rollout_records(rollout, as_list(reset["query"]), list(scorers), start)
+                kept = [i for i, r in enumerate(chunk) if r["conversation"] < conversations]  # a last, partial batch
+                step_rewards = rollout["next", "reward"].reshape(-1).tolist()  # same (conversation, turn) order
+                records += [chunk[i] for i in kept]
+                rewards += [step_rewards[i] for i in kept]
         score_probes(records, scorers)
         conv = [r["conversation"] for r in records]
         judged = {
