@@ -23,7 +23,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 
 from astrl.backends import init_ray, require_ray
-from astrl.policies import GenerationSettings, make_policy
+from astrl.policies import GenerationSettings, make_policy, vllm_share
 
 _PARTS: dict[str, tuple] = {}  # per process: (env, policy) of each spec, built once
 
@@ -108,8 +108,9 @@ def build_worker(spec: WorkerSpec) -> tuple:
     else:
         target_lm = tester_lm
     mode = input_mode(spec.mode)
-    tester = make_policy(tester_lm, spec.tester_generation, input_mode=mode, backend=spec.backend)
-    target = make_policy(target_lm, spec.target_generation, input_mode=mode, backend=spec.target_backend)
+    memory = vllm_share(0.5, spec.backend, spec.target_backend)
+    tester = make_policy(tester_lm, spec.tester_generation, input_mode=mode, backend=spec.backend, vllm_memory=memory)
+    target = make_policy(target_lm, spec.target_generation, input_mode=mode, backend=spec.target_backend, vllm_memory=memory)
     prompts = split_prompts(load_prompts(spec.prompts), spec.split, seed=spec.seed)
     stream = PromptStream(prompts, spec.batch_size, seed=spec.seed, group_size=spec.group_size)
     if spec.stream_state is not None:

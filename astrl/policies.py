@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 
 from astrl.backends import BACKENDS, check_backend
@@ -45,6 +46,11 @@ class GenerationSettings:
         return kwargs
 
 
+def vllm_share(memory: float, *backends: str) -> float:
+    """Each vLLM engine's share of the GPU when ``memory`` is the share all of ``backends``' engines take together."""
+    return memory / max(1, backends.count("vllm"))
+
+
 def input_mode(mode: str) -> str:
     """The wrapper input mode of a conversation mode: ``"chat"`` -> ``"history"``, ``"text"`` -> ``"text"``."""
     if mode not in ("chat", "text"):
@@ -60,6 +66,7 @@ def make_policy(
     backend: str = "transformers",
     return_log_probs: bool = True,
     vllm_memory: float = 0.5,
+    vllm_options: dict | None = None,
 ):
     """Wrap a loaded model as a generating TorchRL LLM policy.
 
@@ -71,6 +78,7 @@ def make_policy(
             (``vLLMWrapper`` over a vLLM engine that loads the same checkpoint, ``loaded.name``;
             ``loaded.model`` stays the Transformers copy used for scoring and gradients).
         vllm_memory: share of the GPU memory the vLLM engine may take (``backend="vllm"``).
+        vllm_options: more ``vllm.LLM`` keywords for that engine (see :func:`make_vllm_engine`).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
@@ -86,7 +94,7 @@ def make_policy(
         pad_output=False,
     )
     if backend == "vllm":
-        policy = _vllm_policy(loaded, wrapper_options, vllm_memory)
+        policy = _vllm_policy(loaded, wrapper_options, vllm_memory, vllm_options)
     else:
         from torchrl.modules.llm import TransformersWrapper
 
@@ -96,30 +104,48 @@ def make_policy(
     return policy
 
 
-def _vllm_policy(loaded: LoadedModel, wrapper_options: dict, memory: float):
-    """``vLLMWrapper`` over TorchRL's ``AsyncVLLM`` engine of ``loaded``'s checkpoint.
-
-    Checked first: vllm installed, a CUDA GPU present. ``AsyncVLLM`` runs the engine as a Ray
-    actor on its own GPU, which is what TorchRL's vLLM weight updater sends weights to.
-    """
-    if not 0 < memory <= 1:
-        raise ValueError(f"vllm_memory must be in (0, 1], got {memory}")
-    check_backend("vllm")
-    from astrl.backends import require_ray
-
-    require_ray()
+def _vllm_policy(loaded: LoadedModel, wrapper_options: dict, memory: float, engine_options: dict | None = None):
+    """``vLLMWrapper`` over an in-process vLLM engine that loads ``loaded``'s checkpoint."""
+    engine = make_vllm_engine(loaded, memory, **(engine_options or {}))
     from torchrl.modules.llm import vLLMWrapper
-    from torchrl.modules.llm.backends import AsyncVLLM
 
-    dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
-    engine = AsyncVLLM.from_pretrained(
-        resolve(loaded.name),
-        num_replicas=1,
-        verbose=False,
-        dtype=dtype,
-        gpu_memory_utilization=memory,
-        max_model_len=loaded.context_window,
-    )
     policy = vLLMWrapper(engine, **wrapper_options)
     policy.engine = engine
     return policy
+
+
+def make_vllm_engine(loaded: LoadedModel, memory: float = 0.5, **options):
+    """A ``vllm.LLM`` engine for ``loaded``'s checkpoint, in this process, on the first visible GPU.
+
+    The engine runs in the trainer's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set
+    otherwise), beside the Transformers model: weight pushes are plain GPU copies
+    (:func:`astrl.training.vllm_sync.push_to_vllm`), with no Ray actor or NCCL group, which two
+    processes on one GPU cannot form. vLLM places its engine on ``cuda:0``; to use another GPU, make
+    it the only visible one (``CUDA_VISIBLE_DEVICES``).
+
+    Args:
+        loaded: the model whose checkpoint (``loaded.name``) and dtype the engine uses.
+        memory: share of the GPU's memory the engine may take (weights + KV cache).
+        options: more ``vllm.LLM`` keywords (e.g. ``enforce_eager=True``, ``seed=0``).
+    """
+    if not 0 < memory <= 1:
+        raise ValueError(f"vllm_memory must be in (0, 1], got {memory}")
+    device = next(loaded.model.parameters()).device
+    check_backend("vllm", str(device))
+    if device.index not in (None, 0):
+        raise ValueError(
+            f"backend 'vllm' runs its engine on cuda:0 beside the trainer, but the model is on {device}: "
+            f"set CUDA_VISIBLE_DEVICES={device.index} and device=cuda"
+        )
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import vllm
+
+    dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+    settings = dict(
+        model=str(resolve(loaded.name)),
+        dtype=dtype,
+        gpu_memory_utilization=memory,
+        max_model_len=loaded.context_window,
+        enable_prefix_caching=True,
+    )
+    return vllm.LLM(**{**settings, **options})

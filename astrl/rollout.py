@@ -19,7 +19,7 @@ from astrl.envs import make_redteam_env
 from astrl.envs.redteam import REWARDS, reward_options
 from astrl.envs.transforms import PROBE_KEY, RESPONSE_KEY, SCORES_KEY
 from astrl.models import LoadedModel, load_model
-from astrl.policies import GenerationSettings, input_mode, make_policy
+from astrl.policies import GenerationSettings, input_mode, make_policy, vllm_share
 from astrl.prompts import PromptStream, load_prompts, split_prompts
 from astrl.rewards.astprompter import REWARD_TERMS_KEY
 from astrl.scorers import make_scorers
@@ -202,8 +202,9 @@ def iter_rollouts(config: RolloutConfig, on_turn: Callable[[], None] | None = No
     scorers = make_scorers(config.scorers, device=config.device)
     prompts = split_prompts(load_prompts(config.prompts), config.split, seed=config.seed)
     tester_lm, target_lm = _load_pair(config)
-    tester = make_policy(tester_lm, config.tester_generation, input_mode=input_mode(config.mode), backend=config.backend)
-    target = make_policy(target_lm, config.target_generation, input_mode=input_mode(config.mode), backend=config.target_backend)
+    mode, memory = input_mode(config.mode), vllm_share(0.5, config.backend, config.target_backend)
+    tester = make_policy(tester_lm, config.tester_generation, input_mode=mode, backend=config.backend, vllm_memory=memory)
+    target = make_policy(target_lm, config.target_generation, input_mode=mode, backend=config.target_backend, vllm_memory=memory)
     batch = min(config.batch_size, config.num_conversations)
     stream = PromptStream(prompts, batch, seed=config.seed)
     kwargs = {"tester_system_prompt": config.tester_system_prompt} if config.tester_system_prompt is not None else {}

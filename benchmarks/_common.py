@@ -32,7 +32,22 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--vllm-eager", action="store_true", help="vLLM without CUDA graphs or compilation (faster start, slower steps)"
+    )
     return parser
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """``vllm.LLM`` keywords from the arguments (the backend's defaults unless ``--vllm-eager``)."""
+    return {"enforce_eager": True} if args.vllm_eager else {}
+
+
+def gpu_memory(device: str) -> dict:
+    """Peak memory of this process's PyTorch allocator, in GiB (vLLM's in-process engine included); {} on CPU."""
+    if not str(device).startswith("cuda"):
+        return {}
+    return {"gpu_peak_allocated_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
 
 
 def setup(args: argparse.Namespace) -> dict:

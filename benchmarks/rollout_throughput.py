@@ -16,19 +16,31 @@ from __future__ import annotations
 import time
 
 import torch
-from _common import Timer, base_parser, emit, r, setup, sync
+from _common import Timer, base_parser, emit, engine_options, gpu_memory, r, setup, sync
 
 from astrl._compat import as_list
 from astrl.envs import make_redteam_env
 from astrl.envs.transforms import RESPONSE_KEY, ScoreReward
 from astrl.models import load_model
-from astrl.policies import GenerationSettings, make_policy
+from astrl.policies import GenerationSettings, make_policy, vllm_share
 from astrl.prompts import PromptStream, load_prompts
 from astrl.scorers import make_scorer
 
 
 def _sequences(out) -> torch.Tensor:
     return out["sequences"] if not isinstance(out, torch.Tensor) else out
+
+
+def _counting(generate, counter: dict, recording: dict):
+    """``engine.generate`` that adds the tokens it generated to ``counter["n"]`` while recording."""
+
+    def wrapped(*a, **kw):
+        outputs = generate(*a, **kw)
+        if recording["on"]:
+            counter["n"] += sum(len(o.token_ids) for out in outputs for o in out.outputs)
+        return outputs
+
+    return wrapped
 
 
 def main() -> None:
@@ -50,8 +62,9 @@ def main() -> None:
     load_s = time.perf_counter() - load_start
     model = lm.model
     settings = GenerationSettings(max_new_tokens=new_tokens)
-    tester = make_policy(lm, settings, input_mode="history", backend=args.backend)
-    target = make_policy(lm, settings, input_mode="history", backend=args.backend)
+    vllm = {"vllm_memory": vllm_share(0.5, args.backend, args.backend), "vllm_options": engine_options(args)}
+    tester = make_policy(lm, settings, input_mode="history", backend=args.backend, **vllm)
+    target = make_policy(lm, settings, input_mode="history", backend=args.backend, **vllm)
     scorer = make_scorer(args.scorer, device=args.device)
     stream = PromptStream(load_prompts("builtin"), batch, seed=args.seed)
     env = make_redteam_env(tester, target, {scorer.name: scorer}, stream, batch_size=batch, max_turns=turns, seed=args.seed)
@@ -72,6 +85,11 @@ def main() -> None:
         return out
 
     model.generate = generate
+    engine_tokens = {"n": 0}
+    for policy in (tester, target):  # vLLM: count the tokens its engines generate, exactly
+        engine = getattr(policy, "engine", None)
+        if engine is not None:
+            policy.engine.generate = _counting(engine.generate, engine_tokens, recording)
     tester.forward = timer.wrap("tester_call", tester.forward)
     target.forward = timer.wrap("target_call", target.forward)
     for transform in env.transform:
@@ -109,8 +127,13 @@ def main() -> None:
                 "turns": turns,
                 "new_tokens": new_tokens,
                 "repeats": repeats,
+                "tokens": engine_tokens["n"],
                 "astrl_s": r(astrl_s),
+                "astrl_tokens_per_s": r(engine_tokens["n"] / astrl_s, 2),
                 "model_turns_per_s": r(2 * batch * turns * repeats / astrl_s, 2),
+                "scorer_s": r(parts.get("scorer", 0.0)),
+                **gpu_memory(args.device),
+                "model_load_s": r(load_s, 2),
             }
         )
         return
@@ -174,6 +197,7 @@ def main() -> None:
         "tester_call_s": r(tester_s),
         "target_call_s": r(target_s),
         "raw_generate_first_call_s": r(raw.seconds["warmup"], 2),
+        **gpu_memory(args.device),
         "model_load_s": r(load_s, 2),
     }
     emit(result)

@@ -1,20 +1,18 @@
-"""The vLLM backend: clear errors without vllm or CUDA, the merged weights it is sent, and (with CUDA) a real run."""
+"""The vLLM backend on CPU: clear errors without vllm or CUDA, the merged weights a push sends (GPU: test_vllm_gpu.py)."""
 
 from __future__ import annotations
 
 import copy
-import importlib.util
+from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import loaded, make_llama, make_tokenizer
+from conftest import make_llama, make_tokenizer
 
 from astrl.backends import MissingExtraError, check_backend, require_vllm
 from astrl.policies import make_policy
 from astrl.training import ConfigError, TrainConfig
-from astrl.training.vllm_sync import merged_weights
-
-HAS_VLLM = importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
+from astrl.training.vllm_sync import merged_weights, push_to_vllm
 
 
 def test_vllm_without_the_package_or_a_gpu_fails_early_with_the_fix(monkeypatch, tiny_lm):
@@ -76,16 +74,52 @@ def test_merged_weights_equal_merge_and_unload_and_leave_the_adapters_alone():
         assert torch.equal(value, before[name])
 
 
-@pytest.mark.skipif(not HAS_VLLM, reason="needs vllm and a CUDA GPU")
-def test_vllm_policy_generates_in_the_red_team_env(tiny_model_dir):
-    from astrl.envs import make_redteam_env
-    from astrl.models import load_model
-    from astrl.policies import GenerationSettings
-    from astrl.scorers import make_scorers
+def test_merged_weights_leave_out_a_pad_row_the_engine_never_had():
+    tok = make_tokenizer()
+    model = make_llama(tok)
+    engine_vocab = model.config.vocab_size
+    tok.add_special_tokens({"pad_token": "<|new_pad|>"})
+    model.resize_token_embeddings(len(tok), mean_resizing=False)  # what prepare_tokenizer does without a pad token
+    assert model.get_input_embeddings().weight.shape[0] == engine_vocab + 1
+    merged = dict(merged_weights(model, vocab_size=engine_vocab))
+    assert merged["model.embed_tokens.weight"].shape[0] == engine_vocab
+    torch.testing.assert_close(merged["model.embed_tokens.weight"], model.get_input_embeddings().weight[:engine_vocab])
+    assert merged["model.layers.0.self_attn.q_proj.weight"].shape == model.model.layers[0].self_attn.q_proj.weight.shape
 
-    lm = load_model(str(tiny_model_dir), device="cuda")
-    tester = make_policy(lm, GenerationSettings(8), backend="vllm", vllm_memory=0.2)
-    target = make_policy(loaded(lm.model, lm.tokenizer), GenerationSettings(8))
-    env = make_redteam_env(tester, target, make_scorers(["keywords:the"]), ["hello there"], batch_size=2, max_turns=2)
-    rollout = env.rollout(2, tester)
-    assert rollout.shape == (2, 2)
+
+class _Engine:
+    """The two ``vllm.LLM`` calls a push makes, over a plain Transformers copy of the model."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.prefix_cache_resets = 0
+        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(hf_config=model.config))
+
+    def apply_model(self, fn):
+        return [fn(SimpleNamespace(load_weights=self._load))]
+
+    def _load(self, weights) -> None:
+        state = self.model.state_dict()
+        for name, value in weights:
+            state[name].copy_(value)
+
+    def reset_prefix_cache(self) -> bool:
+        self.prefix_cache_resets += 1
+        return True
+
+
+def test_push_to_vllm_loads_the_merged_weights_and_drops_the_prefix_cache():
+    from peft import LoraConfig, get_peft_model
+
+    tok = make_tokenizer()
+    engine = _Engine(make_llama(tok))
+    model = get_peft_model(make_llama(tok), LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    push_to_vllm(engine, model)
+    reference = copy.deepcopy(model).merge_and_unload().state_dict()
+    for name, value in engine.model.state_dict().items():
+        torch.testing.assert_close(value, reference[name])
+    assert engine.prefix_cache_resets == 1

@@ -201,7 +201,7 @@ class OnPolicy:
         self.tokenizer = models.tester.tokenizer
         self.stops = stop_ids(self.tokenizer, models.tester.model)
         self.stream = stream
-        self.vllm_updater = None
+        self.vllm_engine = None  # backend 'vllm': the engine the tester's weights are pushed to
         if config.collector == "ray":
             from astrl.distributed import RayCollectors
             from astrl.training.setup import worker_spec
@@ -222,9 +222,7 @@ class OnPolicy:
                 track_policy_version=True,
             )
             if config.backend == "vllm":
-                from astrl.training.vllm_sync import make_vllm_updater
-
-                self.vllm_updater = make_vllm_updater(policy, models.tester.model)
+                self.vllm_engine = policy.engine
         self._batches = iter(self.collector)
 
     def next_rollout(self) -> TensorDictBase:
@@ -244,10 +242,10 @@ class OnPolicy:
             from astrl.distributed import trainable_weights
 
             self.collector.update_policy_weights_(trainable_weights(self.policy))
-        elif self.vllm_updater is not None:
+        elif self.vllm_engine is not None:
             from astrl.training.vllm_sync import push_to_vllm
 
-            push_to_vllm(self.vllm_updater, self.models.tester.model)
+            push_to_vllm(self.vllm_engine, self.models.tester.model)
             self.collector.increment_version()
         else:
             self.collector.increment_version()
@@ -392,4 +390,4 @@ class GRPO(OnPolicy):
         return batch
 
     def loss(self, minibatch: TensorDictBase) -> TensorDictBase:
-        return self.loss_module(minibatch).to_tensordict()
+        return self.loss_module(minibatch.to(self.models.tester.model.device)).to_tensordict()

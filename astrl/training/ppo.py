@@ -68,7 +68,7 @@ class PPO(OnPolicy):
         return batch
 
     def loss(self, minibatch: TensorDictBase) -> TensorDictBase:
-        return self.loss_module(minibatch)
+        return self.loss_module(minibatch.to(self.models.tester.model.device))
 
     def state_dict(self) -> dict:
         return {"value_head": self.value_head.state_dict(), "kl_reward": self.kl_reward.state_dict(), **super().state_dict()}

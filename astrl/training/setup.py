@@ -17,7 +17,7 @@ import torch
 from astrl.envs import make_redteam_env
 from astrl.envs.redteam import conversation_options
 from astrl.models import LoadedModel, load_model
-from astrl.policies import GenerationSettings, input_mode, make_policy
+from astrl.policies import GenerationSettings, input_mode, make_policy, vllm_share
 from astrl.prompts import PromptStream, load_prompts, split_prompts
 from astrl.rewards import make_reference
 from astrl.rewards.reference import AdaptersDisabled
@@ -91,7 +91,7 @@ def build_stream(config: TrainConfig) -> PromptStream:
 def conversation_parts(config: TrainConfig, models: RunModels) -> tuple:
     """Tester and target policies, scorers, and the conversation settings that the red-team env
     and the tree sampler share: ``(tester, target, scorers, settings)``."""
-    mode, memory = input_mode(config.mode), config.vllm_memory
+    mode, memory = input_mode(config.mode), vllm_share(config.vllm_memory, config.backend, config.target_backend)
     tester = make_policy(models.tester, generation(config), input_mode=mode, backend=config.backend, vllm_memory=memory)
     target = make_policy(
         models.target, generation(config, target=True), input_mode=mode, backend=config.target_backend, vllm_memory=memory

@@ -240,6 +240,9 @@ class Trainer:
 
     def train_step(self) -> dict:
         start = time.perf_counter()
+        on_gpu = str(self.config.device).startswith("cuda")
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
         if self.models is not None:
             self.models.tester.model.eval()
         batch, rollout = self.algorithm.collect()
@@ -283,6 +286,8 @@ class Trainer:
         if self.hardening is not None:
             row.update(harden_new_attacks=new_attacks, **self.hardening.after_step(self.step))
         row.update(collect_seconds=collect_seconds, step_seconds=time.perf_counter() - start)
+        if on_gpu:  # what this process's PyTorch allocator held at most (a vLLM engine in-process included)
+            row["gpu_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
         self._last_samples = self.algorithm.samples(rollout)
         return row
 
