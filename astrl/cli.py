@@ -297,12 +297,22 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return COMMANDS[args.command](args)
-    except (MissingExtraError, ModelLoadError, PromptSourceError, ScorerError, ValueError, TypeError) as err:
-        print(f"astrl: error: {err}", file=sys.stderr)
+    except (MissingExtraError, ModelLoadError, PromptSourceError, ScorerError, ValueError, TypeError, OSError) as err:
+        print(f"astrl: error: {one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("astrl: interrupted", file=sys.stderr)
         return 130
+    except Exception as err:  # a failure astrl did not foresee: still one line, the traceback on request
+        if os.environ.get("ASTRL_DEBUG"):
+            raise
+        print(f"astrl: error: {type(err).__name__}: {one_line(err)} (set ASTRL_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 1
+
+
+def one_line(err: BaseException) -> str:
+    """An exception's message on one line (its type name when it has no message)."""
+    return " ".join(str(err).split()) or type(err).__name__
 
 
 if __name__ == "__main__":

@@ -156,13 +156,17 @@ class DetoxifyScorer:
 def _load_pretrained(loader, model_id: str, what: str):
     from pathlib import Path
 
+    from astrl.models import hub_unreachable
+
     local = Path(model_id).expanduser().exists()
+    offline = None if local else hub_unreachable()  # then only the local hub cache can serve it
     try:
-        return loader.from_pretrained(model_id, local_files_only=local, trust_remote_code=False)
+        return loader.from_pretrained(model_id, local_files_only=local or offline is not None, trust_remote_code=False)
     except OSError:
         raise ScorerError(
             f"could not load {what} {model_id!r}: not a local folder and the Hugging Face hub could not "
-            "provide it (offline?); download it where you are online and pass its folder path"
+            f"provide it ({'offline: ' + offline if offline else 'offline?'}); download it where you are online "
+            "and pass its folder path"
         ) from None
 
 

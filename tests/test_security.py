@@ -95,7 +95,7 @@ def test_eval_tester_reads_a_run_directory_as_data(tmp_path, tiny_model_dir):
 
     config = run_dir / "config.yaml"
     config.write_text(config.read_text() + f"extra: !!python/object/apply:builtins.open ['{marker}', 'w']\n")
-    with pytest.raises(ModelLoadError, match="not valid YAML"):
+    with pytest.raises(ModelLoadError, match="is not plain YAML data: python object tags are not allowed"):
         resolve_tester(str(run_dir))
     assert not marker.exists()
 
