@@ -209,6 +209,9 @@ class Trainer:
         if not self._built:
             self._build()
         self.archive.write(self.run_dir / ARCHIVE_FILE)  # drops attacks found after the checkpoint resumed from
+        sync = getattr(self.algorithm, "sync_weights", None)
+        if sync is not None and self.step > 0:  # Ray workers / a vLLM engine start from the untrained weights
+            sync()
         from tqdm.auto import tqdm
 
         loggers = self._loggers()
