@@ -204,3 +204,34 @@ def test_resume_pushes_restored_weights_through_the_vllm_hook_once_before_collec
     trainer.train()
     assert [e[0] for e in events] == ["push", "collect", "push"]  # restored weights, batch, the update's push
     assert all(torch.equal(events[0][1][k], restored[k]) for k in restored)
+
+
+# -- the learning-rate schedule counts the updates that happen ---------------------------------------
+@pytest.mark.parametrize("settings", [dict(minibatches=4), dict(minibatches=3, grad_accum=2, min_reward_gap=0.05)])
+def test_lr_schedule_reaches_its_end_value_with_fewer_updates_than_planned(tmp_path, settings):
+    # 2 trees of width 2 and depth 1 give at most 2 pairs a step: fewer minibatches than planned, some steps none
+    config = _config(
+        tmp_path / "run", algorithm="dpo", total_steps=4, prompts_per_step=2, tree_width=2, tree_depth=1,
+        group_size=4, warmup_steps=0, lr=1e-2, save_every=100, **settings,
+    )  # fmt: skip
+    rows = _trainer(config).train()
+    assert all(r["pairs"] <= 2 for r in rows)
+    assert [r["lr"] for r in rows] == pytest.approx([1e-2 * (1 - s / 4) for s in (1, 2, 3, 4)])
+    assert rows[-1]["lr"] == 0.0
+
+
+def test_lr_warmup_then_linear_decay_over_planned_updates(tmp_path):
+    config = _config(tmp_path / "run", total_steps=3, minibatches=2, warmup_steps=2, lr=1e-2, save_every=100)
+    trainer = _trainer(config)
+    seen = []
+    step = trainer._optimizer_step
+
+    def recording(position):
+        seen.append(trainer.optimizer.param_groups[0]["lr"])
+        return step(position)
+
+    trainer._optimizer_step = recording
+    rows = trainer.train()
+    # 6 planned updates: warm-up 1/2, 2/2, then (6 - u) / 4 for u = 2..5; 0 after the last
+    assert seen == pytest.approx([5e-3, 1e-2, 1e-2, 7.5e-3, 5e-3, 2.5e-3])
+    assert rows[-1]["lr"] == 0.0

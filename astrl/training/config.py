@@ -149,6 +149,7 @@ class TrainConfig:
             (self.tree_width >= 2, f"tree_width must be >= 2 (a pair needs two siblings), got {self.tree_width}"),
             (self.tree_depth >= 1, f"tree_depth must be >= 1, got {self.tree_depth}"),
             (self.lr > 0, f"lr must be > 0, got {self.lr}"),
+            (self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}"),
             (self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}"),
             (self.target_kl is None or self.target_kl > 0, f"target_kl must be > 0 (or null: off), got {self.target_kl}"),
             (

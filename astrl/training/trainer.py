@@ -148,16 +148,15 @@ class Trainer:
             from astrl.training.hardening import Hardening
 
             self.hardening = Hardening(config, self.models)
-        if config.minibatch_size is None:  # a known number of updates per step: the schedule counts updates
-            updates = config.total_steps * config.epochs * math.ceil(config.minibatches / config.grad_accum)
-            schedule = warmup_then_linear(config.warmup_steps, updates)
-        else:  # the number of updates depends on the data: the schedule follows the steps
-            per_step = warmup_then_linear(config.warmup_steps, config.total_steps)
-
-            def schedule(update: int) -> float:
-                return per_step(self.step)
-
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        # The schedule runs over planned updates: epochs x minibatches (per grad_accum) a step, or one a step
+        # with minibatch_size. A step that makes fewer updates (DPO/IPO pair counts vary) spreads its
+        # share over the ones it makes, so the rate always ends at its end value on the last step.
+        self._planned_updates = config.epochs * math.ceil(config.minibatches / config.grad_accum)
+        if config.minibatch_size is not None:
+            self._planned_updates = 1
+        factor = warmup_then_linear(config.warmup_steps, config.total_steps * self._planned_updates)
+        self._lr_position = self.step * self._planned_updates
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: factor(self._lr_position))
         # the reward scorer decides; unknown here (Ray workers, a System's own reward): any score present does
         scorer = getattr(self.algorithm, "reward_scorer", None)
         self.archive = AttackArchive(config.archive_threshold, scorers=[scorer] if scorer else None)
@@ -252,7 +251,9 @@ class Trainer:
         grad_norms = []
         self.optimizer.zero_grad(set_to_none=True)
         pending = 0
-        for minibatch in self.algorithm.minibatches(batch, self.generator):
+        minibatches = list(self.algorithm.minibatches(batch, self.generator))
+        updates = math.ceil(len(minibatches) / self.config.grad_accum)
+        for minibatch in minibatches:
             out = self.algorithm.loss(minibatch)
             total = sum(out.get(k) for k in out.keys() if isinstance(k, str) and k.startswith("loss_"))
             (total / self.config.grad_accum).backward()
@@ -263,10 +264,13 @@ class Trainer:
                     losses.setdefault(key, []).append(float(value.detach()))
             losses.setdefault("loss", []).append(float(total.detach()))
             if pending == self.config.grad_accum:
-                grad_norms.append(self._optimizer_step())
+                grad_norms.append(self._optimizer_step(self._position_after(len(grad_norms) + 1, updates)))
                 pending = 0
         if pending:
-            grad_norms.append(self._optimizer_step())
+            grad_norms.append(self._optimizer_step(self._position_after(len(grad_norms) + 1, updates)))
+        if not grad_norms:  # no update this step (e.g. no preference pair): the schedule still moves on
+            self._lr_position = self._position_after(1, 1)
+            self.scheduler.step()
         push = getattr(self.algorithm, "push_weights", None)
         if push is not None:
             push()
@@ -289,12 +293,17 @@ class Trainer:
         self._last_samples = self.algorithm.samples(rollout)
         return row
 
-    def _optimizer_step(self) -> float:
-        """Clip to ``max_grad_norm``, step, zero; returns the total gradient norm **before** clipping
-        (``grad_norm`` in metrics.csv is its mean over the step's updates)."""
+    def _position_after(self, done: int, updates: int) -> int:
+        """Where the schedule stands after ``done`` of this step's ``updates`` updates (in planned updates)."""
+        return self.step * self._planned_updates + done * self._planned_updates // updates
+
+    def _optimizer_step(self, position: int) -> float:
+        """Clip to ``max_grad_norm``, step, zero, move the schedule to ``position``; returns the total
+        gradient norm **before** clipping (``grad_norm`` in metrics.csv is its mean over the step's updates)."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
         self.optimizer.step()
+        self._lr_position = position
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
