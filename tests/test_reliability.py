@@ -226,9 +226,9 @@ def test_lr_warmup_then_linear_decay_over_planned_updates(tmp_path):
     seen = []
     step = trainer._optimizer_step
 
-    def recording(position):
+    def recording():
         seen.append(trainer.optimizer.param_groups[0]["lr"])
-        return step(position)
+        return step()
 
     trainer._optimizer_step = recording
     rows = trainer.train()

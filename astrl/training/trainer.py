@@ -264,10 +264,12 @@ class Trainer:
                     losses.setdefault(key, []).append(float(value.detach()))
             losses.setdefault("loss", []).append(float(total.detach()))
             if pending == self.config.grad_accum:
-                grad_norms.append(self._optimizer_step(self._position_after(len(grad_norms) + 1, updates)))
+                self._lr_position = self._position_after(len(grad_norms) + 1, updates)
+                grad_norms.append(self._optimizer_step())
                 pending = 0
         if pending:
-            grad_norms.append(self._optimizer_step(self._position_after(len(grad_norms) + 1, updates)))
+            self._lr_position = self._position_after(len(grad_norms) + 1, updates)
+            grad_norms.append(self._optimizer_step())
         if not grad_norms:  # no update this step (e.g. no preference pair): the schedule still moves on
             self._lr_position = self._position_after(1, 1)
             self.scheduler.step()
@@ -297,13 +299,12 @@ class Trainer:
         """Where the schedule stands after ``done`` of this step's ``updates`` updates (in planned updates)."""
         return self.step * self._planned_updates + done * self._planned_updates // updates
 
-    def _optimizer_step(self, position: int) -> float:
-        """Clip to ``max_grad_norm``, step, zero, move the schedule to ``position``; returns the total
+    def _optimizer_step(self) -> float:
+        """Clip to ``max_grad_norm``, step, zero, move the schedule to ``_lr_position``; returns the total
         gradient norm **before** clipping (``grad_norm`` in metrics.csv is its mean over the step's updates)."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
         self.optimizer.step()
-        self._lr_position = position
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
