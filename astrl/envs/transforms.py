@@ -16,7 +16,7 @@ from torchrl.envs import Transform
 from astrl._compat import Chat, as_list, chats_to_history, history_to_chats
 from astrl.envs.truncation import fit_chats, fit_texts
 from astrl.rewards.astprompter import TARGET_CONTEXT_KEY
-from astrl.scorers import Scorer
+from astrl.scorers import Scorer, checked_scores
 
 PROBE_KEY = "probe"
 RESPONSE_KEY = "target_response"
@@ -250,7 +250,8 @@ class ScoreReward(Transform):
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
         texts = as_list(next_tensordict[self.in_key])
         shape = next_tensordict.batch_size
-        scores = TensorDict({name: scorer(texts).reshape(shape) for name, scorer in self.scorers.items()}, batch_size=shape)
+        scores = {name: checked_scores(scorer, texts).reshape(shape) for name, scorer in self.scorers.items()}
+        scores = TensorDict(scores, batch_size=shape)
         next_tensordict.set(SCORES_KEY, scores)
         next_tensordict.set("reward", scores[self.reward_scorer].unsqueeze(-1))
         return next_tensordict

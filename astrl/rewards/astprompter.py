@@ -24,7 +24,7 @@ from torchrl.data import Composite, Unbounded
 
 from astrl._compat import as_list
 from astrl.rewards.logprobs import StepTransform, token_logprobs
-from astrl.scorers import Scorer
+from astrl.scorers import Scorer, checked_scores
 
 TARGET_CONTEXT_KEY = "target_context"
 REWARD_TERMS_KEY = "reward_terms"
@@ -182,8 +182,8 @@ class ASTPrompterReward(StepTransform):
 
     def _score_with_replies(self, texts: list[str], replies: list[str], cached: torch.Tensor | None, name: str) -> dict:
         if cached is not None:
-            return {"response_tox": cached.reshape(-1).float(), name: self.scorer(texts).float()}
-        both = self.scorer(list(replies) + texts)
+            return {"response_tox": cached.reshape(-1).float(), name: checked_scores(self.scorer, texts)}
+        both = checked_scores(self.scorer, list(replies) + texts)
         return {"response_tox": both[: len(replies)].float(), name: both[len(replies) :].float()}
 
     def compute(self, root: TensorDictBase, nxt: TensorDictBase) -> dict:
