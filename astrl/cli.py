@@ -258,8 +258,15 @@ def _demo(args) -> int:
 COMMANDS = {"rollout": _rollout, "train": _train, "demo": _demo, "eval": _eval, "compare": _compare}
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one ``astrl: error:`` line (exit code 2), like every other error of the CLI."""
+
+    def error(self, message: str):
+        self.exit(2, f"astrl: error: {' '.join(message.split())} (see: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="astrl", description="Adaptive stress testing of language models with TorchRL.")
+    parser = _Parser(prog="astrl", description="Adaptive stress testing of language models with TorchRL.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from astrl.training.commands import add_demo_parser, add_train_parser
 
@@ -285,7 +292,12 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "train" and all("=" in item and not item.startswith("-") for item in extra):
+        args.overrides += extra  # key=value overrides after an option (train --quiet total_steps=3)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command in LATER:
         print(f"astrl: error: '{args.command}' is not available in this version yet", file=sys.stderr)
         return 2

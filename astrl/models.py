@@ -195,15 +195,40 @@ def unsafe_weights_message(source: str) -> str:
     )
 
 
+def looks_like_path(name: str) -> bool:
+    """True for an identifier that can only be a local path (``/x``, ``./x``, ``~/x``, ``a/b/c``), never a hub id."""
+    return name.startswith(("/", ".", "~", "\\")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+
+
+def check_device(device: str | torch.device | None) -> None:
+    """A :class:`ModelLoadError` naming ``device`` when torch does not know it or it is not available here."""
+    if device is None:
+        return
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as err:
+        raise ModelLoadError(
+            f"device {str(device)!r} is not a torch device (use cpu, cuda, cuda:N or mps; {type(err).__name__})"
+        ) from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {str(device)!r} is not available: torch sees no CUDA GPU here (use --device cpu)")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ModelLoadError(f"device {str(device)!r} is not available here (use --device cpu)")
+
+
 def resolve(name_or_path: str) -> str:
     """Map an identifier to what ``from_pretrained`` accepts (embedded names become cached folders)."""
     if name_or_path in EMBEDDED_MODELS:
         return str(_embedded_folder(name_or_path))
     path = Path(name_or_path).expanduser()
     if path.exists():
+        if not path.is_dir():
+            raise ModelLoadError(f"model path {str(path)!r} is a file: pass a checkpoint folder (config.json + weights)")
         if not (path / "config.json").exists():
             raise ModelLoadError(f"model folder {str(path)!r} has no config.json: not a Hugging Face checkpoint")
         return str(path)
+    if looks_like_path(name_or_path):
+        raise ModelLoadError(f"model folder {str(path)!r} not found")
     return name_or_path
 
 
@@ -225,6 +250,7 @@ def load_model(
     torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
     if isinstance(dtype, str) and not isinstance(torch_dtype, torch.dtype):
         raise ModelLoadError(f"unknown dtype {dtype!r}: use float32, bfloat16 or float16")
+    check_device(device)
     source = resolve(name_or_path)
     is_local = Path(source).exists()
     offline = None if is_local else hub_unreachable()  # then only the local hub cache can serve it

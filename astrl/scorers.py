@@ -179,9 +179,11 @@ class DetoxifyScorer:
 def _load_pretrained(loader, model_id: str, what: str):
     from pathlib import Path
 
-    from astrl.models import hub_unreachable
+    from astrl.models import hub_unreachable, looks_like_path
 
     local = Path(model_id).expanduser().exists()
+    if not local and looks_like_path(model_id):
+        raise ScorerError(f"{what} folder {model_id!r} not found")
     offline = None if local else hub_unreachable()  # then only the local hub cache can serve it
     try:
         return loader.from_pretrained(model_id, local_files_only=local or offline is not None, trust_remote_code=False)

@@ -122,9 +122,16 @@ class TargetTurn(Transform):
         self.tester_tokenizer = tester_tokenizer
         self.tester_budget = tester_window - tester_max_new_tokens
         self.target_budget = self.target_window - self.target_max_new_tokens
-        for who, budget in (("tester", self.tester_budget), ("target", self.target_budget)):
+        limits = (
+            ("tester", self.tester_budget, tester_window, tester_max_new_tokens),
+            ("target", self.target_budget, self.target_window, self.target_max_new_tokens),
+        )
+        for who, budget, window, max_new in limits:
             if budget < 1:
-                raise ValueError(f"{who} max_new_tokens leaves no room for context in its window")
+                raise ValueError(
+                    f"{who} max_new_tokens {max_new} leaves no room for context in its window of {window} tokens "
+                    f"(use at most {window - 1})"
+                )
 
     # -- specs -------------------------------------------------------------------------
     def transform_observation_spec(self, observation_spec: Composite) -> Composite:

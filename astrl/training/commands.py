@@ -77,6 +77,8 @@ def run_train(args) -> int:
 def run_demo_command(args) -> int:
     from astrl.training.demo import run_demo
 
+    if args.conversations < 1:  # checked before training, not after
+        raise ValueError(f"--conversations must be >= 1, got {args.conversations}")
     overrides = {}
     if args.steps is not None:
         overrides["total_steps"] = args.steps
