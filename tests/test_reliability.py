@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from conftest import loaded, make_llama, make_tokenizer
 
 from astrl.cli import main
 
@@ -126,8 +127,6 @@ def _config(run_dir, **overrides):
 
 
 def _tiny_lm():
-    from conftest import loaded, make_llama, make_tokenizer
-
     tok = make_tokenizer()
     return loaded(make_llama(tok), tok, name="tiny")
 
@@ -235,3 +234,156 @@ def test_lr_warmup_then_linear_decay_over_planned_updates(tmp_path):
     # 6 planned updates: warm-up 1/2, 2/2, then (6 - u) / 4 for u = 2..5; 0 after the last
     assert seen == pytest.approx([5e-3, 1e-2, 1e-2, 7.5e-3, 5e-3, 2.5e-3])
     assert rows[-1]["lr"] == 0.0
+
+
+# -- faults survived -----------------------------------------------------------------------------------
+def _cli_run(model_dir, run_dir, *extra) -> list[str]:
+    return [
+        "train", "--quiet", f"tester={model_dir}", f"target={model_dir}", f"scorer={KEYWORDS}", "reward=astprompter",
+        "total_steps=4", "prompts_per_step=2", "group_size=2", "turns=1", "max_new_tokens=4", "lr=3e-3",
+        "lora_targets=q_proj,v_proj", "sample_every=1", "archive_threshold=0.1", f"run_dir={run_dir}", *extra,
+    ]  # fmt: skip
+
+
+def _metrics(run_dir) -> list[dict]:
+    import csv
+
+    keys = ("step", "reward_mean", "loss", "grad_norm", "lr")
+    return [{k: r[k] for k in keys} for r in csv.DictReader((run_dir / "metrics.csv").open())]
+
+
+def _jsonl(path) -> list[dict]:
+    import json
+
+    text = path.read_text()
+    assert text == "" or text.endswith("\n")
+    return [json.loads(line) for line in text.splitlines()]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model_dir, tmp_path_factory):
+    """The metrics of an uninterrupted 4-step CLI run, to compare interrupted and resumed runs with."""
+    run = tmp_path_factory.mktemp("whole") / "run"
+    assert main(_cli_run(tiny_model_dir, run, "save_every=1", "keep_checkpoints=4")) == 0
+    return run
+
+
+def test_scorer_failing_mid_run_stops_cleanly_and_resumes_to_the_same_metrics(tiny_model_dir, tmp_path, monkeypatch, capsys,
+                                                                               uninterrupted):  # fmt: skip
+    from astrl.scorers import KeywordScorer
+
+    original, calls = KeywordScorer.__call__, []
+
+    def flaky(self, texts):
+        calls.append(1)
+        if len(calls) == 5:  # two calls a step (reply, probe + reply): the first of step 3
+            raise ConnectionError("scoring service unreachable")
+        return original(self, texts)
+
+    monkeypatch.setattr(KeywordScorer, "__call__", flaky)
+    run = tmp_path / "run"
+    assert main(_cli_run(tiny_model_dir, run, "save_every=100")) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "astrl: error: training stopped in step 3: scoring service unreachable" in err
+    assert f"step_000002; continue with: astrl train --resume {run}" in err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002"]  # the last finished step
+    assert [r["step"] for r in _metrics(run)] == ["1", "2"]
+    assert {s["step"] for s in _jsonl(run / "samples.jsonl")} == {1, 2}
+    _jsonl(run / "attacks.jsonl")
+    monkeypatch.setattr(KeywordScorer, "__call__", original)
+    assert main(["train", "--resume", str(run), "--quiet"]) == 0
+    assert _metrics(run) == _metrics(uninterrupted)  # the failed step left no trace in the resumed run
+    assert _jsonl(run / "samples.jsonl") == _jsonl(uninterrupted / "samples.jsonl")
+
+
+@pytest.mark.parametrize("damage", ["truncated state", "flipped adapter byte", "garbage state", "missing state"])
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tiny_model_dir, tmp_path, capsys, uninterrupted, damage):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted, run)
+    (run / "config.yaml").write_text((run / "config.yaml").read_text().replace(str(uninterrupted), str(run)))
+    newest = run / "checkpoints" / "step_000004"
+    state, adapter = newest / "state.pt", newest / "tester" / "adapter_model.safetensors"
+    if damage == "truncated state":
+        state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    elif damage == "flipped adapter byte":
+        data = bytearray(adapter.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        adapter.write_bytes(bytes(data))
+    elif damage == "garbage state":
+        state.write_bytes(b"\0" * state.stat().st_size)
+    else:
+        state.unlink()
+    # total_steps=4 reached already: resuming from step 3 redoes step 4 only
+    assert main(["train", "--resume", str(run), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "astrl: warning: checkpoint" in err and str(newest) in err and "Traceback" not in err
+    assert (run / "checkpoints" / "step_000004.damaged").is_dir()
+    assert _metrics(run) == _metrics(uninterrupted)
+
+
+def test_no_usable_checkpoint_is_an_error_naming_each_file(tmp_path, capsys, uninterrupted):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted, run)
+    for folder in (run / "checkpoints").iterdir():
+        (folder / "state.pt").write_bytes(b"x")
+    assert main(["train", "--resume", str(run), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "no usable checkpoint" in err and "step_000001: " in err and "step_000004: " in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert len(list((run / "checkpoints").glob("step_*[0-9]"))) == 4  # left in place, to be looked at
+
+
+@pytest.mark.parametrize("mode", ["chat", "text"])
+def test_long_conversations_never_exceed_a_64_position_window(mode):
+    from astrl.envs import make_redteam_env
+    from astrl.policies import GenerationSettings, make_policy
+    from astrl.scorers import ChatJudgeScorer
+
+    tok = make_tokenizer()
+    lm = loaded(make_llama(tok, max_positions=64), tok)
+    lengths: list[int] = []
+
+    def record(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        past = kwargs.get("past_key_values")
+        seen = past.get_seq_length() if past is not None and hasattr(past, "get_seq_length") else 0
+        if ids is not None:
+            lengths.append(seen + ids.shape[-1])
+
+    lm.model.register_forward_pre_hook(record, with_kwargs=True)
+    judge = ChatJudgeScorer.__new__(ChatJudgeScorer)  # the judge reads its input through the same 64-position model
+    judge.__dict__.update(_judge_parts(lm))
+    settings = GenerationSettings(max_new_tokens=6)
+    tester = make_policy(lm, settings, input_mode="history" if mode == "chat" else "text")
+    target = make_policy(lm, settings, input_mode="history" if mode == "chat" else "text")
+    env = make_redteam_env(
+        tester,
+        target,
+        [judge],
+        ["hello how are you today"],
+        batch_size=2,
+        max_turns=22,
+        mode=mode,
+        reward="astprompter",
+        tester_system_prompt="be rude",
+    )
+    rollout = env.rollout(22, tester)
+    assert rollout.shape == (2, 22) and torch.isfinite(rollout["next", "reward"]).all()
+    assert 56 <= max(lengths) <= 64 and len(lengths) > 22 * 3  # the window fills up, and is never exceeded
+    contexts = [c for row in rollout["next", "target_context"] for c in row] if mode == "text" else []
+    assert all(len(tok(c)["input_ids"]) <= 64 for c in contexts)
+
+
+def _judge_parts(lm) -> dict:
+    """The attributes of a ChatJudgeScorer over ``lm`` (its loader needs a folder; here the model is in memory)."""
+    tok = lm.tokenizer
+    first = {w: tok(w, add_special_tokens=False)["input_ids"][0] for w in ("unsafe", "safe")}
+    return dict(
+        model=lm.model, tokenizer=tok, window=lm.context_window, batch_size=8, style="guard",
+        unsafe_ids=[first["unsafe"]], safe_ids=[first["safe"]], name="judge:tiny",
+    )  # fmt: skip

@@ -60,7 +60,7 @@ def checkpoint_names(run_dir: Path) -> list[str]:
     folder = run_dir / "checkpoints"
     if not folder.is_dir():
         return []
-    return sorted(p.name for p in folder.iterdir() if (p / "tester").is_dir() and not p.name.endswith(".tmp"))
+    return sorted(p.name for p in folder.iterdir() if (p / "tester").is_dir() and p.name.removeprefix("step_").isdigit())
 
 
 def _tester_folder(path: Path) -> Path:

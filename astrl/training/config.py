@@ -330,6 +330,11 @@ def _check_types(values: dict) -> None:
     defaults = TrainConfig.__dataclass_fields__
     for key, value in values.items():
         kind = defaults[key].type
+        if kind in ("float", "float | None") and isinstance(value, str):
+            try:  # YAML 1.1 reads 1e-4 (no dot) as a string
+                value = values[key] = float(value)
+            except ValueError:
+                pass
         ok = {
             "int": isinstance(value, int) and not isinstance(value, bool),
             "float": isinstance(value, (int, float)) and not isinstance(value, bool),

@@ -11,6 +11,7 @@ the distinct ``wordlist`` judge.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -159,7 +160,8 @@ def run_demo(overrides: dict | None = None, *, progress: bool = True, conversati
     config = demo_config(overrides)
     if latest_checkpoint(config.run_dir) is not None:
         check_same_demo(config)
-        trainer = resume(config.run_dir, [f"total_steps={config.total_steps}"], progress=progress)
+        warn = lambda text: print(f"astrl: warning: {text}", file=sys.stderr)  # noqa: E731
+        trainer = resume(config.run_dir, [f"total_steps={config.total_steps}"], progress=progress, on_warning=warn)
     else:
         trainer = Trainer(config, progress=progress)
     rows = trainer.train() if trainer.step < config.total_steps else []
