@@ -387,3 +387,39 @@ def _judge_parts(lm) -> dict:
         model=lm.model, tokenizer=tok, window=lm.context_window, batch_size=8, style="guard",
         unsafe_ids=[first["unsafe"]], safe_ids=[first["safe"]], name="judge:tiny",
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("moment", ["during the checkpoint write of step 2", "at a random time"])
+def test_sigkill_then_resume_finishes_with_each_step_once_and_the_same_metrics(tiny_model_dir, tmp_path, uninterrupted,
+                                                                               moment):  # fmt: skip
+    import os
+    import random
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()), "PYTHONPATH": str(Path(__file__).parents[1])}
+    argv = _cli_run(tiny_model_dir, run, "save_every=1", "keep_checkpoints=4")
+    process = subprocess.Popen([sys.executable, "-m", "astrl", *argv], env=env, stderr=subprocess.DEVNULL)
+    tmp_folder, deadline = run / "checkpoints" / "step_000002.tmp", None
+    try:
+        while process.poll() is None:
+            rows = len((run / "metrics.csv").read_text().splitlines()) - 1 if (run / "metrics.csv").exists() else 0
+            if moment.startswith("during") and (tmp_folder.exists() or rows >= 3):
+                break
+            if not moment.startswith("during") and rows >= 1 and deadline is None:
+                deadline = time.monotonic() + random.Random(0).uniform(0.0, 1.0)
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            time.sleep(0.002)
+        os.kill(process.pid, signal.SIGKILL)
+    finally:
+        process.wait()
+    assert process.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    assert main(["train", "--resume", str(run), "--quiet"]) == 0
+    assert [r["step"] for r in _metrics(run)] == ["1", "2", "3", "4"]
+    assert _metrics(run) == _metrics(uninterrupted)
+    assert _jsonl(run / "samples.jsonl") == _jsonl(uninterrupted / "samples.jsonl")
+    _jsonl(run / "attacks.jsonl")
