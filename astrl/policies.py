@@ -84,6 +84,11 @@ def make_policy(
         raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
     if input_mode not in ("history", "text"):
         raise ValueError(f"input_mode must be 'history' or 'text', got {input_mode!r}")
+    if input_mode == "history" and not getattr(loaded.tokenizer, "chat_template", None):
+        raise ValueError(
+            f"model {loaded.name!r} has no chat template, which chat mode needs: use mode 'text' (--mode text) "
+            "for base models, or a chat model"
+        )
     generation = generation or GenerationSettings()
     wrapper_options = dict(
         tokenizer=loaded.tokenizer,

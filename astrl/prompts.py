@@ -98,6 +98,14 @@ def _hf_dataset(spec: str) -> list[str]:
         import datasets
     except ImportError:
         raise PromptSourceError("hf: prompt sources need the 'datasets' package: pip install datasets") from None
+    from astrl.models import hub_unreachable
+
+    offline = hub_unreachable()
+    if offline and not offline.endswith(" is set"):  # with HF_HUB_OFFLINE set, datasets reads its cache (fast)
+        raise PromptSourceError(
+            f"could not load dataset {dataset_id!r}: offline ({offline}); use a local .txt or .jsonl file, "
+            "or set HF_HUB_OFFLINE=1 to read a cached copy"
+        )
     try:
         data = datasets.load_dataset(dataset_id, split="train")
     except Exception as err:

@@ -40,6 +40,29 @@ class ScorerError(ValueError):
     """A scorer name or its backing model could not be resolved."""
 
 
+def checked_scores(scorer, texts: Sequence[str], *, probabilities: bool = True, name: str | None = None) -> torch.Tensor:
+    """``scorer(texts)`` as a float tensor of shape ``(len(texts),)``, or a :class:`ScorerError` naming the
+    scorer and the offending value: a wrong number of scores, a NaN or infinite score, or (with
+    ``probabilities``) a score outside [0, 1]."""
+    texts = list(texts)
+    name = name or getattr(scorer, "name", type(scorer).__name__)
+    values = scorer(texts)
+    try:
+        out = torch.as_tensor(values, dtype=torch.float32).reshape(-1)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ScorerError(f"scorer {name!r} returned {type(values).__name__}, not numbers ({err})") from None
+    if out.numel() != len(texts):
+        raise ScorerError(f"scorer {name!r} returned {out.numel()} scores for {len(texts)} texts")
+    bad = ~torch.isfinite(out)
+    if probabilities:
+        bad |= (out < 0) | (out > 1)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        kind = "finite probabilities in [0, 1]" if probabilities else "finite numbers"
+        raise ScorerError(f"scorer {name!r} returned {out[i].item()} for text {i} ({texts[i][:60]!r}); scores must be {kind}")
+    return out
+
+
 class ProfanityScorer:
     """Offline profanity probability from ``alt-profanity-check`` (word-based, fast, batched)."""
 
@@ -156,13 +179,19 @@ class DetoxifyScorer:
 def _load_pretrained(loader, model_id: str, what: str):
     from pathlib import Path
 
+    from astrl.models import hub_unreachable, looks_like_path
+
     local = Path(model_id).expanduser().exists()
+    if not local and looks_like_path(model_id):
+        raise ScorerError(f"{what} folder {model_id!r} not found")
+    offline = None if local else hub_unreachable()  # then only the local hub cache can serve it
     try:
-        return loader.from_pretrained(model_id, local_files_only=local, trust_remote_code=False)
+        return loader.from_pretrained(model_id, local_files_only=local or offline is not None, trust_remote_code=False)
     except OSError:
         raise ScorerError(
             f"could not load {what} {model_id!r}: not a local folder and the Hugging Face hub could not "
-            "provide it (offline?); download it where you are online and pass its folder path"
+            f"provide it ({'offline: ' + offline if offline else 'offline?'}); download it where you are online "
+            "and pass its folder path"
         ) from None
 
 

@@ -364,14 +364,14 @@ def test_judges_score_probes_in_one_batched_call_each():
 
         def __call__(self, texts):
             calls.append(list(texts))
-            return torch.tensor([float(len(t)) for t in texts])
+            return torch.tensor([len(t) / 8 for t in texts])  # a probability, as judges give
 
     records = [{"probe": p, "response": r, "scores": {"count": {"reply": 0.0}}} for p, r in [("ab", "c"), ("", "xyz")]]
     score_probes(records, {"count": Counting()})
     assert calls == [["ab", "", "ab\nc", "\nxyz"]]
     assert [r["scores"]["count"] for r in records] == [
-        {"reply": 0.0, "probe": 2.0, "combined": 4.0},
-        {"reply": 0.0, "probe": 0.0, "combined": 4.0},
+        {"reply": 0.0, "probe": 0.25, "combined": 0.5},
+        {"reply": 0.0, "probe": 0.0, "combined": 0.5},
     ]
 
 

@@ -98,6 +98,47 @@ def test_probe_logprob_uses_the_targets_own_tokenization():
     assert got.shape == (3,) and (got < 0).all()
 
 
+def test_probe_logprob_scores_the_joint_tokenization_across_a_bpe_boundary():
+    tok = make_tokenizer()
+    model = make_llama(tok, seed=4)
+    # text mode mid-word: "the wea" + "ther is nice" reads as "the weather is nice" (one token "Ġweather")
+    contexts, probes = ["the wea", "tell me ab", "hello", ""], ["ther is nice", "out your day", "  how are you", "you idiot"]
+    assert tok(contexts[0] + probes[0])["input_ids"] != tok(contexts[0])["input_ids"] + tok(probes[0])["input_ids"]
+    with torch.no_grad():
+        got = probe_logprobs(model, tok, contexts, probes, context_special_tokens=True)
+        for context, probe, value in zip(contexts, probes, got, strict=True):
+            # oracle: one forward over the joint ids; the probe's tokens are those whose characters reach past the context
+            enc = tok(context + probe, return_offsets_mapping=True)
+            ids, spans = enc["input_ids"], enc["offset_mapping"]
+            first = next(i for i, (_, end) in enumerate(spans) if end > len(context))
+            if first == 0:
+                ids, first = [tok.bos_token_id, *ids], 1
+            logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+            expected = torch.stack([logp[k - 1, ids[k]] for k in range(first, len(ids))]).mean()
+            assert value.item() == pytest.approx(expected.item(), abs=1e-5), (context, probe)
+        split = tok(contexts[0])["input_ids"] + tok(probes[0])["input_ids"]  # the separate tokenization scores otherwise
+        cut = len(tok(contexts[0])["input_ids"])
+        logp = torch.log_softmax(model(input_ids=torch.tensor([split])).logits[0].float(), -1)
+        separate = torch.stack([logp[k - 1, split[k]] for k in range(cut, len(split))]).mean()
+    assert abs(got[0].item() - separate.item()) > 1e-3
+
+
+def test_probe_longer_than_the_window_keeps_its_last_tokens():
+    tok = make_tokenizer()
+    model = make_llama(tok, max_positions=16)
+    context, probe = "the cat", " " + " ".join(["hello how are you"] * 10)
+    with torch.no_grad():
+        got = probe_logprobs(model, tok, [context], [probe], max_length=16)
+    enc = tok(context + probe, return_offsets_mapping=True)
+    first = next(i for i, (_, end) in enumerate(enc["offset_mapping"]) if end > len(context))
+    ids = enc["input_ids"]
+    window = [ids[first - 1], *ids[first:][-15:]]  # the last context token, then the probe's last 15 tokens
+    assert len(ids) - first > 16 and torch.isfinite(got).all()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=torch.tensor([window])).logits[0].float(), -1)
+    assert got[0].item() == pytest.approx(torch.stack([logp[k - 1, window[k]] for k in range(1, 16)]).mean().item(), abs=1e-5)
+
+
 def test_empty_probe_gets_the_penalty_and_empty_context_starts_from_bos():
     tok = make_tokenizer()
     model = make_llama(tok)

@@ -41,6 +41,10 @@ def test_resume_refuses_a_malicious_state_file_without_running_it(tmp_path, tiny
     assert load_state(state_file)["step"] == 1  # what astrl writes loads with weights_only=True
     marker = tmp_path / "marker"
     torch.save({"step": WritesMarker(marker)}, state_file)
+    with pytest.raises(ConfigError, match="checksum|bytes"):  # it differs from what the run wrote: never read
+        resume(run_dir, progress=False)
+    assert not marker.exists()
+    (state_file.parent / "manifest.json").unlink()  # a crafted folder without a manifest is read safely, and refused
 
     with pytest.raises(UnsafeCheckpointError, match="--trust-checkpoint") as err:
         resume(run_dir, progress=False)
@@ -59,6 +63,7 @@ def test_trust_checkpoint_resumes_an_old_checkpoint_and_rewrites_it_safely(tmp_p
     state = load_state(state_file)
     state["rng"] = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     torch.save(state, state_file)  # as astrl wrote RNG states before: pickled tuples and a NumPy array
+    (state_file.parent / "manifest.json").unlink()  # nor did it write manifests
     with pytest.raises(UnsafeCheckpointError):
         load_state(state_file)
     capsys.readouterr()
@@ -95,7 +100,7 @@ def test_eval_tester_reads_a_run_directory_as_data(tmp_path, tiny_model_dir):
 
     config = run_dir / "config.yaml"
     config.write_text(config.read_text() + f"extra: !!python/object/apply:builtins.open ['{marker}', 'w']\n")
-    with pytest.raises(ModelLoadError, match="not valid YAML"):
+    with pytest.raises(ModelLoadError, match="is not plain YAML data: python object tags are not allowed"):
         resolve_tester(str(run_dir))
     assert not marker.exists()
 

@@ -319,7 +319,7 @@ def test_sampler_and_solver_must_share_the_system(tmp_path):
 
 # -- training with each solver -------------------------------------------------------------------------------
 SOLVERS = {
-    "dpo": (lambda s: DPO(s, beta=0.5), dict(lr=1e-2)),
+    "dpo": (lambda s: DPO(s, beta=0.5), dict(lr=2e-2)),
     "ipo": (lambda s: IPO(s, beta=0.1), dict(lr=1e-2)),
     "ppo": (lambda s: PPO(s, clip_range=0.2), dict(lr=1e-2)),
 }

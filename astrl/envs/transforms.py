@@ -16,7 +16,7 @@ from torchrl.envs import Transform
 from astrl._compat import Chat, as_list, chats_to_history, history_to_chats
 from astrl.envs.truncation import fit_chats, fit_texts
 from astrl.rewards.astprompter import TARGET_CONTEXT_KEY
-from astrl.scorers import Scorer
+from astrl.scorers import Scorer, checked_scores
 
 PROBE_KEY = "probe"
 RESPONSE_KEY = "target_response"
@@ -122,9 +122,16 @@ class TargetTurn(Transform):
         self.tester_tokenizer = tester_tokenizer
         self.tester_budget = tester_window - tester_max_new_tokens
         self.target_budget = self.target_window - self.target_max_new_tokens
-        for who, budget in (("tester", self.tester_budget), ("target", self.target_budget)):
+        limits = (
+            ("tester", self.tester_budget, tester_window, tester_max_new_tokens),
+            ("target", self.target_budget, self.target_window, self.target_max_new_tokens),
+        )
+        for who, budget, window, max_new in limits:
             if budget < 1:
-                raise ValueError(f"{who} max_new_tokens leaves no room for context in its window")
+                raise ValueError(
+                    f"{who} max_new_tokens {max_new} leaves no room for context in its window of {window} tokens "
+                    f"(use at most {window - 1})"
+                )
 
     # -- specs -------------------------------------------------------------------------
     def transform_observation_spec(self, observation_spec: Composite) -> Composite:
@@ -250,7 +257,8 @@ class ScoreReward(Transform):
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
         texts = as_list(next_tensordict[self.in_key])
         shape = next_tensordict.batch_size
-        scores = TensorDict({name: scorer(texts).reshape(shape) for name, scorer in self.scorers.items()}, batch_size=shape)
+        scores = {name: checked_scores(scorer, texts).reshape(shape) for name, scorer in self.scorers.items()}
+        scores = TensorDict(scores, batch_size=shape)
         next_tensordict.set(SCORES_KEY, scores)
         next_tensordict.set("reward", scores[self.reward_scorer].unsqueeze(-1))
         return next_tensordict

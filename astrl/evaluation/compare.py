@@ -48,6 +48,8 @@ def load_evaluation(folder: str | Path) -> tuple[dict, list[dict]]:
 def compare(folder_a: str | Path, folder_b: str | Path, *, resamples: int = 1000, seed: int = 0) -> dict:
     """Compare two evaluation folders; rows hold ``judge``, ``metric``, ``a``, ``b``, ``difference``,
     ``ci``, ``p_value`` and ``significant`` (``None`` where no test applies)."""
+    if resamples < 1:
+        raise ValueError(f"resamples must be >= 1, got {resamples}")
     metrics_a, records_a = load_evaluation(folder_a)
     metrics_b, records_b = load_evaluation(folder_b)
     threshold_a, threshold_b = metrics_a.get("threshold"), metrics_b.get("threshold")

@@ -29,6 +29,7 @@ from astrl.evaluation.records import (
 )
 from astrl.evaluation.tester import TesterSource, load_tester, resolve_tester
 from astrl.policies import GenerationSettings
+from astrl.scorers import checked_scores
 
 PROBE_LOGPROB_KEY = ("reward_terms", "probe_logprob")
 # Top-level keys of a training run's config.yaml that eval takes as defaults.
@@ -228,7 +229,7 @@ def score_probes(records: list[dict], scorers: dict) -> None:
     texts = [r["probe"] for r in records] + [combined_text(r["probe"], r["response"]) for r in records]
     n = len(records)
     for name, scorer in scorers.items():
-        values = scorer(texts).reshape(-1).tolist()
+        values = checked_scores(scorer, texts).tolist()
         if len(values) != 2 * n:
             raise EvaluationError(f"judge {name!r} returned {len(values)} scores for {2 * n} texts")
         for i, record in enumerate(records):

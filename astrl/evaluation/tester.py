@@ -47,15 +47,12 @@ def is_run_dir(path: str | Path) -> bool:
 
 def read_run_config(run_dir: Path) -> dict:
     """The run's resolved ``config.yaml`` as a dict."""
-    import yaml
+    from astrl.training.config import ConfigError, read_yaml_mapping
 
     try:
-        data = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
-    except yaml.YAMLError as err:
-        raise ModelLoadError(f"{run_dir / 'config.yaml'} is not valid YAML: {err}") from None
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{run_dir / 'config.yaml'} does not hold a mapping of settings")
-    return data
+        return read_yaml_mapping(run_dir / "config.yaml")
+    except ConfigError as err:
+        raise ModelLoadError(str(err)) from None
 
 
 def checkpoint_names(run_dir: Path) -> list[str]:
@@ -63,7 +60,7 @@ def checkpoint_names(run_dir: Path) -> list[str]:
     folder = run_dir / "checkpoints"
     if not folder.is_dir():
         return []
-    return sorted(p.name for p in folder.iterdir() if (p / "tester").is_dir() and not p.name.endswith(".tmp"))
+    return sorted(p.name for p in folder.iterdir() if (p / "tester").is_dir() and p.name.removeprefix("step_").isdigit())
 
 
 def _tester_folder(path: Path) -> Path:

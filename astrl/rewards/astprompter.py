@@ -24,7 +24,7 @@ from torchrl.data import Composite, Unbounded
 
 from astrl._compat import as_list
 from astrl.rewards.logprobs import StepTransform, token_logprobs
-from astrl.scorers import Scorer
+from astrl.scorers import Scorer, checked_scores
 
 TARGET_CONTEXT_KEY = "target_context"
 REWARD_TERMS_KEY = "reward_terms"
@@ -77,23 +77,48 @@ def probe_logprobs(
 ) -> torch.Tensor:
     """Mean per-token log-prob of each probe under ``model``, given the text it followed.
 
-    ``contexts`` are in the model's own format (a rendered chat template, or plain text) and are
-    tokenized with ``add_special_tokens=context_special_tokens``; the probe is tokenized on its
-    own and only its tokens count. An empty context starts from the BOS (or EOS) token. A probe
-    with no tokens gets ``empty_value``: saying nothing must not be the most natural probe.
-    Returns a float tensor of shape ``(len(probes),)``, computed in one batched forward.
+    ``contexts`` are in the model's own format (a rendered chat template, or plain text). Each
+    probe is scored as the model reads it: ``context + probe`` is tokenized **jointly** (with
+    ``add_special_tokens=context_special_tokens``), and the probe's tokens are those after the
+    longest token prefix it shares with the context tokenized alone. So a token that a BPE merge
+    spreads over the boundary (text mode mid-word, a probe starting with a space) counts as the
+    probe's, scored given the context before it. An empty context starts from the BOS (or EOS)
+    token. A probe with no tokens gets ``empty_value``: saying nothing must not be the most natural
+    probe. With ``max_length`` the context is clipped from the left to fit the window, and a probe
+    longer than the window keeps its last ``max_length - 1`` tokens. Returns a float tensor of shape
+    ``(len(probes),)``, computed in one batched forward.
     """
     if len(contexts) != len(probes):
         raise ValueError(f"got {len(contexts)} contexts but {len(probes)} probes")
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    prefix_ids = tokenizer(list(contexts), add_special_tokens=context_special_tokens)["input_ids"]
-    probe_ids = tokenizer(list(probes), add_special_tokens=False)["input_ids"]
-    prefixes = [torch.tensor(ids if ids else [start], dtype=torch.long) for ids in prefix_ids]
-    conts = [torch.tensor(ids, dtype=torch.long) for ids in probe_ids]
+    joined = [c + p for c, p in zip(contexts, probes, strict=True)]
+    joint_ids = tokenizer(joined, add_special_tokens=context_special_tokens)["input_ids"]
+    context_ids = tokenizer(list(contexts), add_special_tokens=context_special_tokens)["input_ids"]
+    trail = _trailing_special_tokens(tokenizer) if context_special_tokens else 0
+    prefixes, conts = [], []
+    for joint, alone in zip(joint_ids, context_ids, strict=True):
+        joint = joint[: len(joint) - trail]
+        limit = min(len(joint), len(alone) - trail)
+        shared = next((i for i in range(limit) if joint[i] != alone[i]), limit)
+        prefix, cont = joint[:shared] or [start], joint[shared:]
+        if max_length is not None and len(cont) > max_length - 1:
+            cont = cont[len(cont) - (max_length - 1) :]
+        prefixes.append(torch.tensor(prefix, dtype=torch.long))
+        conts.append(torch.tensor(cont, dtype=torch.long))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rows = token_logprobs(model, prefixes, conts, pad_token_id=pad, max_length=max_length)
     means = [row.mean() if row.numel() else torch.tensor(float(empty_value)) for row in rows]
     return torch.stack(means).float().cpu()
+
+
+def _trailing_special_tokens(tokenizer) -> int:
+    """How many special tokens the tokenizer appends after a text (e.g. an EOS), 0 for most causal LMs."""
+    bare = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a", add_special_tokens=True)["input_ids"]
+    for lead in range(len(full) - len(bare) + 1):
+        if full[lead : lead + len(bare)] == bare:
+            return len(full) - len(bare) - lead
+    return 0
 
 
 class ASTPrompterReward(StepTransform):
@@ -157,8 +182,8 @@ class ASTPrompterReward(StepTransform):
 
     def _score_with_replies(self, texts: list[str], replies: list[str], cached: torch.Tensor | None, name: str) -> dict:
         if cached is not None:
-            return {"response_tox": cached.reshape(-1).float(), name: self.scorer(texts).float()}
-        both = self.scorer(list(replies) + texts)
+            return {"response_tox": cached.reshape(-1).float(), name: checked_scores(self.scorer, texts)}
+        both = checked_scores(self.scorer, list(replies) + texts)
         return {"response_tox": both[: len(replies)].float(), name: both[len(replies) :].float()}
 
     def compute(self, root: TensorDictBase, nxt: TensorDictBase) -> dict:

@@ -60,6 +60,11 @@ def make_kl_controller(kl_coef: float | KLControllerBase, target_kl: float | Non
         return ConstantKLController(kl_coef=float(kl_coef))
     if target_kl <= 0 or horizon <= 0:
         raise ValueError(f"target_kl and horizon must be > 0, got {target_kl} and {horizon}")
+    if kl_coef == 0:  # Ziegler et al.'s update is multiplicative: from 0 it stays 0 (torchrl divides by it: NaN)
+        raise ValueError(
+            f"target_kl ({target_kl}) needs kl_coef > 0, got kl_coef 0: the adaptive controller multiplies its "
+            "start value, so from 0 it never moves"
+        )
     return AdaptiveKLController(init_kl_coef=float(kl_coef), target=float(target_kl), horizon=int(horizon))
 
 

@@ -54,13 +54,14 @@ def score_texts(scorer, texts: Sequence[str]) -> torch.Tensor:
     texts = list(texts)
     if isinstance(scorer, str):
         raise TypeError("resolve scorer names with System(scorer=...) first")
-    values = scorer.score(texts) if hasattr(scorer, "score") else scorer(texts)
-    out = torch.as_tensor(values, dtype=torch.float32).reshape(-1)
-    if out.numel() != len(texts):
-        raise SystemValidationError(
-            f"scorer {getattr(scorer, 'name', type(scorer).__name__)} returned {out.numel()} scores for {len(texts)} texts"
-        )
-    return out
+    from astrl.scorers import ScorerError, checked_scores
+
+    call = scorer.score if hasattr(scorer, "score") else scorer
+    name = getattr(scorer, "name", type(scorer).__name__)
+    try:  # a System's scores may be any finite numbers (its own reward scale)
+        return checked_scores(call, texts, probabilities=False, name=name)
+    except ScorerError as err:
+        raise SystemValidationError(str(err)) from None
 
 
 def resolve_scorer(scorer):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import sys
 from pathlib import Path
 
 
@@ -54,7 +55,13 @@ def run_train(args) -> int:
     if args.resume:
         if args.config:
             raise ValueError("--resume continues a run with its own config.yaml; pass overrides instead of --config")
-        trainer = resume(args.resume, train_overrides(args), progress=not args.quiet, trust_checkpoint=args.trust_checkpoint)
+        trainer = resume(
+            args.resume,
+            train_overrides(args),
+            progress=not args.quiet,
+            trust_checkpoint=args.trust_checkpoint,
+            on_warning=lambda text: print(f"astrl: warning: {text}", file=sys.stderr),
+        )
     else:
         if args.trust_checkpoint:
             raise ValueError("--trust-checkpoint only applies with --resume RUN_DIR")
@@ -62,10 +69,18 @@ def run_train(args) -> int:
     try:
         rows = trainer.train()
     except KeyboardInterrupt:
-        print(
-            f"astrl: interrupted; checkpoint saved at step {trainer.step}; continue with: astrl train --resume {trainer.run_dir}"
-        )
+        print(f"astrl: interrupted; {_continue_from(trainer)}")
         return 130
+    except Exception as err:
+        import os
+
+        if os.environ.get("ASTRL_DEBUG"):
+            raise
+        from astrl.cli import one_line
+
+        print(f"astrl: error: training stopped in step {trainer.step + 1}: {one_line(err)}", file=sys.stderr)
+        print(f"astrl: {_continue_from(trainer)} after fixing the cause", file=sys.stderr)
+        return 1
     last = rows[-1] if rows else {}
     print(f"trained {trainer.step} steps; run directory {trainer.run_dir}")
     for key in ("reward_mean", "loss", "lr"):
@@ -74,9 +89,19 @@ def run_train(args) -> int:
     return 0
 
 
+def _continue_from(trainer) -> str:
+    """Where a stopped run stands and how to continue it."""
+    checkpoint = getattr(trainer, "stopped_checkpoint", None)
+    if checkpoint is None:
+        return f"no checkpoint was written; start again with the same command (run directory {trainer.run_dir})"
+    return f"checkpoint {checkpoint}; continue with: astrl train --resume {trainer.run_dir}"
+
+
 def run_demo_command(args) -> int:
     from astrl.training.demo import run_demo
 
+    if args.conversations < 1:  # checked before training, not after
+        raise ValueError(f"--conversations must be >= 1, got {args.conversations}")
     overrides = {}
     if args.steps is not None:
         overrides["total_steps"] = args.steps

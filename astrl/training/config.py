@@ -149,6 +149,15 @@ class TrainConfig:
             (self.tree_width >= 2, f"tree_width must be >= 2 (a pair needs two siblings), got {self.tree_width}"),
             (self.tree_depth >= 1, f"tree_depth must be >= 1, got {self.tree_depth}"),
             (self.lr > 0, f"lr must be > 0, got {self.lr}"),
+            (self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}"),
+            (self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}"),
+            (self.target_kl is None or self.target_kl > 0, f"target_kl must be > 0 (or null: off), got {self.target_kl}"),
+            (
+                self.target_kl is None or self.kl_coef > 0,
+                f"target_kl ({self.target_kl}) needs kl_coef > 0, got kl_coef {self.kl_coef}: the adaptive controller "
+                "multiplies kl_coef, its start value, so from 0 it never moves; start it small (e.g. kl_coef=0.01) or "
+                "set target_kl=null for a constant coefficient",
+            ),
             (self.harden_every >= 0, f"harden_every must be >= 0 (0: off), got {self.harden_every}"),
             (
                 self.harden_every == 0 or self.lora,
@@ -252,12 +261,28 @@ class TrainConfig:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False), encoding="utf-8")
 
 
-def _yaml_problem(err: Exception) -> str:
+def yaml_problem(err: Exception) -> str:
     """A YAML error in one line; tags such as ``!!python/object`` are refused (configs are data, never code)."""
     text = " ".join(str(err).split())
     if "python/" in text:
         return f"python object tags are not allowed in astrl configs ({text})"
     return text
+
+
+def read_yaml_mapping(path: str | Path) -> dict:
+    """A YAML file holding a mapping (``{}`` when empty); any problem is a one-line :class:`ConfigError` naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} not found")
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {str(path)!r} is not plain YAML data: {yaml_problem(err)}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {' '.join(str(err).split())}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys to values")
+    return loaded
 
 
 def valid_keys() -> list[str]:
@@ -269,7 +294,7 @@ def _parse_value(key: str, text: str):
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise ConfigError(f"override {key}={text!r} is not a plain YAML value: {_yaml_problem(err)}") from None
+        raise ConfigError(f"override {key}={text!r} is not a plain YAML value: {yaml_problem(err)}") from None
     if fields[key].type in ("list[str]",) and isinstance(value, str):
         value = [v for v in value.split(",") if v]
     return value
@@ -282,16 +307,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """
     values: dict = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} not found")
-        try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file {str(path)!r} is not plain YAML data: {_yaml_problem(err)}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys to values")
-        values.update(loaded)
+        values.update(read_yaml_mapping(path))
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value")
@@ -314,6 +330,11 @@ def _check_types(values: dict) -> None:
     defaults = TrainConfig.__dataclass_fields__
     for key, value in values.items():
         kind = defaults[key].type
+        if kind in ("float", "float | None") and isinstance(value, str):
+            try:  # YAML 1.1 reads 1e-4 (no dot) as a string
+                value = values[key] = float(value)
+            except ValueError:
+                pass
         ok = {
             "int": isinstance(value, int) and not isinstance(value, bool),
             "float": isinstance(value, (int, float)) and not isinstance(value, bool),

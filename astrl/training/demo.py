@@ -11,16 +11,16 @@ the distinct ``wordlist`` judge.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
-import yaml
 
 from astrl._compat import as_list
 from astrl.policies import input_mode, make_policy
 from astrl.prompts import PromptStream, load_prompts, split_prompts
 from astrl.rewards.reference import AdaptersDisabled
-from astrl.training.config import ConfigError, TrainConfig
+from astrl.training.config import ConfigError, TrainConfig, read_yaml_mapping
 from astrl.training.setup import generation
 from astrl.training.trainer import Trainer, latest_checkpoint, resume
 
@@ -144,7 +144,7 @@ def compare_testers(
 def check_same_demo(config: TrainConfig) -> None:
     """Refuse to resume a run directory that holds a run of other settings (e.g. an older demo's):
     the run would go on with its own saved config, not the demo's."""
-    saved = yaml.safe_load((Path(config.run_dir) / "config.yaml").read_text(encoding="utf-8")) or {}
+    saved = read_yaml_mapping(Path(config.run_dir) / "config.yaml")
     current = config.to_dict()
     differ = [k for k in current if k not in ("total_steps", "run_dir") and k in saved and saved[k] != current[k]]
     if differ:
@@ -160,7 +160,8 @@ def run_demo(overrides: dict | None = None, *, progress: bool = True, conversati
     config = demo_config(overrides)
     if latest_checkpoint(config.run_dir) is not None:
         check_same_demo(config)
-        trainer = resume(config.run_dir, [f"total_steps={config.total_steps}"], progress=progress)
+        warn = lambda text: print(f"astrl: warning: {text}", file=sys.stderr)  # noqa: E731
+        trainer = resume(config.run_dir, [f"total_steps={config.total_steps}"], progress=progress, on_warning=warn)
     else:
         trainer = Trainer(config, progress=progress)
     rows = trainer.train() if trainer.step < config.total_steps else []

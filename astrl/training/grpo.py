@@ -202,6 +202,7 @@ class OnPolicy:
         self.stops = stop_ids(self.tokenizer, models.tester.model)
         self.stream = stream
         self.vllm_engine = None  # backend 'vllm': the engine the tester's weights are pushed to
+        self._version_offset = 0
         if config.collector == "ray":
             from astrl.distributed import RayCollectors
             from astrl.training.setup import worker_spec
@@ -235,8 +236,8 @@ class OnPolicy:
         """After an update: bring the acting policy up to date and advance the policy version.
 
         Local Transformers collection shares the tester's weights (only the version moves); Ray
-        workers get the trainable weights through ``update_policy_weights_``; a vLLM engine gets
-        the merged weights through TorchRL's vLLM weight updater.
+        workers get the trainable weights through ``update_policy_weights_``; the in-process vLLM
+        engine gets the merged weights (:func:`astrl.training.vllm_sync.push_to_vllm`).
         """
         if self.config.collector == "ray":
             from astrl.distributed import trainable_weights
@@ -250,11 +251,26 @@ class OnPolicy:
         else:
             self.collector.increment_version()
 
-    @staticmethod
-    def data_policy_version(data: TensorDictBase) -> int | None:
-        """The oldest policy version that generated a turn of ``data`` (None if untracked)."""
+    def sync_weights(self) -> None:
+        """Bring the acting policy to the trainer's current weights without counting an update: called
+        once before the first collection of a resumed (or rebuilt) run, so that Ray workers and a vLLM
+        engine, which load the untrained weights, act with the restored ones (local Transformers
+        collection shares the weights already)."""
+        if self.config.collector == "ray":
+            from astrl.distributed import trainable_weights
+
+            self.collector.update_policy_weights_(trainable_weights(self.policy))
+            self._version_offset += 1  # the workers count this push as a version: it is not an update
+        elif self.vllm_engine is not None:
+            from astrl.training.vllm_sync import push_to_vllm
+
+            push_to_vllm(self.vllm_engine, self.models.tester.model)
+
+    def data_policy_version(self, data: TensorDictBase) -> int | None:
+        """The oldest policy version (updates since this collector started) that generated a turn of
+        ``data`` (None if untracked)."""
         key = ("next", "policy_version")
-        return int(data.get(key).min()) if key in data.keys(True) else None
+        return int(data.get(key).min()) - self._version_offset if key in data.keys(True) else None
 
     def shutdown(self) -> None:
         if hasattr(self.collector, "shutdown"):

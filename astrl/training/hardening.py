@@ -185,7 +185,9 @@ class TargetHardener:
         texts = list(self.attacks if texts is None else texts)
         if not texts:
             return float("nan")
-        return float((self.scorer(self.replies(model, texts)) > self.threshold).float().mean())
+        from astrl.scorers import checked_scores
+
+        return float((checked_scores(self.scorer, self.replies(model, texts)) > self.threshold).float().mean())
 
     # -- one round -------------------------------------------------------------------------------
     def harden(self, texts: Sequence[str] | None = None) -> list[float]:

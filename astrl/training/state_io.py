@@ -14,8 +14,11 @@ origin you trust. The next checkpoint the resumed run writes is in the safe form
 
 from __future__ import annotations
 
+import hashlib
+import json
 import pickle
 import random
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +29,60 @@ from astrl.training.config import ConfigError
 STATE_FILE = "state.pt"
 
 
+MANIFEST_FILE = "manifest.json"
+
+
 class UnsafeCheckpointError(ConfigError):
     """A checkpoint state file that ``torch.load(..., weights_only=True)`` refuses."""
+
+
+class DamagedCheckpointError(ConfigError):
+    """A checkpoint whose files are missing, truncated or changed since they were written."""
+
+
+def write_manifest(folder: str | Path) -> None:
+    """Record the size and SHA-256 of every file of a checkpoint folder (written last, before the folder is renamed)."""
+    folder = Path(folder)
+    files = {
+        str(path.relative_to(folder)): {"size": path.stat().st_size, "sha256": _sha256(path)}
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.name != MANIFEST_FILE
+    }
+    (folder / MANIFEST_FILE).write_text(json.dumps({"files": files}, indent=1), encoding="utf-8")
+
+
+def checkpoint_problem(folder: str | Path) -> str | None:
+    """Why a checkpoint folder cannot be trusted (a missing, truncated or changed file), or None.
+
+    Folders written before manifests existed are checked only for a readable ``state.pt``."""
+    folder = Path(folder)
+    state = folder / STATE_FILE
+    if not state.is_file():
+        return f"{str(state)!r} is missing"
+    manifest = folder / MANIFEST_FILE
+    if not manifest.is_file():
+        return None if zipfile.is_zipfile(state) else f"{str(state)!r} is not a torch checkpoint (truncated or damaged)"
+    try:
+        files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
+        return f"{str(manifest)!r} is unreadable ({type(err).__name__})"
+    for name, expected in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{str(path)!r} is missing"
+        if path.stat().st_size != expected["size"]:
+            return f"{str(path)!r} has {path.stat().st_size} bytes, {expected['size']} were written (truncated or damaged)"
+        if _sha256(path) != expected["sha256"]:
+            return f"{str(path)!r} changed since it was written (checksum mismatch)"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def save_state(state: dict, path: str | Path) -> None:
@@ -38,10 +93,15 @@ def save_state(state: dict, path: str | Path) -> None:
 def load_state(path: str | Path, *, trust: bool = False) -> dict:
     """Read a checkpoint state with ``weights_only=True``; ``trust=True`` unpickles it fully (opt-in)."""
     path = Path(path)
+    if not zipfile.is_zipfile(path):
+        raise DamagedCheckpointError(f"{str(path)!r} is not a torch checkpoint (truncated or damaged)")
     if trust:
         return torch.load(path, weights_only=False)
     try:
         return torch.load(path, weights_only=True)
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile) as err:
+        reason = " ".join(str(err).split())[:120] or type(err).__name__
+        raise DamagedCheckpointError(f"{str(path)!r} cannot be read ({reason})") from None
     except pickle.UnpicklingError as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UnsafeCheckpointError(

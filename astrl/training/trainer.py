@@ -13,9 +13,12 @@ restored from the checkpoint (no attack is archived twice).
 
 from __future__ import annotations
 
+import copy
 import csv
+import io
 import json
 import math
+import os
 import random
 import shutil
 import time
@@ -31,7 +34,16 @@ from astrl.rewards.reference import is_peft_model
 from astrl.training.batches import turn_metrics
 from astrl.training.config import ConfigError, TrainConfig, load_config
 from astrl.training.setup import RunModels, build_env, build_models, build_stream, conversation_parts
-from astrl.training.state_io import STATE_FILE, load_state, rng_state, save_state, set_rng_state
+from astrl.training.state_io import (
+    STATE_FILE,
+    DamagedCheckpointError,
+    checkpoint_problem,
+    load_state,
+    rng_state,
+    save_state,
+    set_rng_state,
+    write_manifest,
+)
 
 CHECKPOINTS = "checkpoints"
 
@@ -148,16 +160,15 @@ class Trainer:
             from astrl.training.hardening import Hardening
 
             self.hardening = Hardening(config, self.models)
-        if config.minibatch_size is None:  # a known number of updates per step: the schedule counts updates
-            updates = config.total_steps * config.epochs * math.ceil(config.minibatches / config.grad_accum)
-            schedule = warmup_then_linear(config.warmup_steps, updates)
-        else:  # the number of updates depends on the data: the schedule follows the steps
-            per_step = warmup_then_linear(config.warmup_steps, config.total_steps)
-
-            def schedule(update: int) -> float:
-                return per_step(self.step)
-
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        # The schedule runs over planned updates: epochs x minibatches (per grad_accum) a step, or one a step
+        # with minibatch_size. A step that makes fewer updates (DPO/IPO pair counts vary) spreads its
+        # share over the ones it makes, so the rate always ends at its end value on the last step.
+        self._planned_updates = config.epochs * math.ceil(config.minibatches / config.grad_accum)
+        if config.minibatch_size is not None:
+            self._planned_updates = 1
+        factor = warmup_then_linear(config.warmup_steps, config.total_steps * self._planned_updates)
+        self._lr_position = self.step * self._planned_updates
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: factor(self._lr_position))
         # the reward scorer decides; unknown here (Ray workers, a System's own reward): any score present does
         scorer = getattr(self.algorithm, "reward_scorer", None)
         self.archive = AttackArchive(config.archive_threshold, scorers=[scorer] if scorer else None)
@@ -209,23 +220,29 @@ class Trainer:
         if not self._built:
             self._build()
         self.archive.write(self.run_dir / ARCHIVE_FILE)  # drops attacks found after the checkpoint resumed from
+        sync = getattr(self.algorithm, "sync_weights", None)
+        if sync is not None and self.step > 0:  # Ray workers / a vLLM engine start from the untrained weights
+            sync()
         from tqdm.auto import tqdm
 
+        self._trim_logs()  # a resumed run redoes the steps after its checkpoint: their rows go
         loggers = self._loggers()
         rows = []
         bar = tqdm(total=self.config.total_steps, initial=self.step, unit="step", disable=not self.progress, desc="train")
         try:
             while self.step < self.config.total_steps:
+                self._step_start, self._step_updates = self._state_before_step(), 0
                 row = self.train_step()
                 rows.append(row)
                 self._log(row, loggers)
                 AttackArchive.append(self.run_dir / ARCHIVE_FILE, self._new_attacks)
+                self._step_start = None  # a step boundary: the run directory and the trainer agree
                 bar.update(1)
                 bar.set_postfix(reward=f"{row['reward_mean']:.3f}", loss=f"{row['loss']:.3f}")
                 if self.step % self.config.save_every == 0 or self.step == self.config.total_steps:
                     self.save_checkpoint()
-        except KeyboardInterrupt:
-            self.save_checkpoint()
+        except (KeyboardInterrupt, Exception):
+            self.stopped_checkpoint = self._checkpoint_after_failure()
             raise
         finally:
             bar.close()
@@ -237,6 +254,53 @@ class Trainer:
             save_tester(self.models.target.model, self.models.target.tokenizer, self.run_dir / "final" / "target")
         self.archive.write(self.run_dir / ARCHIVE_FILE)
         return rows
+
+    def _state_before_step(self) -> dict:
+        """What a step changes before its first update (RNG states, the algorithm's and hardening's
+        state), kept so that a step that fails before updating can be checkpointed as not begun."""
+        state = {
+            "step": self.step,
+            "rng": rng_state(),
+            "generator": self.generator.get_state(),
+            "algorithm": copy.deepcopy(self.algorithm.state_dict()),
+        }
+        if self.hardening is not None:
+            state["hardening"] = copy.deepcopy(self.hardening.state_dict())
+        return state
+
+    def _checkpoint_after_failure(self) -> Path | None:
+        """On Ctrl-C or an error: checkpoint the last finished step when the state allows it exactly
+        (between steps, or in a step before its first update); else leave the newest checkpoint.
+        Returns the checkpoint a resume will continue from."""
+        start = getattr(self, "_step_start", None)
+        try:
+            if not self._built:
+                pass
+            elif start is None:
+                return self.save_checkpoint()
+            elif start["step"] == self.step and self._step_updates == 0:
+                return self.save_checkpoint({k: v for k, v in start.items() if k != "step"})
+        except OSError:  # e.g. the disk is full: the previous checkpoint stays the newest
+            pass
+        return latest_checkpoint(self.run_dir)
+
+    def _trim_logs(self) -> None:
+        """Keep the rows of ``metrics.csv`` and the complete lines of ``samples.jsonl`` up to the current step."""
+        path = self.run_dir / "metrics.csv"
+        if path.exists():
+            rows = [r for r in csv.DictReader(path.open(encoding="utf-8")) if _int(r.get("step")) <= self.step]
+            _write_csv(path, rows)
+        path = self.run_dir / "samples.jsonl"
+        if path.exists():
+            kept = []
+            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue  # a line cut short by a killed process
+                if isinstance(record, dict) and _int(record.get("step")) <= self.step:
+                    kept.append(line + "\n")
+            _atomic_write(path, "".join(kept))
 
     def train_step(self) -> dict:
         start = time.perf_counter()
@@ -252,7 +316,9 @@ class Trainer:
         grad_norms = []
         self.optimizer.zero_grad(set_to_none=True)
         pending = 0
-        for minibatch in self.algorithm.minibatches(batch, self.generator):
+        minibatches = list(self.algorithm.minibatches(batch, self.generator))
+        updates = math.ceil(len(minibatches) / self.config.grad_accum)
+        for minibatch in minibatches:
             out = self.algorithm.loss(minibatch)
             total = sum(out.get(k) for k in out.keys() if isinstance(k, str) and k.startswith("loss_"))
             (total / self.config.grad_accum).backward()
@@ -263,10 +329,15 @@ class Trainer:
                     losses.setdefault(key, []).append(float(value.detach()))
             losses.setdefault("loss", []).append(float(total.detach()))
             if pending == self.config.grad_accum:
+                self._lr_position = self._position_after(len(grad_norms) + 1, updates)
                 grad_norms.append(self._optimizer_step())
                 pending = 0
         if pending:
+            self._lr_position = self._position_after(len(grad_norms) + 1, updates)
             grad_norms.append(self._optimizer_step())
+        if not grad_norms:  # no update this step (e.g. no preference pair): the schedule still moves on
+            self._lr_position = self._position_after(1, 1)
+            self.scheduler.step()
         push = getattr(self.algorithm, "push_weights", None)
         if push is not None:
             push()
@@ -291,11 +362,16 @@ class Trainer:
         self._last_samples = self.algorithm.samples(rollout)
         return row
 
+    def _position_after(self, done: int, updates: int) -> int:
+        """Where the schedule stands after ``done`` of this step's ``updates`` updates (in planned updates)."""
+        return self.step * self._planned_updates + done * self._planned_updates // updates
+
     def _optimizer_step(self) -> float:
-        """Clip to ``max_grad_norm``, step, zero; returns the total gradient norm **before** clipping
-        (``grad_norm`` in metrics.csv is its mean over the step's updates)."""
+        """Clip to ``max_grad_norm``, step, zero, move the schedule to ``_lr_position``; returns the total
+        gradient norm **before** clipping (``grad_norm`` in metrics.csv is its mean over the step's updates)."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
+        self._step_updates = getattr(self, "_step_updates", 0) + 1
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -320,26 +396,24 @@ class Trainer:
     def _log(self, row: dict, loggers: list) -> None:
         path = self.run_dir / "metrics.csv"
         rows = list(csv.DictReader(path.open(encoding="utf-8"))) if path.exists() else []
-        rows = [r for r in rows if int(r["step"]) < row["step"]] + [{k: str(v) for k, v in row.items()}]
-        columns = list(dict.fromkeys(k for r in rows for k in r))
-        with path.open("w", encoding="utf-8", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=columns)
-            writer.writeheader()
-            writer.writerows(rows)
+        rows = [r for r in rows if _int(r.get("step")) < row["step"]] + [{k: str(v) for k, v in row.items()}]
+        _write_csv(path, rows)
         if row["step"] % self.config.log_every == 0:
             for logger in loggers:
                 for key, value in row.items():
                     if key != "step" and isinstance(value, (int, float)):
                         logger.log_scalar(key, value, step=row["step"])
         if row["step"] % self.config.sample_every == 0 or row["step"] == 1:
+            lines = "".join(json.dumps({"step": row["step"], **s}, ensure_ascii=False) + "\n" for s in self._last_samples)
             with (self.run_dir / "samples.jsonl").open("a", encoding="utf-8") as handle:
-                for sample in self._last_samples:
-                    handle.write(json.dumps({"step": row["step"], **sample}, ensure_ascii=False) + "\n")
+                handle.write(lines)  # one write: whole lines
             if self.progress:
                 print(sample_table(self._last_samples, row["step"]))
 
     # -- checkpoints --------------------------------------------------------------------------------
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, replace: dict | None = None) -> Path:
+        """Write ``checkpoints/step_NNNNNN`` (through a ``.tmp`` folder renamed when complete, with a
+        manifest of file sizes and checksums); ``replace`` overrides entries of the saved state."""
         folder = self.run_dir / CHECKPOINTS / f"step_{self.step:06d}"
         tmp = folder.with_name(folder.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -358,7 +432,9 @@ class Trainer:
         }
         if self.hardening is not None:
             state["hardening"] = self.hardening.state_dict()
+        state.update(replace or {})
         save_state(state, tmp / STATE_FILE)
+        write_manifest(tmp)
         self.archive.write(self.run_dir / ARCHIVE_FILE)
         shutil.rmtree(folder, ignore_errors=True)
         tmp.rename(folder)
@@ -398,14 +474,19 @@ class Trainer:
         return self._draw_states[index] if index < len(self._draw_states) else self.stream.state_dict()
 
     def _prune_checkpoints(self) -> None:
-        folders = sorted((self.run_dir / CHECKPOINTS).glob("step_*[0-9]"))
+        folders = checkpoints(self.run_dir)
         for old in folders[: -self.config.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def load_checkpoint(self, folder: Path, *, trust: bool = False) -> None:
-        """Restore the state saved in ``folder``: loaded with ``weights_only=True`` unless ``trust``
-        (full unpickling, for checkpoints of older astrl versions whose origin you trust)."""
-        state = load_state(folder / STATE_FILE, trust=trust)
+    def load_checkpoint(self, folder: Path, *, trust: bool = False, state: dict | None = None) -> None:
+        """Restore the state saved in ``folder`` (or ``state``, already read from it): loaded with
+        ``weights_only=True`` unless ``trust`` (full unpickling, for checkpoints of older astrl versions
+        whose origin you trust)."""
+        if state is None:
+            problem = checkpoint_problem(folder)
+            if problem is not None:
+                raise DamagedCheckpointError(f"checkpoint {str(folder)!r} is damaged: {problem}")
+            state = load_state(folder / STATE_FILE, trust=trust)
         self.step = state["step"]
         self._pending_stream_state = state["stream"]
         self._build()
@@ -423,9 +504,71 @@ class Trainer:
         set_rng_state(state["rng"])
 
 
+def _int(value) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 1 << 62  # unreadable: dropped by the step filters
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` through a temporary file: a reader never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    _atomic_write(path, buffer.getvalue())
+
+
+def checkpoints(run_dir: str | Path) -> list[Path]:
+    """The checkpoint folders of a run, oldest first (``step_NNNNNN``; never ``.tmp`` or ``.damaged`` ones)."""
+    return sorted(p for p in (Path(run_dir) / CHECKPOINTS).glob("step_*") if p.name[5:].isdigit() and p.is_dir())
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    folders = sorted((Path(run_dir) / CHECKPOINTS).glob("step_*[0-9]"))
+    folders = checkpoints(run_dir)
     return folders[-1] if folders else None
+
+
+def usable_checkpoint(run_dir: str | Path, *, trust: bool = False, on_warning=None) -> tuple[Path, dict] | None:
+    """The newest checkpoint whose files are intact, with its state, or None when the run has none.
+
+    A damaged newest checkpoint (missing, truncated or changed files, or a ``state.pt`` that does
+    not load) is skipped for the one before it, and when one is usable the skipped ones are renamed
+    ``step_NNNNNN.damaged`` with a warning each; when none is usable a :class:`DamagedCheckpointError`
+    names each one and why (and nothing is moved)."""
+    import warnings
+
+    warn = on_warning or (lambda text: warnings.warn(text, stacklevel=3))
+    problems, damaged = [], []
+    for folder in reversed(checkpoints(run_dir)):
+        problem = checkpoint_problem(folder)
+        state = None
+        if problem is None:
+            try:
+                state = load_state(folder / STATE_FILE, trust=trust)
+                problem = None if isinstance(state, dict) and "step" in state else f"{folder / STATE_FILE} holds no step"
+            except DamagedCheckpointError as err:
+                problem = str(err)
+        if problem is None:
+            for bad, why in damaged:  # set aside, so that neither resume nor eval picks them up again
+                aside = bad.with_name(bad.name + ".damaged")
+                shutil.rmtree(aside, ignore_errors=True)
+                bad.rename(aside)
+                warn(f"checkpoint {str(bad)!r} is damaged ({why}); moved to {aside.name}, resuming from {folder.name}")
+            return folder, state
+        problems.append(f"{folder.name}: {problem}")
+        damaged.append((folder, problem))
+    if problems:
+        raise DamagedCheckpointError(f"no usable checkpoint in {str(run_dir)!r}: " + "; ".join(problems))
+    return None
 
 
 def resume(
@@ -435,21 +578,24 @@ def resume(
     progress: bool = True,
     tester_lm: LoadedModel | None = None,
     trust_checkpoint: bool = False,
+    on_warning=None,
 ) -> Trainer:
     """A trainer that continues the run in ``run_dir`` from its newest checkpoint.
 
     ``tester_lm`` replaces loading the config's tester (for models that are not on disk). The
     checkpoint's ``state.pt`` is loaded with ``torch.load(..., weights_only=True)``; one that needs
     full unpickling (older astrl versions) raises :class:`~astrl.training.state_io.UnsafeCheckpointError`
-    unless ``trust_checkpoint=True``, an explicit opt-in for run directories whose origin you trust."""
+    unless ``trust_checkpoint=True``, an explicit opt-in for run directories whose origin you trust.
+    A damaged newest checkpoint is set aside with a warning (``on_warning(text)``, default
+    :func:`warnings.warn`) and the previous one is used (:func:`usable_checkpoint`)."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{str(run_dir)!r} is not a run directory (no config.yaml)")
     config = load_config(run_dir / "config.yaml", [*overrides, f"run_dir={run_dir}"])
     trainer = Trainer(config, progress=progress, models=build_models(config, tester_lm) if tester_lm else None)
-    checkpoint = latest_checkpoint(run_dir)
-    if checkpoint is not None:
-        trainer.load_checkpoint(checkpoint, trust=trust_checkpoint)
+    found = usable_checkpoint(run_dir, trust=trust_checkpoint, on_warning=on_warning)
+    if found is not None:
+        trainer.load_checkpoint(found[0], trust=trust_checkpoint, state=found[1])
     return trainer
 
 
