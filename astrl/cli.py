@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from astrl.errors import one_line
+
 LATER: dict[str, str] = {}
 
 
@@ -320,11 +322,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"astrl: error: {type(err).__name__}: {one_line(err)} (set ASTRL_DEBUG=1 for the traceback)", file=sys.stderr)
         return 1
-
-
-def one_line(err: BaseException) -> str:
-    """An exception's message on one line (its type name when it has no message)."""
-    return " ".join(str(err).split()) or type(err).__name__
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ def build_worker(spec: WorkerSpec) -> tuple:
     if key in _PARTS:
         return _PARTS[key]
     from astrl.envs import make_redteam_env
-    from astrl.models import LoadedModel, load_model
+    from astrl.models import LoadedModel, add_lora, load_model
     from astrl.policies import input_mode
     from astrl.prompts import PromptStream, load_prompts, split_prompts
     from astrl.rewards.reference import AdaptersDisabled
@@ -95,11 +95,7 @@ def build_worker(spec: WorkerSpec) -> tuple:
     tester_lm = load_model(spec.tester, dtype=spec.dtype, device=spec.device)
     tester_model = tester_lm.model
     if spec.lora is not None:
-        from types import SimpleNamespace
-
-        from astrl.training.setup import add_lora
-
-        tester_model = add_lora(tester_model, SimpleNamespace(**spec.lora)).eval()
+        tester_model = add_lora(tester_model, **spec.lora).eval()
     tester_lm = LoadedModel(tester_lm.name, tester_model, tester_lm.tokenizer, tester_lm.context_window)
     if spec.target != spec.tester:
         target_lm = load_model(spec.target, dtype=spec.dtype, device=spec.device)

@@ -275,3 +275,17 @@ def load_model(
     prepare_tokenizer(tokenizer, model)
     model.to(device).eval()
     return LoadedModel(name_or_path, model, tokenizer, context_window(model, tokenizer))
+
+
+def add_lora(model, *, rank: int, alpha: float, dropout: float = 0.0, targets: list[str] | tuple[str, ...]):
+    """``model`` wrapped with fresh LoRA adapters on the modules named in ``targets`` (PEFT).
+
+    Target names absent from the model are skipped; none present is an error naming them.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    present = [t for t in targets if t in names]
+    if not present:
+        raise ValueError(f"none of lora_targets {list(targets)} are module names of {type(model).__name__}")
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=present))

@@ -88,7 +88,7 @@ def test_ray_workers_collect_what_the_local_collector_collects_and_take_weight_u
 
     from astrl.distributed import RayCollectors, build_worker, trainable_weights
 
-    spec = _spec(tiny_model_dir, lora={"lora_rank": 2, "lora_alpha": 4, "lora_dropout": 0.0, "lora_targets": ["q_proj"]})
+    spec = _spec(tiny_model_dir, lora={"rank": 2, "alpha": 4, "dropout": 0.0, "targets": ["q_proj"]})
     env, policy = build_worker(replace(spec, num_workers=1))  # the same recipe, one local collector
     local = LLMCollector(
         env, policy=policy, dialog_turns_per_batch=spec.batch_size * spec.turns, yield_completed_trajectories=True

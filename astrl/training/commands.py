@@ -76,7 +76,7 @@ def run_train(args) -> int:
 
         if os.environ.get("ASTRL_DEBUG"):
             raise
-        from astrl.cli import one_line
+        from astrl.errors import one_line
 
         print(f"astrl: error: training stopped in step {trainer.step + 1}: {one_line(err)}", file=sys.stderr)
         print(f"astrl: {_continue_from(trainer)} after fixing the cause", file=sys.stderr)

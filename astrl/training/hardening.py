@@ -230,7 +230,7 @@ class TargetHardener:
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Trainable target weights, optimizer, archive, RNG state and round count."""
-        from astrl.training.trainer import trainable_state
+        from astrl.training.state_io import trainable_state
 
         return {
             "model": trainable_state(self.model),
@@ -241,7 +241,7 @@ class TargetHardener:
         }
 
     def load_state_dict(self, state: Mapping) -> None:
-        from astrl.training.trainer import load_trainable_state
+        from astrl.training.state_io import load_trainable_state
 
         missing = {"model", "optimizer", "attacks", "generator", "rounds"} - set(state)
         if missing:

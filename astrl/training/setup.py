@@ -16,7 +16,7 @@ import torch
 
 from astrl.envs import make_redteam_env
 from astrl.envs.redteam import conversation_options
-from astrl.models import LoadedModel, load_model
+from astrl.models import LoadedModel, add_lora, load_model
 from astrl.policies import GenerationSettings, input_mode, make_policy, vllm_share
 from astrl.prompts import PromptStream, load_prompts, split_prompts
 from astrl.rewards import make_reference
@@ -36,15 +36,9 @@ class RunModels:
     original_target: torch.nn.Module | None = None  # the target before hardening (adapter off), with harden_every > 0
 
 
-def add_lora(model: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
-    from peft import LoraConfig, get_peft_model
-
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    targets = [t for t in config.lora_targets if t in names]
-    if not targets:
-        raise ValueError(f"none of lora_targets {config.lora_targets} are module names of {type(model).__name__}")
-    lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout, target_modules=targets)
-    return get_peft_model(model, lora)
+def lora_settings(config: TrainConfig) -> dict:
+    """The config's LoRA settings as :func:`astrl.models.add_lora` keywords."""
+    return {"rank": config.lora_rank, "alpha": config.lora_alpha, "dropout": config.lora_dropout, "targets": config.lora_targets}
 
 
 def build_models(config: TrainConfig, tester_lm: LoadedModel | None = None) -> RunModels:
@@ -60,12 +54,12 @@ def build_models(config: TrainConfig, tester_lm: LoadedModel | None = None) -> R
         target_lm = LoadedModel(tester_lm.name, copy.deepcopy(base), tester_lm.tokenizer, tester_lm.context_window)
     elif config.harden_every > 0:
         target_lm = load_model(config.target, dtype=config.dtype, device=config.device)
-    model = add_lora(base, config) if config.lora else base
+    model = add_lora(base, **lora_settings(config)) if config.lora else base
     model.eval()  # no dropout: behaviour and training log-probs must agree
     tester = LoadedModel(tester_lm.name, model, tester_lm.tokenizer, tester_lm.context_window)
     reference = make_reference(model)
     if config.harden_every > 0:
-        target_model = add_lora(target_lm.model, config).eval()
+        target_model = add_lora(target_lm.model, **lora_settings(config)).eval()
         target = LoadedModel(target_lm.name, target_model, target_lm.tokenizer, target_lm.context_window)
         return RunModels(tester, reference, target, shared_base=False, original_target=AdaptersDisabled(target_model))
     if same_base and config.lora:
@@ -106,10 +100,7 @@ def worker_spec(config: TrainConfig, stream_state: dict | None = None):
     from astrl.distributed import WorkerSpec
 
     options = conversation_options(config)
-    lora = None
-    if config.lora:
-        keys = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
-        lora = {key: getattr(config, key) for key in keys}
+    lora = lora_settings(config) if config.lora else None
     return WorkerSpec(
         tester=config.tester,
         target=config.target,

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from astrl.rewards.reference import is_peft_model
 from astrl.training.config import ConfigError
 
 STATE_FILE = "state.pt"
@@ -142,3 +143,22 @@ def set_rng_state(state: dict) -> None:
         keys = np.asarray(numpy["keys"].numpy(), dtype=np.uint32)
         numpy = (numpy["kind"], keys, numpy["pos"], numpy["has_gauss"], numpy["cached_gaussian"])
     np.random.set_state(numpy)
+
+
+def trainable_state(model: torch.nn.Module) -> dict:
+    """What a checkpoint keeps of a model: its PEFT adapters, or the whole state dict."""
+    if is_peft_model(model):
+        from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(model)
+    return model.state_dict()
+
+
+def load_trainable_state(model: torch.nn.Module, state: dict) -> None:
+    """Put a :func:`trainable_state` back into ``model``."""
+    if is_peft_model(model):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, state)
+    else:
+        model.load_state_dict(state)

@@ -30,7 +30,6 @@ from tensordict import TensorDictBase
 
 from astrl.evaluation.archive import ARCHIVE_FILE, AttackArchive
 from astrl.models import LoadedModel
-from astrl.rewards.reference import is_peft_model
 from astrl.training.batches import turn_metrics
 from astrl.training.config import ConfigError, TrainConfig, load_config
 from astrl.training.setup import RunModels, build_env, build_models, build_stream, conversation_parts
@@ -39,9 +38,11 @@ from astrl.training.state_io import (
     DamagedCheckpointError,
     checkpoint_problem,
     load_state,
+    load_trainable_state,
     rng_state,
     save_state,
     set_rng_state,
+    trainable_state,
     write_manifest,
 )
 
@@ -69,23 +70,6 @@ def warmup_then_linear(warmup: int, total: int):
         return max(0.0, (total - update) / max(1, total - warmup))
 
     return factor
-
-
-def trainable_state(model: torch.nn.Module) -> dict:
-    if is_peft_model(model):
-        from peft import get_peft_model_state_dict
-
-        return get_peft_model_state_dict(model)
-    return model.state_dict()
-
-
-def load_trainable_state(model: torch.nn.Module, state: dict) -> None:
-    if is_peft_model(model):
-        from peft import set_peft_model_state_dict
-
-        set_peft_model_state_dict(model, state)
-    else:
-        model.load_state_dict(state)
 
 
 def save_tester(model: torch.nn.Module, tokenizer, folder: Path) -> None:

@@ -1,0 +1,8 @@
+"""How errors read: one line that names the offending value."""
+
+from __future__ import annotations
+
+
+def one_line(err: BaseException) -> str:
+    """An exception's message on one line (its type name when it has no message)."""
+    return " ".join(str(err).split()) or type(err).__name__

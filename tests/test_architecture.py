@@ -1,0 +1,110 @@
+"""Import rules of the package (docs/architecture.md): no import cycles, lower floors never import upward."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "astrl"
+
+# the ground floor, and the library pieces built on it: none of them may import the layers that use them
+GROUND = ("astrl._compat", "astrl.errors", "astrl.backends", "astrl.models", "astrl.prompts", "astrl.scorers")
+LIBRARY = ("astrl.policies", "astrl.envs", "astrl.rewards", "astrl.losses", "astrl.sampling")
+APPLICATIONS = ("astrl.training", "astrl.rollout", "astrl.distributed", "astrl.cli", "astrl.evaluation", "astrl.system")
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+        modules[name] = path
+    return modules
+
+
+def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the astrl modules it imports (anywhere in the file, function bodies included)."""
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("astrl"):
+                for alias in node.names:
+                    target = f"{node.module}.{alias.name}"
+                    target = target if target in modules else node.module
+                    if target in modules and target != name:
+                        graph[name].add(target)
+            elif isinstance(node, ast.Import):
+                graph[name].update(a.name for a in node.names if a.name in modules and a.name != name)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def test_no_module_imports_itself_back_through_others():
+    assert _cycles(_imports(_modules())) == []
+
+
+def test_ground_floor_and_library_pieces_never_import_the_layers_above_them():
+    graph = _imports(_modules())
+    upward = [
+        (module, target)
+        for module, targets in graph.items()
+        for target in targets
+        if (_within(module, GROUND) and not _within(target, GROUND))
+        or (_within(module, LIBRARY) and _within(target, APPLICATIONS) and (module, target) not in KNOWN_UPWARD)
+    ]
+    assert upward == []
+
+
+# library pieces that still reach up, listed in docs/architecture.md: the list may only shrink
+KNOWN_UPWARD = {
+    ("astrl.losses.preference", "astrl.system.base"),
+    ("astrl.rewards.novelty", "astrl.evaluation.metrics"),
+    ("astrl.rewards.novelty", "astrl.evaluation.embeddings"),
+}
+
+
+def test_the_known_upward_imports_still_exist():
+    graph = _imports(_modules())
+    assert all(target in graph.get(module, set()) for module, target in KNOWN_UPWARD), "remove fixed ones from the list"
