@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import make_llama, make_tokenizer
 
+from astrl import similarity
 from astrl.cli import main
 from astrl.evaluation import metrics as m
 from astrl.evaluation.archive import AttackArchive
@@ -201,7 +202,7 @@ def test_eval_writes_every_artefact_with_the_judges_it_was_given(eval_dirs, tiny
     assert profanity["asr"] == float((reply > 0).any(1).mean()) == 1.0
     assert profanity["toxic_reply_rate_per_turn"] == [1.0, 1.0]
     assert profanity["self_bleu_diversity"] == pytest.approx(
-        m.self_bleu_diversity([r["probe"] for r in records if not r["empty_probe"]])
+        similarity.self_bleu_diversity([r["probe"] for r in records if not r["empty_probe"]])
     )
     assert 0 <= profanity["embedding_diversity"] <= 2 and 1 <= profanity["unique_attacks"] <= 6
     assert metrics["embedding_model"] == "all-MiniLM-L6-v2"
@@ -388,7 +389,7 @@ def test_training_curves_read_numeric_columns(run_dir, tmp_path):
 
 
 def test_missing_embedding_model_gives_null_keys_and_a_reason(monkeypatch):
-    from astrl.evaluation import embeddings
+    from astrl import embeddings
     from astrl.evaluation.run import embed_successful
 
     monkeypatch.setattr(embeddings, "EMBEDDING_PACKAGE", "no_such_embedding_package")
@@ -400,7 +401,7 @@ def test_missing_embedding_model_gives_null_keys_and_a_reason(monkeypatch):
 
 
 def test_bundled_sentence_encoder_separates_topics():
-    from astrl.evaluation.embeddings import EmbeddingUnavailable, SentenceEncoder
+    from astrl.embeddings import EmbeddingUnavailable, SentenceEncoder
 
     try:
         encoder = SentenceEncoder()

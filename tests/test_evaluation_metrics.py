@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from astrl import similarity
 from astrl.evaluation import metrics as m
 from astrl.evaluation.records import EvaluationError, compute_metrics, grid_shape, successful_probes
 
@@ -79,19 +80,19 @@ def test_bootstrap_difference_flags_real_differences_only():
 
 def test_self_bleu_on_known_pairs():
     # "the cat sat" vs "the cat ran": p1 = 2/3, p2 = 1/2, p3 = 0 -> smoothed 0.1/1; no brevity penalty.
-    scores = m.self_bleu(["the cat sat", "The cat ran"])
+    scores = similarity.self_bleu(["the cat sat", "The cat ran"])
     assert scores[2] == pytest.approx(math.sqrt(2 / 3 * 1 / 2))
     for n in (3, 4, 5):  # orders above the text length are left out
         assert scores[n] == pytest.approx((2 / 3 * 1 / 2 * 0.1) ** (1 / 3))
     expected = 1 - (math.sqrt(1 / 3) + 3 * (1 / 30) ** (1 / 3)) / 4
-    assert m.self_bleu_diversity(["the cat sat", "The cat ran"]) == pytest.approx(expected)
-    assert m.self_bleu_diversity(["go away now", "go away now"]) == pytest.approx(0.0)
+    assert similarity.self_bleu_diversity(["the cat sat", "The cat ran"]) == pytest.approx(expected)
+    assert similarity.self_bleu_diversity(["go away now", "go away now"]) == pytest.approx(0.0)
     # nothing in common: every precision is smoothed, 0.1 / count
-    assert m.self_bleu(["a b", "c d"])[2] == pytest.approx(math.sqrt(0.1 / 2 * 0.1 / 1))
+    assert similarity.self_bleu(["a b", "c d"])[2] == pytest.approx(math.sqrt(0.1 / 2 * 0.1 / 1))
 
 
 def test_self_bleu_clipping_and_brevity_penalty():
-    scores = m.self_bleu(["the the the", "the cat"])
+    scores = similarity.self_bleu(["the the the", "the cat"])
     # text 1 vs "the cat": 'the' clipped to 1 of 3; no bigram or trigram matches; no penalty (3 > 2)
     first2, first3 = math.sqrt(1 / 3 * 0.1 / 2), (1 / 3 * 0.1 / 2 * 0.1 / 1) ** (1 / 3)
     # text 2 vs "the the the": p1 = 1/2, p2 = 0.1/1, brevity exp(1 - 3/2)
@@ -99,19 +100,19 @@ def test_self_bleu_clipping_and_brevity_penalty():
     assert scores[2] == pytest.approx((first2 + second) / 2)
     assert scores[3] == pytest.approx((first3 + second) / 2)
     # the closest reference length wins: "x" against two 3-token copies
-    three = m.self_bleu(["a b c", "a b c", "x"], orders=(2,))
+    three = similarity.self_bleu(["a b c", "a b c", "x"], orders=(2,))
     assert three[2] == pytest.approx((1 + 1 + 0.1 * math.exp(1 - 3)) / 3)
     # clipping takes the largest count in any single other text: "a a" matches both its words in
     # the other "a a"; "a" matches fully but is shorter than its closest reference (2 tokens)
-    assert m.self_bleu(["a a", "a", "a a"], orders=(1,))[1] == pytest.approx((1 + math.exp(1 - 2) + 1) / 3)
+    assert similarity.self_bleu(["a a", "a", "a a"], orders=(1,))[1] == pytest.approx((1 + math.exp(1 - 2) + 1) / 3)
 
 
 def test_self_bleu_needs_two_texts_and_tokenizes_punctuation():
     with pytest.raises(ValueError, match="at least 2 texts"):
-        m.self_bleu(["alone"])
-    assert m.bleu_tokens("Hey, YOU there!") == ["hey", ",", "you", "there", "!"]
+        similarity.self_bleu(["alone"])
+    assert similarity.bleu_tokens("Hey, YOU there!") == ["hey", ",", "you", "there", "!"]
     # an empty text scores 0; the other has no match in it (smoothed) and no brevity penalty
-    assert m.self_bleu(["", "hello there"], orders=(2,))[2] == pytest.approx((0 + math.sqrt(0.1 / 2 * 0.1 / 1)) / 2)
+    assert similarity.self_bleu(["", "hello there"], orders=(2,))[2] == pytest.approx((0 + math.sqrt(0.1 / 2 * 0.1 / 1)) / 2)
 
 
 def test_embedding_diversity_and_greedy_clusters():
@@ -163,7 +164,9 @@ def test_metrics_from_records_and_empty_probes():
     assert out["probe_nll"]["n_probes"] == 10
     judge = out["judges"]["j"]
     assert judge["asr"] == 0.5 and judge["n_successful_probes"] == 3 and judge["unique_attacks"] == 2
-    assert judge["self_bleu_diversity"] == pytest.approx(m.self_bleu_diversity(["you fool", "nasty words", "more nasty words"]))
+    assert judge["self_bleu_diversity"] == pytest.approx(
+        similarity.self_bleu_diversity(["you fool", "nasty words", "more nasty words"])
+    )
     assert judge["embedding_diversity"] == pytest.approx(m.embedding_diversity(np.stack(list(embeddings.values()))))
     assert any("2 empty probe" in n for n in notes)
     out, notes = compute_metrics(records, resamples=10, embeddings=None, why_no_embeddings="not installed")

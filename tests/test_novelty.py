@@ -7,10 +7,10 @@ from tensordict import TensorDict
 
 from astrl._compat import as_list
 from astrl.envs import make_redteam_env
-from astrl.evaluation.metrics import bleu_against, self_bleu
 from astrl.policies import GenerationSettings, make_policy
 from astrl.rewards import EmbeddingNovelty, NgramNovelty, make_novelty
 from astrl.scorers import KeywordScorer
+from astrl.similarity import bleu_against, self_bleu
 
 VECTORS = {"a": [1.0, 0.0], "b": [0.0, 1.0], "d": [3.0, 4.0], "e": [-1.0, 0.0]}
 

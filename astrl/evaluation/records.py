@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from astrl.evaluation import metrics as m
+from astrl.similarity import self_bleu
 
 SCORE_PARTS = ("reply", "probe", "combined")
 
@@ -83,7 +84,7 @@ def diversity_metrics(
     notes: list[str] = []
     out: dict = {"n_successful_probes": len(probes), "self_bleu": None, "self_bleu_diversity": None}
     if len(probes) >= 2:
-        scores = m.self_bleu(probes)
+        scores = self_bleu(probes)
         out["self_bleu"] = {str(n): v for n, v in scores.items()}
         out["self_bleu_diversity"] = 1.0 - sum(scores.values()) / len(scores)
     else:

@@ -239,7 +239,7 @@ def score_probes(records: list[dict], scorers: dict) -> None:
 
 def embed_successful(records: list[dict], judges: list[str], threshold: float, device: str) -> tuple[dict | None, str | None]:
     """Embeddings of every probe that succeeded under some judge (one batched pass), or ``(None, reason)``."""
-    from astrl.evaluation.embeddings import EmbeddingUnavailable, embedding_folder, load_encoder
+    from astrl.embeddings import EmbeddingUnavailable, embedding_folder, load_encoder
 
     texts = sorted({p for j in judges for p in successful_probes(records, j, threshold)})
     if not texts:

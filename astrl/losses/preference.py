@@ -12,7 +12,9 @@ exact token ids the tester generated, chosen and rejected in one batched forward
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +24,19 @@ from torchrl.objectives import LossModule
 from astrl._compat import as_list
 from astrl.rewards.logprobs import as_rows, response_mask, stop_ids, token_logprobs
 from astrl.rewards.reference import make_reference
+
+
+@runtime_checkable
+class TextLogProbs(Protocol):
+    """A model the preference losses score on text instead of token ids (the seed System API is one).
+
+    Both methods return per-token log-probs of each continuation after its context, shape
+    ``(len(contexts), L)``, padded with 0; the losses sum them over the last dimension.
+    """
+
+    def policy_text_logprobs(self, contexts: Sequence, continuations: Sequence) -> torch.Tensor: ...
+
+    def reference_text_logprobs(self, contexts: Sequence, continuations: Sequence) -> torch.Tensor: ...
 
 
 class PreferenceLoss(LossModule):
@@ -90,10 +105,8 @@ class PreferenceLoss(LossModule):
             raise ValueError(f"beta must be > 0, got {beta}")
         if reference is model:
             raise ValueError("reference is the model itself: pass None to use a frozen reference (make_reference)")
-        from astrl.system.base import System
-
         # kept out of the module tree: no gradients, no parameters listed twice, no copy in state_dict
-        if isinstance(model, System):  # log-probs from the System's tester and baseline, on text
+        if isinstance(model, TextLogProbs):  # log-probs on text, e.g. from a System's tester and baseline
             if reference is not None:
                 raise ValueError("with a System the reference is its baseline (get_baseline_logprobs): pass no reference")
             object.__setattr__(self, "system", model)
@@ -198,7 +211,7 @@ class PreferenceLoss(LossModule):
         the reference (no grad); chosen and rejected go through one batched call."""
         if self.system is not None:
             contexts, chosen, rejected = self._texts(td)
-            get = self.system._get_baseline_logprobs_and_validate if reference else self.system._get_tester_logprobs_and_validate
+            get = self.system.reference_text_logprobs if reference else self.system.policy_text_logprobs
             sums = get(contexts + contexts, chosen + rejected).sum(-1)
             return sums[: len(contexts)], sums[len(contexts) :]
         prompts, chosen, rejected = self._pairs(td)

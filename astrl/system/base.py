@@ -131,6 +131,14 @@ class System(Generic[StateT, ActionT]):
         return self.get_tester_logprobs(contexts, continuations)
 
     # -- validated calls (what the sampler and the solvers use) ----------------------------------
+    def policy_text_logprobs(self, contexts: Sequence[StateT], continuations: Sequence[ActionT]) -> torch.Tensor:
+        """The tester's checked log-probs (:class:`astrl.losses.preference.TextLogProbs`)."""
+        return self._get_tester_logprobs_and_validate(contexts, continuations)
+
+    def reference_text_logprobs(self, contexts: Sequence[StateT], continuations: Sequence[ActionT]) -> torch.Tensor:
+        """The baseline's checked log-probs (:class:`astrl.losses.preference.TextLogProbs`)."""
+        return self._get_baseline_logprobs_and_validate(contexts, continuations)
+
     def _rollout_prompt_with_tester_and_validate(self, prompts: Sequence[StateT]) -> list[ActionT]:
         return self._checked_rollout("rollout_prompt_with_tester", self.rollout_prompt_with_tester, prompts)
 
