@@ -38,10 +38,12 @@ def plot_transfer_heatmap(result: dict, path: Path) -> Path:
     targets = [t["label"] for t in result["targets"]]
     judges = result["judges"]
     values = np.array([[result["transfer"][t][j]["success_rate"] for j in judges] for t in targets], dtype=np.float64)
-    fig, (ax,) = _figure(1, width=2.2 + 2.0 * len(judges), height=1.4 + 0.8 * len(targets))
+    labels = [_clip(t)[:48] for t in targets]
+    width = 2.5 + 0.075 * max(len(label) for label in labels) + 1.8 * len(judges)
+    fig, (ax,) = _figure(1, width=width, height=1.6 + 0.8 * len(targets))
     image = ax.imshow(values, cmap="Reds", vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(len(judges)), labels=judges, rotation=20, ha="right")
-    ax.set_yticks(range(len(targets)), labels=[_clip(t)[:40] for t in targets])
+    ax.set_yticks(range(len(targets)), labels=labels)
     for row, target in enumerate(targets):
         for column, judge in enumerate(judges):
             cell = result["transfer"][target][judge]
