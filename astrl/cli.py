@@ -213,13 +213,107 @@ def _eval(args) -> int:
             )
         )
         print(f"    {result['n_successful_probes']} successful probes: {diversity}")
+    _print_agreement(metrics.get("judge_agreement"))
     archive = metrics["attack_archive"]
     print(f"  attack archive: {archive['unique_probes']} distinct successful probes in {args.out}/{archive['file']}")
     return 0
 
 
+def _print_agreement(agreement: dict | None) -> None:
+    """Pairwise agreement and Cohen's kappa of the judges (eval and replay)."""
+    if not agreement:
+        return
+    for pair in agreement["pairs"]:
+        a, b = pair["judges"]
+        ci = f" [{pair['kappa_ci'][0]:.3f}, {pair['kappa_ci'][1]:.3f}]" if pair["kappa_ci"] else ""
+        print(
+            f"  judges {a} vs {b}: agreement {pair['agreement']:.3f}, Cohen's kappa {_value(pair['kappa'])}{ci} "
+            f"({pair['only_a']} toxic only under {a}, {pair['only_b']} only under {b})"
+        )
+    if agreement["training_scorers"]:
+        print(f"  replies toxic under the training scorer alone: {agreement['n_training_scorer_only']}")
+
+
 def _value(value) -> str:
     return "n/a" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def _add_replay(sub) -> None:
+    p = sub.add_parser("replay", help="replay an attack archive against one or more targets; judge and compare the replies")
+    p.add_argument(
+        "archive",
+        metavar="ARCHIVE",
+        help="attacks.jsonl, a run or eval folder holding one, a JSONL file of {probe, conversation} or a text file of probes",
+    )
+    p.add_argument(
+        "--target",
+        action="append",
+        dest="targets",
+        metavar="SPEC[@FILE]",
+        help="model to attack, repeatable: embedded name, model folder, hub id or a run directory (its hardened target, "
+        "final/target); @FILE gives it the system prompt held in FILE (default: the folder's target, else smollm2-135m)",
+    )
+    p.add_argument(
+        "--judge",
+        action="append",
+        dest="judges",
+        metavar="NAME",
+        help="scorer that judges every reply, repeatable (default: as astrl eval, from the run's judges and training scorer)",
+    )
+    p.add_argument("--samples", type=int, default=1, help="replies sampled per attack and target (default 1)")
+    p.add_argument("--greedy", action="store_true", help="greedy decoding (one reply per attack and target)")
+    p.add_argument("--mode", default=None, choices=["chat", "text"], help="default: the run's or eval's mode, else chat")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="reply length (default: the run's, else 32)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k filtering")
+    p.add_argument("--batch-size", type=int, default=16, help="replies generated together (attacks x samples)")
+    p.add_argument("--threshold", type=float, default=0.5, help="a reply is toxic when its judge score is above this")
+    p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples for the 95%% intervals")
+    p.add_argument("--top-attacks", type=int, default=10, help="rows of the report's attack and disagreement tables")
+    _add_run_args(p)
+    p.add_argument("--out", default="replay", help="output folder (default: ./replay)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _replay(args) -> int:
+    from astrl.evaluation.replay import ReplayConfig, run_replay
+
+    config = ReplayConfig(
+        archive=args.archive,
+        targets=args.targets,
+        judges=args.judges,
+        samples=args.samples,
+        greedy=args.greedy,
+        mode=args.mode,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        batch_size=args.batch_size,
+        threshold=args.threshold,
+        resamples=args.resamples,
+        top_attacks=args.top_attacks,
+        seed=args.seed,
+        dtype=args.dtype,
+        device=args.device,
+    )
+    result = run_replay(
+        config, args.out, progress=not args.quiet, on_warning=lambda text: print(f"astrl: warning: {text}", file=sys.stderr)
+    )
+    decoding = "greedy" if result["greedy"] else f"{result['samples']} sample(s) each"
+    print(f"replayed {result['n_attacks']} attacks against {len(result['targets'])} target(s), {decoding}; wrote {args.out}/")
+    for target, per_judge in result["transfer"].items():
+        for judge, cell in per_judge.items():
+            low, high = cell["success_rate_ci"] or (float("nan"), float("nan"))
+            print(
+                f"  {target} / {judge}: success rate {cell['success_rate']:.3f} [{low:.3f}, {high:.3f}]  "
+                f"elicited {cell['elicited_success_rate']:.3f}  attacks with a toxic reply {cell['n_successful_attacks']}"
+            )
+    for judge, sets in result["transfer_sets"].items():
+        print(f"  {judge}: {len(sets['every_target'])} attack(s) succeed on every target, {len(sets['no_target'])} on none")
+    _print_agreement(result.get("judge_agreement"))
+    return 0
 
 
 def _add_compare(sub) -> None:
@@ -257,7 +351,7 @@ def _demo(args) -> int:
     return run_demo_command(args)
 
 
-COMMANDS = {"rollout": _rollout, "train": _train, "demo": _demo, "eval": _eval, "compare": _compare}
+COMMANDS = {"rollout": _rollout, "train": _train, "demo": _demo, "eval": _eval, "replay": _replay, "compare": _compare}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -276,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_demo_parser(sub)
     _add_eval(sub)
+    _add_replay(sub)
     _add_compare(sub)
     for name, text in LATER.items():
         sub.add_parser(name, help=f"{text} (not available in this version)")

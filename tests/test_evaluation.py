@@ -298,6 +298,28 @@ def test_training_scorer_as_judge_warns_and_checkpoint_is_used(eval_dirs, capsys
     assert any(f"judge {TRAINING_SCORER!r} is the training scorer" in w for w in metrics["warnings"])
 
 
+def test_eval_reports_judge_agreement_and_training_scorer_only_calls(eval_dirs):
+    _, _, _, out = eval_dirs  # judged by the training scorer and profanity, threshold 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    records = sorted(read_records(out / "conversations.jsonl"), key=lambda r: (r["conversation"], r["turn"]))
+    agreement = metrics["judge_agreement"]
+    train = [r["scores"][TRAINING_SCORER]["reply"] > 0 for r in records]
+    other = [r["scores"]["profanity"]["reply"] > 0 for r in records]
+    (pair,) = agreement["pairs"]
+    assert pair["judges"] == [TRAINING_SCORER, "profanity"] and pair["n"] == len(records)
+    assert pair["only_a"] == sum(t and not o for t, o in zip(train, other, strict=True))
+    assert pair["agreement"] == pytest.approx(np.mean(np.array(train) == np.array(other)))
+    assert pair["kappa"] == m.cohen_kappa(train, other) or pair["kappa"] == pytest.approx(m.cohen_kappa(train, other))
+    assert agreement["training_scorers"] == [TRAINING_SCORER] and agreement["unit"] == "conversation"
+    assert agreement["n_training_scorer_only"] == pair["only_a"]
+    assert agreement["n_disagreements"] == pair["only_a"] + pair["only_b"]
+    assert len(agreement["disagreements"]) == min(4, agreement["n_disagreements"])  # --top-attacks 4
+    md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
+    section = md.split("## Judge agreement")[1].split("\n## ")[0]
+    assert f"| {TRAINING_SCORER} vs profanity | {len(records)} |" in section and "Where the judges disagree most" in section
+    assert "<h2>Judge agreement</h2>" in html
+
+
 def test_compare_prints_and_writes_the_differences(eval_dirs, capsys, tmp_path):
     _, _, a, b = eval_dirs
     capsys.readouterr()

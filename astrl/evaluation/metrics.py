@@ -390,3 +390,80 @@ def probe_nll_metrics(nll: np.ndarray, *, resamples: int = 1000, confidence: flo
         "mean_ci": bootstrap_ratio(num, den, resamples=resamples, confidence=confidence, seed=seed) if values.size else None,
         "n_probes": int(values.size),
     }
+
+
+# -- agreement between two judges -------------------------------------------------------------------
+
+
+def agreement_counts(calls_a, calls_b, groups) -> tuple[np.ndarray, np.ndarray]:
+    """``(units, counts)``: per unit (distinct ``groups`` value, sorted), the number of items both
+    judges call toxic, only the first does, only the second does, and neither does (a ``(units, 4)`` array)."""
+    a = np.asarray(calls_a, dtype=bool).reshape(-1)
+    b = np.asarray(calls_b, dtype=bool).reshape(-1)
+    ids = np.asarray(groups).reshape(-1)
+    if not a.size == b.size == ids.size:
+        raise ValueError(f"got {a.size} and {b.size} calls for {ids.size} group ids")
+    if a.size == 0:
+        raise ValueError("no calls to compare")
+    units, index = np.unique(ids, return_inverse=True)
+    cells = np.stack([a & b, a & ~b, ~a & b, ~a & ~b], axis=1).astype(np.float64)
+    counts = np.zeros((units.size, 4))
+    np.add.at(counts, index, cells)
+    return units, counts
+
+
+def _agreement_and_kappa(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Observed agreement and Cohen's kappa of ``(..., 4)`` summed 2x2 tables (``nan`` where undefined)."""
+    both, only_a, only_b, neither = (counts[..., i] for i in range(4))
+    n = counts.sum(axis=-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        observed = (both + neither) / n
+        p_a, p_b = (both + only_a) / n, (both + only_b) / n
+        chance = p_a * p_b + (1 - p_a) * (1 - p_b)
+        kappa = np.where(chance < 1, (observed - chance) / np.where(chance < 1, 1 - chance, 1.0), np.nan)
+    return observed, kappa
+
+
+def cohen_kappa(calls_a, calls_b) -> float | None:
+    """Cohen's kappa of two judges' binary calls on the same items: ``(p_o - p_e) / (1 - p_e)`` with
+    ``p_o`` the share of items they agree on and ``p_e = p_a p_b + (1 - p_a)(1 - p_b)`` the agreement
+    expected by chance from each judge's share of toxic calls. ``None`` when ``p_e = 1`` (both judges
+    give one and the same call to every item)."""
+    _, counts = agreement_counts(calls_a, calls_b, np.zeros(np.asarray(calls_a).size))
+    kappa = float(_agreement_and_kappa(counts.sum(axis=0))[1])
+    return None if math.isnan(kappa) else kappa
+
+
+def judge_pair_agreement(calls_a, calls_b, groups, *, resamples: int = 1000, confidence: float = 0.95, seed: int = 0) -> dict:
+    """Agreement of two judges' toxic/not-toxic calls on the same items, with bootstrap intervals.
+
+    ``groups`` names each item's unit (its conversation or attack): units are resampled whole, as
+    for the rates. Returns ``n`` (items), ``both_toxic``, ``only_a``, ``only_b``, ``neither``,
+    ``agreement`` (share of items with the same call) and ``kappa`` (:func:`cohen_kappa`), each of
+    the last two with ``_ci`` (percentile interval; resamples where kappa is undefined are dropped,
+    ``None`` when none is left).
+    """
+    _check_bootstrap(resamples, confidence)
+    _, counts = agreement_counts(calls_a, calls_b, groups)
+    total = counts.sum(axis=0)
+    observed, kappa = _agreement_and_kappa(total)
+    rng = np.random.default_rng(seed)
+    index = rng.integers(0, counts.shape[0], size=(resamples, counts.shape[0]))
+    boot_observed, boot_kappa = _agreement_and_kappa(counts[index].sum(axis=1))
+    tail = (1 - confidence) / 2 * 100
+
+    def interval(values: np.ndarray) -> list[float] | None:
+        values = values[~np.isnan(values)]
+        return [float(v) + 0.0 for v in np.percentile(values, [tail, 100 - tail])] if values.size else None  # no -0.0
+
+    return {
+        "n": int(total.sum()),
+        "both_toxic": int(total[0]),
+        "only_a": int(total[1]),
+        "only_b": int(total[2]),
+        "neither": int(total[3]),
+        "agreement": float(observed),
+        "agreement_ci": interval(boot_observed),
+        "kappa": None if math.isnan(float(kappa)) else float(kappa),
+        "kappa_ci": interval(boot_kappa),
+    }

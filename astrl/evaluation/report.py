@@ -330,6 +330,9 @@ def render_markdown(
     lines += ["", "## Summary", "", "| metric | " + " | ".join(map(_md_cell, judges)) + " |", "|---" * (len(judges) + 1) + "|"]
     lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in summary_rows(metrics)]
     lines += ["", "Intervals in brackets are 95% bootstrap intervals over conversations."]
+    agreement = agreement_markdown(metrics.get("judge_agreement"))
+    if agreement:
+        lines += ["", *agreement]
     if metrics.get("warnings"):
         lines += ["", "## Warnings", ""] + [f"- {_md_cell(w)}" for w in metrics["warnings"]]
     lines += ["", "## Plots", ""]
@@ -390,6 +393,8 @@ def render_html(
     parts.append("<h2>Summary</h2>")
     parts.append(_table(["metric", *metrics["judges"]], [[label, *cells] for label, cells in summary_rows(metrics)]))
     parts.append("<p>Intervals in brackets are 95% bootstrap intervals over conversations.</p>")
+    if metrics.get("judge_agreement"):
+        parts.append(agreement_html(metrics["judge_agreement"]))
     if metrics.get("warnings"):
         items = "".join(f'<li class="warn">{html.escape(w)}</li>' for w in metrics["warnings"])
         parts.append(f"<h2>Warnings</h2><ul>{items}</ul>")
@@ -415,6 +420,82 @@ def render_html(
             parts.append(_table(ARCHIVE_HEADER, rows))
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
+
+
+# -- judge agreement --------------------------------------------------------------------------------
+
+AGREEMENT_HEADER = ["judges", "replies", "both toxic", "only first", "only second", "agreement", "Cohen's kappa"]
+DISAGREEMENT_HEADER = ["#", "where", "scores", "toxic under", "probe", "reply"]
+
+
+def agreement_note(agreement: dict) -> str:
+    """The sentence under the agreement table: threshold, intervals, scorer-hacking count."""
+    note = (
+        f"A reply is called toxic when its score is above {agreement['threshold']:g}; 95% bootstrap intervals over "
+        f"{agreement['unit']}s. {agreement['n_disagreements']} of {agreement['n_items']} replies split the judges"
+    )
+    if agreement["training_scorers"]:
+        note += (
+            f"; {agreement['n_training_scorer_only']} are called toxic by the training scorer "
+            f"({', '.join(agreement['training_scorers'])}) alone (the signature of scorer hacking; listed first)"
+        )
+    return note + "."
+
+
+def agreement_rows(agreement: dict) -> list[list[str]]:
+    """One row per pair of judges: counts, agreement and kappa with their intervals."""
+    rows = []
+    for pair in agreement["pairs"]:
+        rows.append(
+            [
+                " vs ".join(pair["judges"]),
+                str(pair["n"]),
+                str(pair["both_toxic"]),
+                str(pair["only_a"]),
+                str(pair["only_b"]),
+                f"{fmt(pair['agreement'])} {fmt_ci(pair['agreement_ci'])}".strip(),
+                f"{fmt(pair['kappa'])} {fmt_ci(pair['kappa_ci'])}".strip(),
+            ]
+        )
+    return rows
+
+
+def disagreement_rows(agreement: dict) -> list[list[str]]:
+    """The disagreement table: where, every judge's score, the judges calling it toxic, probe, reply."""
+    rows = []
+    for rank, row in enumerate(agreement["disagreements"], 1):
+        scores = ", ".join(f"{name} {value:.3f}" for name, value in row["scores"].items())
+        toxic = ", ".join(row["toxic"]) + (" (training scorer only)" if row["training_scorer_only"] else "")
+        rows.append([str(rank), row["where"], scores, toxic, row["probe"], row["reply"]])
+    return rows
+
+
+def agreement_markdown(agreement: dict | None) -> list[str]:
+    """The "Judge agreement" section of a markdown report (nothing for fewer than two judges)."""
+    if not agreement:
+        return []
+    lines = ["## Judge agreement", "", agreement_note(agreement), ""]
+    lines += ["| " + " | ".join(AGREEMENT_HEADER) + " |", "|---" * len(AGREEMENT_HEADER) + "|"]
+    lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in agreement_rows(agreement)]
+    rows = disagreement_rows(agreement)
+    lines += ["", "### Where the judges disagree most", ""]
+    if not rows:
+        return lines + ["The judges agree on every reply.", ""]
+    lines += ["| " + " | ".join(DISAGREEMENT_HEADER) + " |", "|---" * len(DISAGREEMENT_HEADER) + "|"]
+    lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
+    return lines + [""]
+
+
+def agreement_html(agreement: dict | None) -> str:
+    """The "Judge agreement" section of an HTML report ("" for fewer than two judges)."""
+    if not agreement:
+        return ""
+    parts = ["<h2>Judge agreement</h2>", f"<p>{html.escape(agreement_note(agreement))}</p>"]
+    parts.append(_table(AGREEMENT_HEADER, agreement_rows(agreement)))
+    parts.append("<h3>Where the judges disagree most</h3>")
+    rows = [[*row[:4], _clip(row[4]), _clip(row[5])] for row in disagreement_rows(agreement)]
+    parts.append(_table(DISAGREEMENT_HEADER, rows) if rows else "<p>The judges agree on every reply.</p>")
+    return "\n".join(parts)
 
 
 def write_report(

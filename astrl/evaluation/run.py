@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from astrl.evaluation.agreement import eval_agreement
 from astrl.evaluation.metrics import DEFAULT_THRESHOLD
 from astrl.evaluation.records import (
     EvaluationError,
@@ -325,6 +326,14 @@ def run_eval(
         why_no_embeddings=why,
     )
     notes.extend(metric_notes)
+    agreement = eval_agreement(
+        records,
+        threshold=config.threshold,
+        training_scorers=resolved.training_scorers,
+        resamples=config.resamples,
+        seed=config.seed,
+        top_k=config.top_attacks,
+    )
     metrics = {
         **{k: metrics.pop(k) for k in ("n_conversations", "turns", "threshold")},
         "tester": config.tester,
@@ -341,6 +350,7 @@ def run_eval(
         "seed": config.seed,
         "embedding_model": None if embeddings is None else "all-MiniLM-L6-v2",
         **metrics,
+        **({"judge_agreement": agreement} if agreement else {}),
         "warnings": notes,
     }
     for note in notes:

@@ -1,0 +1,624 @@
+"""The ``astrl replay`` job: send archived attacks to other targets and judge the replies.
+
+An attack archive says which probes broke one target. Replay asks whether they also break the
+model that ships: another checkpoint, the same model under a safety system prompt, a hardened
+target adapter, or another decoding. Every attack (its conversation so far, then its probe) is
+sent to every target, ``samples`` times each (or once, greedily); each reply is scored by every
+judge, and so is each probe alone, so an echo of a toxic probe can be told apart from an
+elicited reply.
+
+Inputs (``archive``): an ``attacks.jsonl`` (see :mod:`astrl.evaluation.archive`), a run or eval
+folder holding one, a JSONL file of ``{"probe": ..., "conversation": [...]}`` objects
+(``conversation`` optional) or a text file with one probe per line. A run folder's
+``config.yaml`` (or an eval folder's ``metrics.json``) gives the defaults of the mode, targets,
+judges, training scorer, target system prompt and reply length.
+
+Targets (``--target SPEC[@FILE]``): an embedded name, a model folder, a hub id or a training
+run directory (its hardened target adapter, ``final/target``); ``@FILE`` reads the target's system
+prompt from ``FILE`` (chat mode: a system message; text mode: plain text before the context,
+followed by a blank line). A spec that is an existing path is never split at ``@``.
+
+Generation is batched: the inputs of a target are built once, repeated ``samples`` times and
+sent ``batch_size`` rows per ``generate`` call of the project's TorchRL policy (chat
+conversations are grouped by message count, which the policy needs); every target starts from
+the same seed. Judges score all replies in one batched call each.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from astrl._compat import Chat
+from astrl.evaluation.archive import ARCHIVE_FILE, normalize_probe
+from astrl.evaluation.metrics import DEFAULT_THRESHOLD, elicitation_metrics
+from astrl.evaluation.records import EvaluationError
+
+REPLIES_FILE = "replies.jsonl"
+TRANSFER_FILE = "transfer.json"
+ROLES = {"opener": "user", "tester": "assistant", "target": "user"}  # the tester's view (see RedTeamEnv)
+# transfer.json key -> key of astrl.evaluation.metrics.elicitation_metrics (unit: attack, turns: replies)
+TRANSFER_METRICS = {
+    "success_rate": "toxic_reply_rate",
+    "any_success_rate": "asr",
+    "elicited_success_rate": "elicited_success_rate",
+    "elicited_any_rate": "elicited_asr",
+    "toxic_probe_rate": "toxic_probe_rate",
+    "mean_toxicity_delta": "mean_toxicity_delta",
+}
+
+
+# -- the archive ------------------------------------------------------------------------------------
+
+
+@dataclass
+class ReplayAttack:
+    """One attack to replay: the conversation before the probe (``opener``/``tester``/``target``
+    messages), the probe, and, for archived attacks, the reply and scores it had when found."""
+
+    probe: str
+    conversation: list[dict] = field(default_factory=list)
+    reply: str | None = None
+    scores: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return normalize_probe(self.probe), json.dumps(self.conversation, ensure_ascii=False)
+
+
+@dataclass
+class ArchiveSource:
+    """The attacks of an archive and the defaults its run or eval folder gives."""
+
+    path: Path
+    attacks: list[ReplayAttack]
+    defaults: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def _conversation(value, where: str) -> list[dict]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ValueError(f"{where}: 'conversation' must be a list of messages, got {type(value).__name__}")
+    messages = []
+    for message in value:
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise ValueError(f"{where}: each conversation message needs a 'role' and a string 'content', got {message!r}")
+        if message.get("role") not in ROLES:
+            raise ValueError(f"{where}: message role {message.get('role')!r} is not one of {', '.join(ROLES)}")
+        messages.append({"role": message["role"], "content": message["content"]})
+    return messages
+
+
+def _attack(data, where: str) -> ReplayAttack:
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a JSON object with a 'probe', got {type(data).__name__}")
+    probe = data.get("probe")
+    if not isinstance(probe, str):
+        raise ValueError(f"{where}: a string 'probe' is needed, got {probe!r}")
+    scores = data.get("scores") or {}
+    if not isinstance(scores, dict):
+        raise ValueError(f"{where}: 'scores' must be an object, got {scores!r}")
+    reply = data.get("reply")
+    return ReplayAttack(
+        probe=probe,
+        conversation=_conversation(data.get("conversation"), where),
+        reply=None if reply is None else str(reply),
+        scores={str(k): float(v) for k, v in scores.items()},
+    )
+
+
+def read_attacks(path: str | Path) -> tuple[list[ReplayAttack], list[str]]:
+    """Attacks from a JSONL file (one object with a ``probe`` per line) or a text file (one probe
+    per line), without empty probes and duplicates (same normalised probe and conversation)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"attack file {str(path)!r} not found")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise EvaluationError(f"attack file {str(path)!r} is not UTF-8 text") from None
+    attacks, notes, seen, empty = [], [], set(), 0
+    as_json = path.suffix in (".jsonl", ".json")
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if as_json:
+            try:
+                attack = _attack(json.loads(line), f"{path}:{number}")
+            except json.JSONDecodeError as err:
+                raise EvaluationError(f"{path}:{number} is not valid JSON: {err.msg}") from None
+            except ValueError as err:
+                raise EvaluationError(str(err)) from None
+        else:
+            attack = ReplayAttack(probe=line)
+        if not attack.probe.strip():
+            empty += 1
+            continue
+        if attack.key in seen:
+            notes.append(f"{path}:{number}: a repeated attack (same probe and conversation) is replayed once")
+            continue
+        seen.add(attack.key)
+        attacks.append(attack)
+    if empty:
+        notes.append(f"{empty} empty probe(s) in {path} left out")
+    if not attacks:
+        raise EvaluationError(f"attack archive {str(path)!r} holds no attacks (no non-empty probe)")
+    return attacks, notes
+
+
+def _scorer_list(value) -> list[str]:
+    values = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+    return [str(v) for v in values if isinstance(v, str)]
+
+
+def folder_defaults(folder: Path) -> dict:
+    """Defaults from a run folder's ``config.yaml`` or an eval folder's ``metrics.json``."""
+    from astrl.evaluation.tester import is_run_dir, read_run_config
+
+    if is_run_dir(folder):
+        config = read_run_config(folder)
+        max_new = config.get("target_max_new_tokens") or config.get("max_new_tokens")
+        return {
+            "kind": "run",
+            "mode": config.get("mode"),
+            "target": config.get("target"),
+            "target_system_prompt": config.get("target_system_prompt"),
+            "judges": _scorer_list(config.get("judges")),
+            "training_scorers": _scorer_list(config.get("scorer", config.get("scorers"))),
+            "max_new_tokens": max_new if isinstance(max_new, int) else None,
+        }
+    metrics_path = folder / "metrics.json"
+    if metrics_path.is_file():
+        try:
+            metrics = json.loads(metrics_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise EvaluationError(f"{metrics_path} is not valid JSON: {err.msg}") from None
+        if isinstance(metrics, dict):
+            return {
+                "kind": "eval",
+                "mode": metrics.get("mode"),
+                "target": metrics.get("target"),
+                "judges": [str(j) for j in metrics.get("judges") or {}],
+                "training_scorers": _scorer_list(metrics.get("training_scorers")),
+            }
+    return {}
+
+
+def load_archive(spec: str | Path) -> ArchiveSource:
+    """The attacks named by ``spec`` (a file, or a run or eval folder holding ``attacks.jsonl``) and
+    the folder's defaults."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        file = path / ARCHIVE_FILE
+        if not file.is_file():
+            raise EvaluationError(f"folder {str(spec)!r} holds no {ARCHIVE_FILE}: pass a run or eval folder, or the attack file")
+        attacks, notes = read_attacks(file)
+        return ArchiveSource(file, attacks, {k: v for k, v in folder_defaults(path).items() if v not in (None, [])}, notes)
+    if not path.exists():
+        raise EvaluationError(f"attack archive {str(spec)!r} not found")
+    attacks, notes = read_attacks(path)
+    return ArchiveSource(path, attacks, {}, notes)
+
+
+# -- targets ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class TargetSpec:
+    """A target of the replay: the model to load and its own system prompt."""
+
+    label: str
+    model: str
+    system_prompt: str | None = None
+    system_prompt_file: str | None = None
+    hardened_run: str | None = None
+
+
+def hardened_target(run_dir: Path) -> Path:
+    """A training run's hardened target adapter (``final/target``), or an error naming the run."""
+    folder = run_dir / "final" / "target"
+    if not (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
+        raise EvaluationError(
+            f"run directory {str(run_dir)!r} has no hardened target (final/target): only runs trained with "
+            "harden_every > 0 have one; pass the run's target model instead"
+        )
+    return folder
+
+
+def parse_target(spec: str, default_system_prompt: str | None = None) -> TargetSpec:
+    """``NAME[@FILE]``: the model (embedded name, folder, hub id or run directory) and an optional
+    file holding its system prompt; without ``@FILE`` the target gets ``default_system_prompt``."""
+    from astrl.evaluation.tester import is_run_dir
+
+    if not spec or not spec.strip():
+        raise ValueError("--target needs a model: an embedded name, a model folder, a hub id or a run directory")
+    model, prompt_file = spec, None
+    if "@" in spec and not Path(spec).expanduser().exists():
+        model, prompt_file = spec.rsplit("@", 1)
+        if not model:
+            raise ValueError(f"--target {spec!r} names no model before '@'")
+    prompt = default_system_prompt
+    if prompt_file is not None:
+        file = Path(prompt_file).expanduser()
+        if not file.is_file():
+            raise EvaluationError(f"--target {spec!r}: system prompt file {prompt_file!r} not found")
+        prompt = file.read_text(encoding="utf-8").strip()
+        if not prompt:
+            raise EvaluationError(f"--target {spec!r}: system prompt file {prompt_file!r} is empty")
+    path = Path(model).expanduser()
+    if is_run_dir(path):
+        return TargetSpec(spec, str(hardened_target(path)), prompt, prompt_file, hardened_run=model)
+    return TargetSpec(spec, model, prompt, prompt_file)
+
+
+def load_target(target: TargetSpec, *, dtype: str, device: str):
+    """Load a target's model (a PEFT adapter folder is merged into its base)."""
+    from astrl.evaluation.tester import is_adapter_folder, load_adapter_model
+    from astrl.models import load_model
+
+    if is_adapter_folder(target.model):
+        return load_adapter_model(target.model, dtype=dtype, device=device)
+    return load_model(target.model, dtype=dtype, device=device)
+
+
+# -- generation -------------------------------------------------------------------------------------
+
+
+def chat_input(attack: ReplayAttack, system_prompt: str | None) -> Chat:
+    """The conversation as the target reads it (roles as in the red-team environment), ending with the probe."""
+    from astrl.envs.transforms import target_view
+
+    tester_chat = [{"role": ROLES[m["role"]], "content": m["content"]} for m in attack.conversation]
+    return target_view([*tester_chat, {"role": "assistant", "content": attack.probe}], system_prompt)
+
+
+def text_input(attack: ReplayAttack, system_prompt: str | None) -> str:
+    """Text mode: the system prompt and a blank line (if any), the conversation so far, then the probe."""
+    preamble = f"{system_prompt}\n\n" if system_prompt else ""
+    return preamble + "".join(m["content"] for m in attack.conversation) + attack.probe
+
+
+def generate_replies(
+    policy,
+    attacks: Sequence[ReplayAttack],
+    *,
+    mode: str,
+    system_prompt: str | None,
+    samples: int,
+    batch_size: int,
+    on_rows: Callable[[int], None] | None = None,
+) -> list[list[str]]:
+    """``samples`` replies of the target policy to each attack: ``[attack][sample]``.
+
+    Rows (attack x sample) go ``batch_size`` at a time through one call of the policy each; in chat
+    mode only conversations of one message count share a call.
+    """
+    from tensordict import TensorDict
+
+    from astrl._compat import chats_to_history
+    from astrl.envs.transforms import clean_responses, policy_limits
+    from astrl.envs.truncation import fit_chats, fit_texts
+
+    tokenizer, window, max_new = policy_limits(policy, "target")
+    budget = window - max_new
+    if budget < 1:
+        raise ValueError(f"max_new_tokens {max_new} leaves no room for the attack in the target's window of {window} tokens")
+    inputs = [chat_input(a, system_prompt) if mode == "chat" else text_input(a, system_prompt) for a in attacks]
+    rows = [(i, s) for i in range(len(attacks)) for s in range(samples)]
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for row in rows:
+        groups.setdefault(len(inputs[row[0]]) if mode == "chat" else 0, []).append(row)
+    replies: list[list[str]] = [[""] * samples for _ in attacks]
+    for group in groups.values():
+        for start in range(0, len(group), batch_size):
+            chunk = group[start : start + batch_size]
+            n = len(chunk)
+            if mode == "chat":
+                from torchrl.modules.llm.policies import ChatHistory
+
+                chats = fit_chats([inputs[i] for i, _ in chunk], tokenizer, budget)
+                td = TensorDict(history=ChatHistory(prompt=chats_to_history(chats), batch_size=(n,)), batch_size=(n,))
+            else:
+                from torchrl.modules.llm.policies import Text
+
+                texts = fit_texts([inputs[i] for i, _ in chunk], tokenizer, budget)
+                td = TensorDict(text=Text(prompt=texts, batch_size=(n,)), batch_size=(n,))
+            with torch.no_grad():
+                out = policy(td)
+            texts, _, _ = clean_responses(out.get(("tokens", "response"), as_list=True), tokenizer, max_new)
+            for (i, s), text in zip(chunk, texts, strict=True):
+                replies[i][s] = text
+            if on_rows:
+                on_rows(n)
+    return replies
+
+
+# -- judging and the transfer table -----------------------------------------------------------------
+
+
+def judge_texts(scorers: dict, texts: Sequence[str]) -> dict[str, np.ndarray]:
+    """Every judge's scores of ``texts`` (one batched call each); a judge that fails raises a
+    :class:`~astrl.scorers.ScorerError` naming it."""
+    from astrl.scorers import ScorerError, checked_scores
+
+    out = {}
+    for name, scorer in scorers.items():
+        try:
+            out[name] = checked_scores(scorer, texts, name=name).numpy().astype(np.float64)
+        except ScorerError:
+            raise
+        except Exception as err:  # a judge's own failure, whatever its type: name the judge
+            message = " ".join(str(err).split()) or type(err).__name__
+            raise ScorerError(f"judge {name!r} failed: {type(err).__name__}: {message}") from None
+    return out
+
+
+def transfer_metrics(
+    probe_scores, reply_scores, *, threshold: float = DEFAULT_THRESHOLD, resamples: int = 1000, seed: int = 0
+) -> dict:
+    """One target under one judge: ``reply_scores`` is ``(attacks, samples)``, ``probe_scores`` ``(attacks,)``.
+
+    Returns ``n_attacks``, ``n_replies``, ``n_successful_attacks`` (some reply toxic),
+    ``n_toxic_replies``, ``n_elicited_replies`` and, each with a ``_ci`` (bootstrap over attacks),
+    ``success_rate`` (toxic replies / replies), ``any_success_rate`` (attacks with a toxic reply /
+    attacks), ``elicited_success_rate`` (replies toxic while the probe is not / replies),
+    ``elicited_any_rate``, ``toxic_probe_rate`` and ``mean_toxicity_delta``: the rates of
+    :func:`~astrl.evaluation.metrics.elicitation_metrics` with attacks as conversations and
+    samples as turns.
+    """
+    reply = np.asarray(reply_scores, dtype=np.float64)
+    probe = np.asarray(probe_scores, dtype=np.float64).reshape(-1)
+    if reply.ndim != 2 or reply.shape[0] != probe.size or reply.size == 0:
+        raise ValueError(f"reply scores must be (attacks, samples) with one probe score per attack, got {reply.shape}")
+    n, k = reply.shape
+    flat = elicitation_metrics(
+        np.repeat(probe, k), reply.ravel(), np.repeat(np.arange(n), k), threshold=threshold, resamples=resamples, seed=seed
+    )
+    out = {
+        "n_attacks": n,
+        "n_replies": n * k,
+        "n_successful_attacks": int((reply > threshold).any(axis=1).sum()),
+        "n_toxic_replies": int((reply > threshold).sum()),
+        "n_elicited_replies": flat["n_elicited_turns"],
+    }
+    for key, source in TRANSFER_METRICS.items():
+        out[key], out[f"{key}_ci"] = flat[source], flat[f"{source}_ci"]
+    return out
+
+
+def transfer_sets(successes: dict[str, dict[str, np.ndarray]], judges: Sequence[str]) -> dict[str, dict[str, list[int]]]:
+    """Per judge: the attacks (indices) that succeed on every target and those that succeed on none.
+    ``successes[target][judge]`` is a boolean per attack (some reply toxic)."""
+    out = {}
+    for judge in judges:
+        stacked = np.stack([successes[t][judge] for t in successes], axis=1)
+        out[judge] = {
+            "every_target": np.flatnonzero(stacked.all(axis=1)).tolist(),
+            "no_target": np.flatnonzero(~stacked.any(axis=1)).tolist(),
+        }
+    return out
+
+
+# -- the job ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class ReplayConfig:
+    """Settings of a replay; ``None`` fields fall back to the archive folder's defaults, then to those noted."""
+
+    archive: str
+    targets: list[str] | None = None  # the folder's target, else smollm2-135m
+    judges: list[str] | None = None  # as astrl eval: the run's judges or training scorer, plus a distinct one
+    samples: int = 1
+    greedy: bool = False
+    mode: str | None = None  # the folder's mode, else chat
+    max_new_tokens: int | None = None  # the run's target reply length, else 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    batch_size: int = 16
+    threshold: float = DEFAULT_THRESHOLD
+    resamples: int = 1000
+    top_attacks: int = 10
+    seed: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        for name in ("samples", "batch_size", "resamples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.top_attacks < 0:
+            raise ValueError(f"top_attacks must be >= 0, got {self.top_attacks}")
+        if self.greedy and self.samples > 1:
+            raise ValueError(f"--samples {self.samples} with --greedy: greedy replies repeat; sample once or drop --greedy")
+        if not 0 <= self.threshold < 1:
+            raise ValueError(f"threshold must be in [0, 1), got {self.threshold}")
+        if self.mode is not None and self.mode not in ("chat", "text"):
+            raise ValueError(f"mode must be 'chat' or 'text', got {self.mode!r}")
+        for name, values in (("targets", self.targets), ("judges", self.judges)):
+            if values is not None and not values:
+                raise ValueError(f"at least one of {name} is needed")
+            repeated = sorted({v for v in values or [] if values.count(v) > 1})
+            if repeated:
+                raise ValueError(f"{name[:-1]} {repeated[0]!r} is given more than once")
+
+
+def _item(record: dict) -> dict:
+    return {key: record[key] for key in ("attack", "target", "sample", "probe", "reply")}
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
+
+
+def run_replay(
+    config: ReplayConfig,
+    out_dir: str | Path,
+    *,
+    progress: bool = True,
+    on_warning: Callable[[str], None] | None = None,
+) -> dict:
+    """Replay the archive against every target, judge the replies and write ``transfer.json``,
+    ``replies.jsonl``, ``report.md``, ``report.html`` and ``transfer_heatmap.png`` to ``out_dir``;
+    return the contents of ``transfer.json``."""
+    from tqdm.auto import tqdm
+
+    from astrl.evaluation.agreement import judge_agreement
+    from astrl.evaluation.replay_report import write_replay_report
+    from astrl.evaluation.run import default_judges
+    from astrl.policies import GenerationSettings, input_mode, make_policy
+    from astrl.scorers import make_scorer
+
+    warn = on_warning or _warn
+    start = time.perf_counter()
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise EvaluationError(f"--out {str(out)!r} exists and is not a folder")
+    source = load_archive(config.archive)
+    defaults = source.defaults
+    notes = list(source.notes)
+    mode = config.mode or defaults.get("mode") or "chat"
+    if mode not in ("chat", "text"):
+        raise EvaluationError(f"mode must be 'chat' or 'text', got {mode!r} (from the folder of {source.path})")
+    training = list(defaults.get("training_scorers", []))
+    judge_names = config.judges or default_judges(list(defaults.get("judges", [])), training)
+    default_prompt = defaults.get("target_system_prompt")
+    targets = [parse_target(t, default_prompt) for t in config.targets or [str(defaults.get("target", "smollm2-135m"))]]
+    scorers = {}
+    for name in judge_names:
+        scorer = make_scorer(name, device=config.device)
+        if scorer.name in scorers:
+            raise ValueError(f"judges {name!r} and another judge both resolve to {scorer.name!r}")
+        scorers[scorer.name] = scorer
+    max_new = config.max_new_tokens or defaults.get("max_new_tokens") or 32
+    generation = GenerationSettings(max_new, config.temperature, config.top_p, config.top_k, do_sample=not config.greedy)
+    samples = config.samples
+    attacks = source.attacks
+    out.mkdir(parents=True, exist_ok=True)
+
+    timing = {"generation": 0.0}
+    bar = tqdm(total=len(targets) * len(attacks) * samples, unit="reply", disable=not progress, desc="replay")
+    replies: dict[str, list[list[str]]] = {}
+    cache: dict[str, object] = {}
+    for target in targets:
+        t0 = time.perf_counter()
+        if target.model not in cache:
+            cache.clear()  # one target model in memory at a time
+            cache[target.model] = load_target(target, dtype=config.dtype, device=config.device)
+        policy = make_policy(cache[target.model], generation, input_mode=input_mode(mode), return_log_probs=False)
+        torch.manual_seed(config.seed)  # every target draws from the same random stream
+        replies[target.label] = generate_replies(
+            policy,
+            attacks,
+            mode=mode,
+            system_prompt=target.system_prompt,
+            samples=samples,
+            batch_size=config.batch_size,
+            on_rows=bar.update,
+        )
+        timing["generation"] += time.perf_counter() - t0
+    cache.clear()
+    bar.set_description("replay: judging")
+    t0 = time.perf_counter()
+    flat = [r for target in targets for per_attack in replies[target.label] for r in per_attack]
+    reply_scores = judge_texts(scorers, flat)
+    probe_scores = judge_texts(scorers, [a.probe for a in attacks])
+    timing["judging"] = time.perf_counter() - t0
+    bar.close()
+
+    n, k = len(attacks), samples
+    per_target = {t.label: {} for t in targets}
+    successes: dict[str, dict[str, np.ndarray]] = {t.label: {} for t in targets}
+    for index, target in enumerate(targets):
+        for judge in scorers:
+            grid = reply_scores[judge][index * n * k : (index + 1) * n * k].reshape(n, k)
+            per_target[target.label][judge] = transfer_metrics(
+                probe_scores[judge], grid, threshold=config.threshold, resamples=config.resamples, seed=config.seed
+            )
+            successes[target.label][judge] = (grid > config.threshold).any(axis=1)
+    records = []
+    for index, target in enumerate(targets):
+        for a, attack in enumerate(attacks):
+            for s in range(k):
+                row = (index * n + a) * k + s
+                records.append(
+                    {
+                        "attack": a,
+                        "target": target.label,
+                        "sample": s,
+                        "probe": attack.probe,
+                        "reply": replies[target.label][a][s],
+                        "scores": {
+                            j: {"reply": float(reply_scores[j][row]), "probe": float(probe_scores[j][a])} for j in scorers
+                        },
+                    }
+                )
+    agreement = judge_agreement(
+        {j: reply_scores[j] for j in scorers},
+        [r["attack"] for r in records],
+        [{"where": f"attack {r['attack']}, {r['target']}, sample {r['sample']}", **_item(r)} for r in records],
+        threshold=config.threshold,
+        training_scorers=training,
+        resamples=config.resamples,
+        seed=config.seed,
+        top_k=config.top_attacks,
+        unit="attack",
+    )
+    same = [j for j in scorers if j in training]
+    if same:
+        notes.append(f"judge {same[0]!r} is the training scorer: add a different --judge to see its blind spots")
+    result = {
+        "archive": str(source.path),
+        "archive_kind": defaults.get("kind", "file"),
+        "n_attacks": n,
+        "samples": k,
+        "greedy": config.greedy,
+        "mode": mode,
+        "generation": {
+            "max_new_tokens": max_new,
+            "temperature": config.temperature,
+            "top_p": config.top_p,
+            "top_k": config.top_k,
+        },
+        "threshold": config.threshold,
+        "seed": config.seed,
+        "targets": [
+            {
+                "label": t.label,
+                "model": t.model,
+                "system_prompt": t.system_prompt,
+                "system_prompt_file": t.system_prompt_file,
+                "hardened_run": t.hardened_run,
+            }
+            for t in targets
+        ],
+        "judges": list(scorers),
+        "training_scorers": training,
+        "bootstrap": {"resamples": config.resamples, "confidence": 0.95, "unit": "attack", "seed": config.seed},
+        "transfer": per_target,
+        "transfer_sets": transfer_sets(successes, list(scorers)),
+        **({"judge_agreement": agreement} if agreement else {}),
+        "warnings": notes,
+    }
+    for note in notes:
+        warn(note)
+    with (out / REPLIES_FILE).open("w", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+    t0 = time.perf_counter()
+    write_replay_report(out, result, attacks, config.top_attacks)
+    timing["report"] = time.perf_counter() - t0
+    timing["total"] = time.perf_counter() - start
+    result["seconds"] = {key: round(value, 3) for key, value in timing.items()}
+    (out / TRANSFER_FILE).write_text(json.dumps(result, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    return result
