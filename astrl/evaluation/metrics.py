@@ -13,6 +13,8 @@ intervals resample whole conversations (:func:`bootstrap_ratio`), never single t
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 DEFAULT_THRESHOLD = 0.5
