@@ -105,8 +105,9 @@ def build_worker(spec: WorkerSpec) -> tuple:
         target_lm = tester_lm
     mode = input_mode(spec.mode)
     memory = vllm_share(0.5, spec.backend, spec.target_backend)
-    tester = make_policy(tester_lm, spec.tester_generation, input_mode=mode, backend=spec.backend, vllm_memory=memory)
-    target = make_policy(target_lm, spec.target_generation, input_mode=mode, backend=spec.target_backend, vllm_memory=memory)
+    engine = {"vllm_memory": memory, "vllm_options": {"seed": spec.seed + spec.worker}}
+    tester = make_policy(tester_lm, spec.tester_generation, input_mode=mode, backend=spec.backend, **engine)
+    target = make_policy(target_lm, spec.target_generation, input_mode=mode, backend=spec.target_backend, **engine)
     prompts = split_prompts(load_prompts(spec.prompts), spec.split, seed=spec.seed)
     stream = PromptStream(prompts, spec.batch_size, seed=spec.seed, group_size=spec.group_size)
     if spec.stream_state is not None:

@@ -202,9 +202,10 @@ def iter_rollouts(config: RolloutConfig, on_turn: Callable[[], None] | None = No
     scorers = make_scorers(config.scorers, device=config.device)
     prompts = split_prompts(load_prompts(config.prompts), config.split, seed=config.seed)
     tester_lm, target_lm = _load_pair(config)
-    mode, memory = input_mode(config.mode), vllm_share(0.5, config.backend, config.target_backend)
-    tester = make_policy(tester_lm, config.tester_generation, input_mode=mode, backend=config.backend, vllm_memory=memory)
-    target = make_policy(target_lm, config.target_generation, input_mode=mode, backend=config.target_backend, vllm_memory=memory)
+    mode = input_mode(config.mode)
+    engine = {"vllm_memory": vllm_share(0.5, config.backend, config.target_backend), "vllm_options": {"seed": config.seed}}
+    tester = make_policy(tester_lm, config.tester_generation, input_mode=mode, backend=config.backend, **engine)
+    target = make_policy(target_lm, config.target_generation, input_mode=mode, backend=config.target_backend, **engine)
     batch = min(config.batch_size, config.num_conversations)
     stream = PromptStream(prompts, batch, seed=config.seed)
     kwargs = {"tester_system_prompt": config.tester_system_prompt} if config.tester_system_prompt is not None else {}

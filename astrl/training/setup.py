@@ -86,10 +86,9 @@ def conversation_parts(config: TrainConfig, models: RunModels) -> tuple:
     """Tester and target policies, scorers, and the conversation settings that the red-team env
     and the tree sampler share: ``(tester, target, scorers, settings)``."""
     mode, memory = input_mode(config.mode), vllm_share(config.vllm_memory, config.backend, config.target_backend)
-    tester = make_policy(models.tester, generation(config), input_mode=mode, backend=config.backend, vllm_memory=memory)
-    target = make_policy(
-        models.target, generation(config, target=True), input_mode=mode, backend=config.target_backend, vllm_memory=memory
-    )
+    engine = {"vllm_memory": memory, "vllm_options": {"seed": config.seed}}  # vLLM reseeds the process at start
+    tester = make_policy(models.tester, generation(config), input_mode=mode, backend=config.backend, **engine)
+    target = make_policy(models.target, generation(config, target=True), input_mode=mode, backend=config.target_backend, **engine)
     scorers = make_scorers([config.scorer, *config.judges], device=config.device)
     settings = {"mode": config.mode, **conversation_options(config), "novelty": config.novelty_options(), "seed": config.seed}
     return tester, target, scorers, settings
