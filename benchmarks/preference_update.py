@@ -4,7 +4,8 @@ One trainer is built from ``configs/ipo.yaml`` (sizes from the options) and its 
 collects once; every variant then runs, on those pairs and the same minibatches, what a training
 step does after the collection: the reference's summed log-probs (``reference_logprobs``) and, per
 minibatch of every epoch, the loss, backward and an AdamW step (lr 0, so every variant sees the
-same weights and must give the same losses). Variants:
+same weights and must give the same losses and reference log-probs; the JSON gives the largest
+gaps to ``rows``). Variants:
 
 - ``rows``: prompt + chosen and prompt + rejected as separate rows (``share_prompt=False``), and the
   reference's full-vocabulary logits at every position (what the LoRA reference did before it
@@ -83,10 +84,11 @@ def run_variant(trainer: Trainer, pairs, name: str, optimizer, seed: int) -> dic
             losses.append(float(out[loss_module.loss_name].detach()))
         sync(trainer.config.device)
         update_s = time.perf_counter() - start
+        logprobs = torch.cat([pairs["ref_chosen_logprob"], pairs["ref_rejected_logprob"]])
     finally:
         object.__setattr__(loss_module, "reference", reference)
         loss_module.share_prompt = True
-    return {"reference_s": ref_s, "update_s": update_s, "losses": losses}
+    return {"reference_s": ref_s, "update_s": update_s, "losses": losses, "logprobs": logprobs}
 
 
 def run_bare(trainer: Trainer, pairs, optimizer, seed: int) -> float:
@@ -153,6 +155,8 @@ def main() -> None:
     loss_gap = max(
         abs(a - b) / max(abs(b), 1e-12) for name in VARIANTS for a, b in zip(losses[name], losses["rows"], strict=True)
     )
+    rows = repeats[0]["rows"]["logprobs"]
+    logprob_gap = max(float((repeats[0][name]["logprobs"] - rows).abs().max()) for name in VARIANTS)
     med = statistics.median
     variants = {}
     for name in VARIANTS:
@@ -177,6 +181,7 @@ def main() -> None:
             "variants": variants,
             "shared_vs_rows_per_pair": r(variants["shared"]["per_pair_s"] / variants["rows"]["per_pair_s"], 3),
             "max_relative_loss_gap": float(f"{loss_gap:.2e}"),
+            "max_summed_logprob_gap": float(f"{logprob_gap:.2e}"),
             "repeats": args.repeats,
             "total_s": r(time.perf_counter() - start_all, 1),
         }
