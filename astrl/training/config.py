@@ -108,6 +108,7 @@ class TrainConfig:
     # scale-out: generation backend and collection (docs/scaling.md)
     backend: str = "transformers"
     target_backend: str = "transformers"
+    share_prefill: bool = False  # identical prompt rows of a generate call (tree siblings, GRPO groups) prefill once
     vllm_memory: float = 0.5
     collector: str = "local"
     num_collectors: int = 1
