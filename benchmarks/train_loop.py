@@ -37,6 +37,7 @@ from train_step import _bare_batch, _bare_loss
 
 import astrl.rewards.astprompter as astprompter
 from astrl.envs.transforms import ScoreReward, TargetTurn
+from astrl.prefill import SharedPrefill
 from astrl.rewards.logprobs import response_mask, stop_ids
 from astrl.training.config import load_config
 from astrl.training.trainer import Trainer
@@ -56,6 +57,7 @@ PARTS = (
 def _overrides(args, name: str, run_dir: str) -> list[str]:
     common = [f"tester={args.model}", f"target={args.model}", f"device={args.device}", f"dtype={args.dtype}"]
     common += [f"seed={args.seed}", f"max_new_tokens={args.new_tokens}", "total_steps=1000", f"run_dir={run_dir}"]
+    common += [f"share_prefill={str(args.share_prefill).lower()}", f"share_prompt={str(not args.no_share_prompt).lower()}"]
     if name in ("ipo", "dpo"):
         return [*common, f"algorithm={name}", f"prompts_per_step={args.trees}", f"tree_width={args.tree_width}"] + [
             f"tree_depth={args.tree_depth}"
@@ -129,6 +131,8 @@ class Instrumented:
         self.minibatches: list[tuple[list, list]] = []
         self._role = None
         self._depth = 0
+        generate = self.models.tester.model.generate  # config share_prefill: switched off for the replay
+        self.prefill = generate if isinstance(generate, SharedPrefill) else None
         self._instrument()
 
     # -- wrapping --------------------------------------------------------------------------
@@ -231,6 +235,9 @@ class Instrumented:
     def replay_generate(self) -> float:
         """The step's generate calls again, bare, on the same models (target: adapters off)."""
         pad = self.models.tester.tokenizer.pad_token_id
+        prefill = self.prefill
+        if prefill is not None:
+            prefill.enabled = False  # the replay is raw generate
         sync(self.device)
         start = time.perf_counter()
         with torch.no_grad():
@@ -244,7 +251,10 @@ class Instrumented:
                     pad_token_id=pad,
                 )
         sync(self.device)
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        if prefill is not None:
+            prefill.enabled = True
+        return seconds
 
     def bare_update(self) -> float:
         """Forward + masked log-prob loss + backward + AdamW per recorded minibatch, on the tester's trainable weights."""
@@ -312,6 +322,8 @@ def main() -> None:
     parser.add_argument("--tree-depth", type=int, default=None)
     parser.add_argument("--new-tokens", type=int, default=None, help="max new tokens per model turn")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per algorithm (after one warm-up step)")
+    parser.add_argument("--share-prefill", action="store_true", help="config share_prefill: identical prompt rows prefill once")
+    parser.add_argument("--no-share-prompt", action="store_true", help="config share_prompt false: DPO/IPO pairs as two rows")
     args = parser.parse_args()
     info = setup(args)
     if args.backend != "transformers":
@@ -336,6 +348,8 @@ def main() -> None:
             **info,
             "new_tokens": args.new_tokens,
             "repeats": args.repeats,
+            "share_prefill": args.share_prefill,
+            "share_prompt": not args.no_share_prompt,
             "collect_vs_generate": {n: res["collect_vs_generate"] for n, res in results.items()},
             "update_vs_bare": {n: res["update_vs_bare"] for n, res in results.items()},
             "algorithms": results,

@@ -281,3 +281,89 @@ def test_ipo_step_logs_minibatch_means_and_the_pre_clip_grad_norm(tmp_path, monk
     (h_before, predicted), h_after = moves
     assert h_before.abs().item() < 1e-5 and predicted > 0
     assert (h_after - h_before).item() == pytest.approx(predicted, rel=0.02)
+
+
+# -- the shared prompt: one prefix forward for chosen and rejected -----------------------------------
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_shared_prefix_logprobs_equal_independent_rows(arch):
+    from conftest import make_gpt2
+
+    from astrl.rewards import shared_prefix_logprobs, token_logprobs
+
+    tok = _tokenizer()
+    model = make_llama(tok) if arch == "llama" else make_gpt2(tok, n_positions=40)
+    g = torch.Generator().manual_seed(3)
+    lengths = [(1, 5, 1), (7, 2, 6), (4, 3, 3), (12, 6, 2), (0, 4, 3), (30, 8, 5), (9, 0, 4)]  # prefix, cont 1, cont 2
+    prefixes = [torch.randint(5, len(tok), (p,), generator=g) for p, _, _ in lengths]
+    first = [torch.randint(5, len(tok), (a,), generator=g) for _, a, _ in lengths]
+    second = [torch.randint(5, len(tok), (b,), generator=g) for _, _, b in lengths]
+    # rows 4 (empty prefix), 5 (clipped by max_length=36) and 6 (empty continuation) are scored as plain rows
+    with torch.no_grad():
+        shared = shared_prefix_logprobs(model, prefixes, [first, second], pad_token_id=tok.pad_token_id, max_length=36)
+        for k, conts in enumerate((first, second)):
+            alone = token_logprobs(model, prefixes, conts, pad_token_id=tok.pad_token_id, max_length=36)
+            for i, (a, b) in enumerate(zip(shared[k], alone, strict=True)):
+                assert a.shape == b.shape, (k, i)
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True)
+            # and each row equals a plain unpadded forward of that one sequence (rows that fit the window)
+            for i in (0, 1, 2, 3):
+                ids = torch.cat([prefixes[i], conts[i]])[None]
+                logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+                start = len(prefixes[i])
+                expected = torch.stack([logp[t - 1, ids[0, t]] for t in range(start, ids.shape[1])])
+                torch.testing.assert_close(shared[k][i], expected, rtol=1e-5, atol=1e-5)
+
+
+def _lora_tester(tok, targets=("q_proj", "v_proj")):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(make_llama(tok), LoraConfig(r=4, target_modules=list(targets), init_lora_weights=False))
+
+
+@pytest.mark.parametrize("loss_cls", [DPOLoss, IPOLoss])
+def test_shared_prompt_gives_the_same_loss_metrics_and_gradients(loss_cls):
+    tok = _tokenizer()
+    tester = _lora_tester(tok)
+    results = {}
+    for share in (True, False):
+        loss = loss_cls(tester, beta=0.1, share_prompt=share)  # reference: the adapters switched off
+        pairs = _pairs(tok, n=5)
+        loss.reference_logprobs(pairs)
+        tester.zero_grad()
+        out = loss(pairs)
+        out[loss.loss_name].backward()
+        grads = {n: p.grad.clone() for n, p in tester.named_parameters() if p.grad is not None}
+        results[share] = (pairs["ref_chosen_logprob"], pairs["ref_rejected_logprob"], out.detach(), grads)
+    (ref_w, ref_l, out, grads), (ref_w0, ref_l0, out0, grads0) = results[True], results[False]
+    torch.testing.assert_close(ref_w, ref_w0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ref_l, ref_l0, rtol=1e-5, atol=1e-5)
+    for key in out0.keys():
+        torch.testing.assert_close(out[key], out0[key], rtol=1e-5, atol=1e-5)
+    assert out["chosen_logratio"].abs() > 1e-3  # the adapters are on: the comparison is not of zeros
+    assert grads.keys() == grads0.keys() and grads
+    for name, grad in grads.items():
+        assert torch.isfinite(grad).all() and grad.abs().sum() > 0, name
+        torch.testing.assert_close(grad, grads0[name], rtol=1e-4, atol=1e-6)
+
+
+def test_adapters_disabled_head_runs_without_the_adapters():
+    """A LoRA on the LM head is switched off too when the reference applies the head to gathered positions."""
+    from astrl.rewards import AdaptersDisabled, token_logprobs
+
+    tok = _tokenizer()
+    tester = _lora_tester(tok, targets=("q_proj", "lm_head"))
+    reference = AdaptersDisabled(tester)
+    assert reference.get_output_embeddings() is not None
+    base = make_llama(tok)  # the same seed: the tester's base weights
+    prefixes, conts = [torch.tensor([7, 8, 9]), torch.tensor([10, 11])], [torch.tensor([12, 13, 14]), torch.tensor([15])]
+    with torch.no_grad():
+        for _ in range(2):  # the first call checks the head against the full logits, the second uses it
+            got = token_logprobs(reference, prefixes, conts)
+            expected = token_logprobs(base, prefixes, conts)
+            adapted = token_logprobs(tester, prefixes, conts)
+            for a, b, c in zip(got, expected, adapted, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+                assert not torch.allclose(a, c, atol=1e-4)  # the adapters change the log-probs
+    from astrl.rewards.logprobs import _HEAD_GIVES_LOGITS
+
+    assert _HEAD_GIVES_LOGITS[reference] is True  # the head on gathered positions was used, not the full logits

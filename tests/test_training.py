@@ -73,6 +73,20 @@ def test_shipped_configs_load_and_demo_matches_its_yaml():
     for path in folder.glob("*.yaml"):
         load_config(path)
     assert yaml.safe_load((folder / "demo.yaml").read_text()) == DEMO_CONFIG
+    # the CPU-sized configs: one per algorithm, each smaller than its GPU-sized namesake
+    cpu = {p.stem: load_config(p) for p in (folder / "cpu").glob("*.yaml")}
+    assert sorted(cpu) == ["dpo", "grpo", "ipo", "ppo"]
+    for name, config in cpu.items():
+        assert config.algorithm == name and config.tester == "smollm2-135m"
+        big = load_config(folder / f"{'ipo' if name == 'dpo' else name}.yaml")
+        assert config.max_new_tokens < big.max_new_tokens
+        if name in ("ipo", "dpo"):
+            assert (
+                config.prompts_per_step * config.tree_width**config.tree_depth
+                < big.prompts_per_step * big.tree_width**big.tree_depth
+            )
+        else:
+            assert config.prompts_per_step * config.group_size * config.turns < big.prompts_per_step * big.group_size * big.turns
 
 
 # -- GRPO pieces -----------------------------------------------------------------------------------

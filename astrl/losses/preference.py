@@ -7,7 +7,8 @@ For a pair (chosen ``w``, rejected ``l``) that share the prompt ``x``::
 
 ``log pi(y|x)`` is the **sum** of the token log-probs of the response ``y``, over its tokens up to
 and including the first EOS (the padding after it never counts). Log-probs are computed from the
-exact token ids the tester generated, chosen and rejected in one batched forward.
+exact token ids the tester generated; the shared prompt is run once for both responses
+(``share_prompt=False``: prompt + chosen and prompt + rejected as separate rows of one forward).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tensordict import NestedKey, TensorDict, TensorDictBase
 from torchrl.objectives import LossModule
 
 from astrl._compat import as_list
-from astrl.rewards.logprobs import as_rows, response_mask, stop_ids, token_logprobs
+from astrl.rewards.logprobs import as_rows, response_mask, shared_prefix_logprobs, stop_ids, token_logprobs
 from astrl.rewards.reference import make_reference
 
 
@@ -54,6 +55,10 @@ class PreferenceLoss(LossModule):
         tokenizer: only used when the data has no response masks: its EOS ids (and the model's
             generation config's) end each response.
         max_length: the model's context window; longer prompts are clipped from the left.
+        share_prompt: run each pair's prompt once for chosen and rejected (one forward of the prompt
+            with its KV cache reused for both responses, :func:`astrl.rewards.shared_prefix_logprobs`);
+            ``False`` scores prompt + chosen and prompt + rejected as two independent rows. Both give
+            the same log-probs up to float rounding.
 
     Reads a 1-D batch of pairs with the keys of :attr:`tensor_keys` (``set_keys`` renames them):
     ``prompt_tokens``, ``chosen_tokens``, ``rejected_tokens`` (ragged or padded ids),
@@ -98,6 +103,7 @@ class PreferenceLoss(LossModule):
         beta: float | None = None,
         tokenizer=None,
         max_length: int | None = None,
+        share_prompt: bool = True,
     ) -> None:
         super().__init__()
         beta = self.default_beta if beta is None else float(beta)
@@ -118,6 +124,7 @@ class PreferenceLoss(LossModule):
             object.__setattr__(self, "reference", reference if reference is not None else make_reference(model))
         self.beta = beta
         self.max_length = max_length
+        self.share_prompt = bool(share_prompt)
         self._tokenizer_stops = stop_ids(tokenizer, model) if tokenizer is not None else None
         self._set_in_keys()
 
@@ -188,7 +195,11 @@ class PreferenceLoss(LossModule):
         return torch.tensor([len(r) for r in chosen]), torch.tensor([len(r) for r in rejected])
 
     def _summed_logprobs(self, model: torch.nn.Module, prompts, chosen, rejected) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed log-probs of chosen and rejected responses, both in one forward."""
+        """Summed log-probs of chosen and rejected responses: the prompt once for both
+        (``share_prompt``) or prompt + response rows in one forward."""
+        if self.share_prompt:
+            rows_w, rows_l = shared_prefix_logprobs(model, prompts, [chosen, rejected], max_length=self.max_length)
+            return torch.stack([r.sum() for r in rows_w]), torch.stack([r.sum() for r in rows_l])
         rows = token_logprobs(model, prompts + prompts, chosen + rejected, max_length=self.max_length)
         sums = torch.stack([r.sum() for r in rows])
         n = len(prompts)

@@ -32,6 +32,12 @@ class AdaptersDisabled(torch.nn.Module):
     def parameters(self, recurse: bool = True):
         return self.peft_model.parameters(recurse)
 
+    def get_output_embeddings(self) -> torch.nn.Module | None:
+        """The LM head, called with the adapters off (a LoRA on the head is switched off too), so that
+        log-prob code can apply it to the positions it needs instead of building every position's logits."""
+        head = self.peft_model.get_output_embeddings() if hasattr(self.peft_model, "get_output_embeddings") else None
+        return None if head is None else _DisabledHead(self, head)
+
     def _call(self, fn, *args, **kwargs):
         was_training = self.peft_model.training
         self.peft_model.eval()  # no dropout in the reference, even while the tester trains
@@ -47,6 +53,18 @@ class AdaptersDisabled(torch.nn.Module):
     def generate(self, *args, **kwargs):
         """Generate with the base weights (e.g. a target that shares its base with a LoRA tester)."""
         return self._call(self.peft_model.generate, *args, **kwargs)
+
+
+class _DisabledHead(torch.nn.Module):
+    """An output head run under its :class:`AdaptersDisabled` model's ``disable_adapter()``."""
+
+    def __init__(self, owner: AdaptersDisabled, head: torch.nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "owner", owner)
+        object.__setattr__(self, "head", head)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.owner._call(self.head, hidden)
 
 
 def is_peft_model(model: torch.nn.Module) -> bool:

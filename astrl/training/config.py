@@ -78,6 +78,7 @@ class TrainConfig:
     tree_width: int = 2
     tree_depth: int = 3
     min_reward_gap: float = 0.0
+    share_prompt: bool = True  # each pair's prompt runs once for chosen and rejected (False: two full rows)
     weak_supervision: float = 0.0  # chance per batch that harmful texts are forced as the chosen probes
     weak_supervision_prompts: str = "rtp"  # prompt source of those texts (astrl.prompts.load_prompts)
     # target hardening (0: off): every harden_every steps the target's LoRA learns to refuse the archived attacks
@@ -107,6 +108,7 @@ class TrainConfig:
     # scale-out: generation backend and collection (docs/scaling.md)
     backend: str = "transformers"
     target_backend: str = "transformers"
+    share_prefill: bool = False  # identical prompt rows of a generate call (tree siblings, GRPO groups) prefill once
     vllm_memory: float = 0.5
     collector: str = "local"
     num_collectors: int = 1

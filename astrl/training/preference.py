@@ -143,7 +143,13 @@ class Preference(TreeAlgorithm):
             **settings,
         )
         loss_class = DPOLoss if config.algorithm == "dpo" else IPOLoss
-        loss = loss_class(models.tester.model, models.reference, beta=config.beta, max_length=models.tester.context_window)
+        loss = loss_class(
+            models.tester.model,
+            models.reference,
+            beta=config.beta,
+            max_length=models.tester.context_window,
+            share_prompt=config.share_prompt,
+        )
         weak = None
         if config.weak_supervision > 0:
             weak = WeakSupervision.from_source(

@@ -130,6 +130,11 @@ class Trainer:
 
     # -- construction of the data path (after a possible resume of the prompt stream) ----------------
     def _build(self) -> None:
+        if self.config.share_prefill and self.models is not None and self.config.backend == "transformers":
+            from astrl.prefill import SharedPrefill
+
+            if not isinstance(self.models.tester.model.generate, SharedPrefill):
+                SharedPrefill(self.models.tester.model)  # also serves a target that shares the tester's base
         if self.solver is not None:
             self._build_system()
         elif self.config.algorithm in ("dpo", "ipo"):
