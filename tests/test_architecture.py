@@ -18,7 +18,7 @@ GROUND = (
     "astrl.similarity",
     "astrl.embeddings",
 )
-LIBRARY = ("astrl.policies", "astrl.envs", "astrl.rewards", "astrl.losses", "astrl.sampling")
+LIBRARY = ("astrl.policies", "astrl.prefill", "astrl.envs", "astrl.rewards", "astrl.losses", "astrl.sampling")
 APPLICATIONS = ("astrl.training", "astrl.rollout", "astrl.distributed", "astrl.cli", "astrl.evaluation", "astrl.system")
 
 
