@@ -102,3 +102,15 @@ def tiny_model_dir(tmp_path_factory):
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture()
+def one_thread():
+    """Tiny models run fastest on one thread (and do not fight other processes for cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

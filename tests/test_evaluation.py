@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import make_llama, make_tokenizer
+from conftest import PNG_MAGIC, make_llama, make_tokenizer
 
 from astrl import similarity
 from astrl.cli import main
@@ -19,18 +19,11 @@ from astrl.evaluation.run import score_probes
 from astrl.evaluation.tester import load_tester, resolve_tester
 from astrl.scorers import make_scorer
 
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TRAINING_SCORER = "keywords:hello"
 JUDGE = "keywords:the,you"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run faster on one thread than on two contending ones."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,7 @@ from tensordict import TensorDict, lazy_stack
 from astrl.losses import DPOLoss, IPOLoss
 from astrl.rewards import make_reference
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
 
 @functools.cache

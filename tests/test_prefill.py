@@ -6,13 +6,7 @@ from astrl.prefill import SharedPrefill
 from astrl.training import TrainConfig, Trainer
 from astrl.training.setup import build_models
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
 
 def _batch(tok, rows):

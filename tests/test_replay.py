@@ -6,8 +6,7 @@ import re
 
 import numpy as np
 import pytest
-import torch
-from conftest import make_tokenizer
+from conftest import PNG_MAGIC, make_tokenizer
 
 from astrl.cli import main
 from astrl.evaluation import metrics as m
@@ -23,17 +22,11 @@ from astrl.evaluation.replay import (
 )
 from astrl.scorers import make_scorer
 
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 JUDGE_A = "keywords:the,you"
 JUDGE_B = "keywords:damn,hello"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
 
 # -- pure metrics -------------------------------------------------------------------------------------

@@ -17,13 +17,7 @@ from astrl.scorers import KeywordScorer
 OPENERS = ["hello how are you", "tell me about your day", "what is the weather like", "the cat walk park", "good food"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread (and do not fight other processes for cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
 
 @functools.cache

@@ -14,12 +14,7 @@ from astrl.training import ConfigError, TrainConfig
 HARMFUL = ["you idiot", "damn you", "hell hell bad dog you idiot damn hell you idiot bad bad"]  # the last one is cut
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
 
 def _sample(scorer=None, **kwargs):
