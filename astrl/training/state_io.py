@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from astrl.errors import one_line
 from astrl.rewards.reference import is_peft_model
 from astrl.training.config import ConfigError
 
@@ -101,8 +102,7 @@ def load_state(path: str | Path, *, trust: bool = False) -> dict:
     try:
         return torch.load(path, weights_only=True)
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile) as err:
-        reason = " ".join(str(err).split())[:120] or type(err).__name__
-        raise DamagedCheckpointError(f"{str(path)!r} cannot be read ({reason})") from None
+        raise DamagedCheckpointError(f"{str(path)!r} cannot be read ({one_line(err)[:120]})") from None
     except pickle.UnpicklingError as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UnsafeCheckpointError(

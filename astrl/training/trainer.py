@@ -127,6 +127,8 @@ class Trainer:
         self._pending_stream_state: dict | None = None
         self.generator = torch.Generator().manual_seed(config.seed)
         self._built = False
+        self._step_start: dict | None = None  # inside train(): the state before the running step
+        self._step_updates = 0  # optimizer updates made by the running step
 
     # -- construction of the data path (after a possible resume of the prompt stream) ----------------
     def _build(self) -> None:
@@ -261,13 +263,11 @@ class Trainer:
         """On Ctrl-C or an error: checkpoint the last finished step when the state allows it exactly
         (between steps, or in a step before its first update); else leave the newest checkpoint.
         Returns the checkpoint a resume will continue from."""
-        start = getattr(self, "_step_start", None)
+        start = self._step_start
         try:
-            if not self._built:
-                pass
-            elif start is None:
+            if self._built and start is None:
                 return self.save_checkpoint()
-            elif start["step"] == self.step and self._step_updates == 0:
+            if self._built and start["step"] == self.step and self._step_updates == 0:
                 return self.save_checkpoint({k: v for k, v in start.items() if k != "step"})
         except OSError:  # e.g. the disk is full: the previous checkpoint stays the newest
             pass
@@ -360,7 +360,7 @@ class Trainer:
         gradient norm **before** clipping (``grad_norm`` in metrics.csv is its mean over the step's updates)."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
-        self._step_updates = getattr(self, "_step_updates", 0) + 1
+        self._step_updates += 1
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
