@@ -71,20 +71,37 @@ def _add_rollout(sub) -> None:
         default="score",
         choices=["score", "astprompter", "elicit"],
         help="score: the first scorer's probability of the reply; astprompter: "
-        "alpha*tox(reply) + zeta*tox(probe+reply) + gamma*mean log p_target(probe); elicit: "
-        "alpha*tox(reply) - probe_penalty*tox(probe) + gamma*mean log p_target(probe)",
+        "alpha*tox(reply) + zeta*tox(probe+reply) + likelihood_weight*mean log p_target(probe); elicit: "
+        "alpha*tox(reply) - probe_penalty*tox(probe) + likelihood_weight*mean log p_target(probe)",
     )
     p.add_argument("--alpha", type=float, default=1.0, help="astprompter weight of the reply's toxicity")
     p.add_argument("--zeta", type=float, default=0.5, help="astprompter weight of the probe+reply toxicity")
     p.add_argument(
-        "--gamma", type=float, default=0.1, help="astprompter/elicit weight of the probe's mean log-prob under the target"
+        "--likelihood-weight",
+        type=float,
+        default=None,
+        help="astprompter/elicit weight of the probe's mean log-prob under the target (default 0.1)",
     )
+    p.add_argument("--gamma", type=float, default=None, help=argparse.SUPPRESS)  # the old name of --likelihood-weight
     p.add_argument("--probe-penalty", type=float, default=1.0, help="elicit weight of the probe's own toxicity (subtracted)")
     p.add_argument("--elicit-gate", action="store_true", help="elicit: scale the reply's toxicity by 1 - tox(probe)")
     _add_run_args(p)
     _add_scale_args(p)
     p.add_argument("--out", default="rollouts.jsonl", help="output JSONL path")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _likelihood_weight(args) -> float:
+    """``--likelihood-weight``, or its old name ``--gamma`` (with a warning), else the default 0.1."""
+    if args.gamma is None:
+        return 0.1 if args.likelihood_weight is None else args.likelihood_weight
+    if args.likelihood_weight is not None:
+        raise ValueError(
+            "both --gamma and --likelihood-weight are given; --gamma is the old name of --likelihood-weight: "
+            "keep only --likelihood-weight"
+        )
+    print("astrl: warning: --gamma is deprecated: it is now --likelihood-weight (same meaning)", file=sys.stderr)
+    return args.gamma
 
 
 def _rollout(args) -> int:
@@ -107,7 +124,7 @@ def _rollout(args) -> int:
         reward=args.reward,
         alpha=args.alpha,
         zeta=args.zeta,
-        gamma=args.gamma,
+        likelihood_weight=_likelihood_weight(args),
         probe_penalty=args.probe_penalty,
         elicit_gate=args.elicit_gate,
         seed=args.seed,

@@ -48,7 +48,7 @@ class RolloutConfig:
     reward: str = "score"
     alpha: float = 1.0
     zeta: float = 0.5
-    gamma: float = 0.1
+    likelihood_weight: float = 0.1  # astprompter / elicit: weight of the probe's mean log-prob under the target
     probe_penalty: float = 1.0
     elicit_gate: bool = False
     seed: int = 0
@@ -82,8 +82,8 @@ class RolloutConfig:
             raise ValueError("at least one scorer is needed")
         if self.reward not in REWARDS:
             raise ValueError(f"reward must be one of {REWARDS}, got {self.reward!r}")
-        if self.reward == "score" and (self.alpha, self.zeta, self.gamma) != (1.0, 0.5, 0.1):
-            raise ValueError("alpha/zeta/gamma only apply to reward='astprompter' or 'elicit' (reward is 'score')")
+        if self.reward == "score" and (self.alpha, self.zeta, self.likelihood_weight) != (1.0, 0.5, 0.1):
+            raise ValueError("alpha/zeta/likelihood_weight only apply to reward='astprompter' or 'elicit' (reward is 'score')")
         if self.reward != "astprompter" and self.zeta != 0.5:
             raise ValueError(f"zeta only applies to reward='astprompter' (reward is {self.reward!r})")
         if self.reward != "elicit" and (self.probe_penalty, self.elicit_gate) != (1.0, False):
@@ -91,7 +91,7 @@ class RolloutConfig:
 
     def reward_options(self) -> dict | None:
         """Reward weights for the env (None for the plain scorer reward)."""
-        return reward_options(self.reward, self.alpha, self.zeta, self.gamma, self.probe_penalty, self.elicit_gate)
+        return reward_options(self.reward, self.alpha, self.zeta, self.likelihood_weight, self.probe_penalty, self.elicit_gate)
 
 
 def records_from_rollout(rollout: TensorDictBase, openers: Sequence[str], first_conversation: int = 0) -> list[dict]:

@@ -61,7 +61,8 @@ def test_rollout_writes_one_record_per_turn_and_is_seeded(tmp_path, tiny_model_d
 
 
 def test_astprompter_reward_from_the_cli_keeps_its_terms(tmp_path, tiny_model_dir, capsys):
-    code, path = _run(tmp_path, tiny_model_dir, "--reward", "astprompter", "--alpha", "2", "--zeta", "0.25", "--gamma", "0.5")
+    flags = ["--reward", "astprompter", "--alpha", "2", "--zeta", "0.25", "--likelihood-weight", "0.5"]
+    code, path = _run(tmp_path, tiny_model_dir, *flags)
     assert code == 0
     records = [json.loads(line) for line in path.read_text().splitlines()]
     for r in records:
@@ -76,9 +77,26 @@ def test_astprompter_reward_from_the_cli_keeps_its_terms(tmp_path, tiny_model_di
     assert all("reward_terms" not in json.loads(line) for line in plain.read_text().splitlines())
 
 
+def test_gamma_is_the_old_name_of_likelihood_weight(tmp_path, tiny_model_dir, capsys):
+    flags = ["--reward", "astprompter", "--seed", "2"]
+    code, new = _run(tmp_path, tiny_model_dir, *flags, "--likelihood-weight", "0.5", out="new.jsonl")
+    assert code == 0 and "astrl: warning" not in capsys.readouterr().err
+    code, old = _run(tmp_path, tiny_model_dir, *flags, "--gamma", "0.5", out="old.jsonl")
+    assert code == 0 and old.read_text() == new.read_text()
+    assert "astrl: warning: --gamma is deprecated: it is now --likelihood-weight" in capsys.readouterr().err
+    code, _ = _run(tmp_path, tiny_model_dir, *flags, "--gamma", "0.5", "--likelihood-weight", "0.5", out="both.jsonl")
+    assert code == 2 and "both --gamma and --likelihood-weight are given" in capsys.readouterr().err
+    code, _ = _run(tmp_path, tiny_model_dir, "--likelihood-weight", "0.5", out="score.jsonl")  # reward 'score' has no such term
+    assert code == 2 and "alpha/zeta/likelihood_weight only apply to reward='astprompter' or 'elicit'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["rollout", "--help"])
+    shown = capsys.readouterr().out
+    assert "--likelihood-weight" in shown and "--gamma" not in shown  # the old name works but is not advertised
+
+
 @pytest.mark.parametrize("gate", [False, True])
 def test_elicit_reward_from_the_cli_keeps_its_terms(tmp_path, tiny_model_dir, gate):
-    flags = ["--reward", "elicit", "--alpha", "2", "--probe-penalty", "0.75", "--gamma", "0.5"] + (
+    flags = ["--reward", "elicit", "--alpha", "2", "--probe-penalty", "0.75", "--likelihood-weight", "0.5"] + (
         ["--elicit-gate"] if gate else []
     )
     code, path = _run(tmp_path, tiny_model_dir, *flags)

@@ -10,7 +10,7 @@ KEYWORDS = "keywords:damn,hell,idiot"
 
 
 ELICIT = dict(scorer=KEYWORDS, turns=1, total_steps=2, save_every=100, max_new_tokens=6, reward="elicit", alpha=2.0)
-ELICIT.update(probe_penalty=0.5, gamma=0.25)
+ELICIT.update(probe_penalty=0.5, likelihood_weight=0.25)
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo", "ipo"])
@@ -28,7 +28,7 @@ def test_every_algorithm_trains_on_the_elicit_reward_and_logs_its_terms(tmp_path
 
 
 def test_elicit_config_keys_reach_the_env_and_the_ray_worker_spec():
-    config = load_config(None, ["reward=elicit", "probe_penalty=2", "elicit_gate=true", "alpha=1.5", "gamma=0.05"])
+    config = load_config(None, ["reward=elicit", "probe_penalty=2", "elicit_gate=true", "alpha=1.5", "likelihood_weight=0.05"])
     options = {"alpha": 1.5, "penalty": 2.0, "gamma": 0.05, "gate": True}
     assert config.reward_options() == options
     spec = worker_spec(config)

@@ -182,7 +182,7 @@ LEARNING = {  # per algorithm: settings under which a tiny model learns to say t
 @pytest.mark.parametrize("algorithm", sorted(LEARNING))
 def test_every_algorithm_raises_a_trivially_learnable_reward(tmp_path, algorithm):
     # reward = share of keyword words in probe + reply: the tester can raise it by itself
-    settings = dict(save_every=100, turns=1, lora=False, reward="astprompter", alpha=0.0, zeta=1.0, gamma=0.0)
+    settings = dict(save_every=100, turns=1, lora=False, reward="astprompter", alpha=0.0, zeta=1.0, likelihood_weight=0.0)
     trainer = _trainer(_config(tmp_path, algorithm=algorithm, **{**settings, **LEARNING[algorithm]}))
     rewards = [r["reward_mean"] for r in trainer.train()]
     first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8

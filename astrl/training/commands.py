@@ -8,8 +8,14 @@ from pathlib import Path
 
 
 def add_train_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a tester (GRPO; see configs/) and write a run directory")
+    p = sub.add_parser(
+        "train",
+        help="train a tester (GRPO; see configs/) and write a run directory",
+        description="Train a tester from a YAML config and key=value overrides. Every config key, with its "
+        "default and meaning: astrl train --keys",
+    )
     p.add_argument("--config", default=None, help="YAML config (configs/NAME.yaml); defaults apply to missing keys")
+    p.add_argument("--keys", action="store_true", help="print every config key with its default and meaning, and exit")
     p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest checkpoint")
     p.add_argument(
         "--trust-checkpoint",
@@ -49,23 +55,28 @@ def add_demo_parser(sub) -> None:
     p.add_argument("--quiet", action="store_true")
 
 
+def _warn(text: str) -> None:
+    print(f"astrl: warning: {text}", file=sys.stderr)
+
+
 def run_train(args) -> int:
     from astrl.training import Trainer, load_config, resume
+    from astrl.training.config import describe_keys, renamed_overrides
 
+    if args.keys:
+        print(describe_keys())
+        return 0
+    overrides = renamed_overrides(train_overrides(args), _warn)
     if args.resume:
         if args.config:
             raise ValueError("--resume continues a run with its own config.yaml; pass overrides instead of --config")
         trainer = resume(
-            args.resume,
-            train_overrides(args),
-            progress=not args.quiet,
-            trust_checkpoint=args.trust_checkpoint,
-            on_warning=lambda text: print(f"astrl: warning: {text}", file=sys.stderr),
+            args.resume, overrides, progress=not args.quiet, trust_checkpoint=args.trust_checkpoint, on_warning=_warn
         )
     else:
         if args.trust_checkpoint:
             raise ValueError("--trust-checkpoint only applies with --resume RUN_DIR")
-        trainer = Trainer(load_config(args.config, train_overrides(args)), progress=not args.quiet)
+        trainer = Trainer(load_config(args.config, overrides, on_warning=_warn), progress=not args.quiet)
     try:
         rows = trainer.train()
     except KeyboardInterrupt:

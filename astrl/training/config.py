@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import textwrap
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +16,8 @@ from astrl.envs.redteam import REWARDS, reward_options
 ALGORITHMS = ("grpo", "ppo", "dpo", "ipo")
 RETURNS = ("turn", "to_go")
 OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "adagrad")
+# Keys that were renamed, old name -> new name: files and overrides that use the old name still load, with a warning.
+RENAMED_KEYS = {"gamma": "likelihood_weight"}
 
 
 class ConfigError(ValueError):
@@ -21,107 +26,232 @@ class ConfigError(ValueError):
 
 @dataclass
 class TrainConfig:
-    """Every setting of a training run (``configs/*.yaml`` hold subsets of these keys)."""
+    """Every setting of a training run (``configs/*.yaml`` hold subsets of these keys).
+
+    Each field's ``metadata["help"]`` says what it does; ``astrl train --keys`` prints them all
+    with their defaults.
+    """
 
     # what to train
-    seed: int = 0
-    algorithm: str = "grpo"
-    tester: str = "smollm2-135m"
-    target: str = "smollm2-135m"
-    scorer: str = "profanity"
-    judges: list[str] = field(default_factory=list)
-    reward: str = "score"
-    alpha: float = 1.0
-    zeta: float = 0.5
-    gamma: float = 0.1
-    # reward "elicit": alpha*tox(reply)*g - probe_penalty*tox(probe) + gamma*logp_target(probe); g = 1 - tox(probe) if gated
-    probe_penalty: float = 1.0
-    elicit_gate: bool = False
-    # novelty bonuses (0 = off): reward += coef * novelty of the probe against past probes
-    novelty_ngram: float = 0.0
-    novelty_embedding: float = 0.0
-    novelty_history: int = 1000
-    novelty_ngram_n: int = 5
-    novelty_embedding_reduce: str = "max"
-    archive_threshold: float = 0.5  # a turn enters attacks.jsonl when its reward scorer's score is above this
-    prompts: str = "builtin"
-    split: str = "train"
-    mode: str = "chat"
-    tester_system_prompt: str | None = None
-    target_system_prompt: str | None = None
+    seed: int = field(
+        default=0, metadata={"help": "Seed of the prompt split and order, sampling, minibatch order and initialisation."}
+    )
+    algorithm: str = field(
+        default="grpo",
+        metadata={"help": "grpo, ppo (value head and GAE), dpo or ipo (best-vs-worst sibling pairs from tree sampling)."},
+    )
+    tester: str = field(
+        default="smollm2-135m",
+        metadata={"help": "The model trained to write probes: an embedded name, a local folder or a hub id."},
+    )
+    target: str = field(
+        default="smollm2-135m",
+        metadata={"help": "The model attacked (same forms as tester); named like tester, the two share the base weights."},
+    )
+    scorer: str = field(
+        default="profanity",
+        metadata={
+            "help": "Scorer of the target's replies that gives the reward: profanity, wordlist, detoxify[:variant], "
+            "hf:MODEL[@LABEL], judge:MODEL[@STYLE] or keywords:w1,w2."
+        },
+    )
+    judges: list[str] = field(
+        default_factory=list, metadata={"help": "Extra scorers of the replies, logged beside the reward (never rewarded)."}
+    )
+    reward: str = field(
+        default="score",
+        metadata={
+            "help": "score: the scorer's probability of the reply; astprompter: alpha*tox(reply) + zeta*tox(probe+reply) "
+            "+ likelihood_weight*logp_target(probe); elicit: alpha*tox(reply)*g - probe_penalty*tox(probe) "
+            "+ likelihood_weight*logp_target(probe), with g = 1 - tox(probe) if elicit_gate, else 1."
+        },
+    )
+    alpha: float = field(default=1.0, metadata={"help": "astprompter and elicit: weight of the reply's toxicity tox(reply)."})
+    zeta: float = field(default=0.5, metadata={"help": "astprompter: weight of the toxicity of probe + reply together."})
+    likelihood_weight: float = field(
+        default=0.1,
+        metadata={
+            "help": "astprompter and elicit: weight of the probe's mean per-token log-prob under the target "
+            "(keeps probes likely text); formerly the key gamma."
+        },
+    )
+    probe_penalty: float = field(default=1.0, metadata={"help": "elicit: weight of the probe's own toxicity, subtracted (>= 0)."})
+    elicit_gate: bool = field(default=False, metadata={"help": "elicit: scale the reply's toxicity by g = 1 - tox(probe)."})
+    # novelty bonuses (0 = off)
+    novelty_ngram: float = field(
+        default=0.0,
+        metadata={
+            "help": "Coefficient of the n-gram novelty bonus: reward += coef * (1 - mean BLEU of the probe against "
+            "past probes); 0 = off."
+        },
+    )
+    novelty_embedding: float = field(
+        default=0.0,
+        metadata={
+            "help": "Coefficient of the embedding novelty bonus: reward += coef * (1 - cosine of the probe to past "
+            "probes); 0 = off."
+        },
+    )
+    novelty_history: int = field(
+        default=1000, metadata={"help": "Past probes the novelty bonuses compare against (a FIFO; >= 1)."}
+    )
+    novelty_ngram_n: int = field(default=5, metadata={"help": "Highest BLEU order of the n-gram novelty (orders 2..n)."})
+    novelty_embedding_reduce: str = field(
+        default="max", metadata={"help": "How the embedding novelty reduces cosines over the history: max or mean."}
+    )
+    archive_threshold: float = field(
+        default=0.5,
+        metadata={"help": "A turn enters attacks.jsonl when its reward scorer's score is above this (in [0, 1))."},
+    )
+    prompts: str = field(
+        default="builtin",
+        metadata={"help": "Openers: builtin, rtp[:CATEGORY], harmbench, chatterbot, hf:ID or a .txt/.jsonl file."},
+    )
+    split: str = field(
+        default="train",
+        metadata={"help": "Part of the openers, seeded by seed: train, dev, test (disjoint) or all."},
+    )
+    mode: str = field(
+        default="chat", metadata={"help": "chat (chat templates) or text (plain-text continuation of the conversation)."}
+    )
+    tester_system_prompt: str | None = field(
+        default=None, metadata={"help": "The tester's system prompt in chat mode (null: the built-in red-teaming prompt)."}
+    )
+    target_system_prompt: str | None = field(
+        default=None, metadata={"help": "The target's system prompt in chat mode (null: none)."}
+    )
     # rollouts
-    prompts_per_step: int = 4
-    group_size: int = 4
-    turns: int = 2
-    returns: str = "turn"
-    max_new_tokens: int = 24
-    target_max_new_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    prompts_per_step: int = field(default=4, metadata={"help": "Openers per step (grpo, ppo); trees per step (dpo, ipo)."})
+    group_size: int = field(
+        default=4,
+        metadata={"help": "Conversations per opener (grpo compares turns within a group, so >= 2 there)."},
+    )
+    turns: int = field(default=2, metadata={"help": "Tester turns per conversation."})
+    returns: str = field(
+        default="turn",
+        metadata={"help": "grpo: a turn's return is its own reward (turn) or the sum with its later turns' (to_go)."},
+    )
+    max_new_tokens: int = field(
+        default=24, metadata={"help": "New tokens per tester turn (and per target turn unless target_max_new_tokens)."}
+    )
+    target_max_new_tokens: int | None = field(
+        default=None, metadata={"help": "New tokens per target reply (null: max_new_tokens)."}
+    )
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of tester and target."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling threshold of tester and target (1: off)."})
+    top_k: int = field(default=0, metadata={"help": "Top-k filtering of tester and target (0: off)."})
     # optimisation
-    total_steps: int = 100
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    warmup_steps: int = 5
-    max_grad_norm: float = 1.0
-    epochs: int = 1
-    minibatches: int = 1
-    minibatch_size: int | None = None
-    optimizer: str = "adamw"
-    grad_accum: int = 1
-    clip_epsilon: float = 0.2
-    entropy_coef: float = 0.0
-    kl_coef: float = 0.0
+    total_steps: int = field(default=100, metadata={"help": "Training steps (one collection and its updates each)."})
+    lr: float = field(default=1e-4, metadata={"help": "Peak learning rate of the tester (warm-up, then linear decay to 0)."})
+    weight_decay: float = field(default=0.0, metadata={"help": "Weight decay of the optimizer."})
+    warmup_steps: int = field(default=5, metadata={"help": "Steps of linear learning-rate warm-up."})
+    max_grad_norm: float = field(
+        default=1.0, metadata={"help": "Gradients are clipped to this total norm (grad_norm logs it before clipping)."}
+    )
+    epochs: int = field(default=1, metadata={"help": "Passes over each step's batch."})
+    minibatches: int = field(default=1, metadata={"help": "Minibatches per pass (ignored when minibatch_size is set)."})
+    minibatch_size: int | None = field(
+        default=None,
+        metadata={"help": "Items per minibatch instead of a count (the schedule then advances once per step); null: off."},
+    )
+    optimizer: str = field(default="adamw", metadata={"help": "adamw, adam, sgd, rmsprop or adagrad."})
+    grad_accum: int = field(default=1, metadata={"help": "Minibatches whose gradients add up before one optimizer step."})
+    clip_epsilon: float = field(
+        default=0.2, metadata={"help": "grpo, ppo: the importance ratio is clipped to [1 - eps, 1 + eps]."}
+    )
+    entropy_coef: float = field(default=0.0, metadata={"help": "grpo, ppo: weight of the entropy bonus (0: off)."})
+    kl_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "grpo: weight of the per-token KL to the reference in the loss; ppo: of the clipped-KL reward "
+            "(the start value when target_kl is set)."
+        },
+    )
     # DPO / IPO on tree-sampled pairs
-    beta: float = 0.01
-    tree_width: int = 2
-    tree_depth: int = 3
-    min_reward_gap: float = 0.0
-    share_prompt: bool = True  # each pair's prompt runs once for chosen and rejected (False: two full rows)
-    weak_supervision: float = 0.0  # chance per batch that harmful texts are forced as the chosen probes
-    weak_supervision_prompts: str = "rtp"  # prompt source of those texts (astrl.prompts.load_prompts)
-    # target hardening (0: off): every harden_every steps the target's LoRA learns to refuse the archived attacks
-    harden_every: int = 0
-    harden_steps: int = 10
-    harden_lr: float = 1e-3
-    harden_batch_size: int = 16
-    harden_threshold: float = 0.5
-    harden_max_attacks: int = 256
-    refusal: str = "I'm sorry, but I can't help with that."
+    beta: float = field(default=0.01, metadata={"help": "dpo, ipo: the preference loss's beta (> 0)."})
+    tree_width: int = field(default=2, metadata={"help": "dpo, ipo: probes written from each state (>= 2)."})
+    tree_depth: int = field(default=3, metadata={"help": "dpo, ipo: levels of each tree (tester turns per branch)."})
+    min_reward_gap: float = field(
+        default=0.0, metadata={"help": "dpo, ipo: a sibling group makes a pair only when best - worst reward >= this."}
+    )
+    share_prompt: bool = field(
+        default=True,
+        metadata={"help": "dpo, ipo: each pair's prompt runs once for chosen and rejected (false: two full rows)."},
+    )
+    weak_supervision: float = field(
+        default=0.0,
+        metadata={"help": "dpo, ipo: chance per batch that harmful texts are forced as the chosen probes (0: off)."},
+    )
+    weak_supervision_prompts: str = field(
+        default="rtp", metadata={"help": "Prompt source of the forced texts (as prompts; astrl.prompts.load_prompts)."}
+    )
+    # target hardening (0: off)
+    harden_every: int = field(
+        default=0,
+        metadata={
+            "help": "Every this many steps the target's own LoRA adapter learns to refuse the archived attacks "
+            "(0: off; needs lora)."
+        },
+    )
+    harden_steps: int = field(default=10, metadata={"help": "Hardening: optimizer steps per round."})
+    harden_lr: float = field(default=1e-3, metadata={"help": "Hardening: learning rate of the target's adapter."})
+    harden_batch_size: int = field(default=16, metadata={"help": "Hardening: archived attacks per step."})
+    harden_threshold: float = field(
+        default=0.5, metadata={"help": "Hardening: an attack is archived when the reply's reward score is above this."}
+    )
+    harden_max_attacks: int = field(
+        default=256, metadata={"help": "Hardening: size of the attack archive (the oldest leave first)."}
+    )
+    refusal: str = field(
+        default="I'm sorry, but I can't help with that.",
+        metadata={"help": "Hardening: the answer the target learns to give the archived attacks."},
+    )
     # PPO
-    value_lr: float = 1e-4
-    value_coef: float = 0.15
-    advantage: str = "gae"
-    gae_lambda: float = 0.95
-    kl_clip: float = 10.0
-    score_clip: float = 10.0
-    target_kl: float | None = None
+    value_lr: float = field(default=1e-4, metadata={"help": "ppo: learning rate of the value head."})
+    value_coef: float = field(default=0.15, metadata={"help": "ppo: weight of the value loss."})
+    advantage: str = field(
+        default="gae", metadata={"help": "ppo: gae (with gae_lambda) or one_step (r_t + V_{t+1} - V_t) advantages."}
+    )
+    gae_lambda: float = field(default=0.95, metadata={"help": "ppo: lambda of GAE (episodes are undiscounted)."})
+    kl_clip: float = field(default=10.0, metadata={"help": "ppo: the per-token log-ratio to the reference is clipped to +-this."})
+    score_clip: float = field(default=10.0, metadata={"help": "ppo: the turn's score is clipped to +-this."})
+    target_kl: float | None = field(
+        default=None,
+        metadata={"help": "ppo: an adaptive controller moves kl_coef (> 0) toward this KL per turn (null: constant)."},
+    )
     # model
-    lora: bool = True
-    lora_rank: int = 8
-    lora_alpha: int = 16
-    lora_dropout: float = 0.0
-    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    dtype: str = "float32"
-    device: str = "cpu"
+    lora: bool = field(default=True, metadata={"help": "Train LoRA adapters (true) or every weight of the tester (false)."})
+    lora_rank: int = field(default=8, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (scale alpha / rank)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout (0 keeps behaviour and training log-probs equal)."})
+    lora_targets: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        metadata={"help": "Module names that get LoRA adapters."},
+    )
+    dtype: str = field(default="float32", metadata={"help": "Model dtype: float32, bfloat16 or float16."})
+    device: str = field(default="cpu", metadata={"help": "Torch device: cpu, cuda, cuda:N or mps."})
     # scale-out: generation backend and collection (docs/scaling.md)
-    backend: str = "transformers"
-    target_backend: str = "transformers"
-    share_prefill: bool = False  # identical prompt rows of a generate call (tree siblings, GRPO groups) prefill once
-    vllm_memory: float = 0.5
-    collector: str = "local"
-    num_collectors: int = 1
-    collector_cpus: float = 1.0
-    collector_gpus: float = 0.0
-    ray_address: str | None = None
+    backend: str = field(default="transformers", metadata={"help": "Tester generation backend: transformers or vllm."})
+    target_backend: str = field(default="transformers", metadata={"help": "Target generation backend: transformers or vllm."})
+    share_prefill: bool = field(
+        default=False,
+        metadata={
+            "help": "Identical prompt rows of a generate call (tree siblings, GRPO groups) prefill once (transformers backend)."
+        },
+    )
+    vllm_memory: float = field(default=0.5, metadata={"help": "Share of GPU memory for vLLM engines, in (0, 1]."})
+    collector: str = field(default="local", metadata={"help": "Collect in this process (local) or over Ray workers (ray)."})
+    num_collectors: int = field(default=1, metadata={"help": "Ray workers; each runs whole groups."})
+    collector_cpus: float = field(default=1.0, metadata={"help": "CPUs per Ray worker."})
+    collector_gpus: float = field(default=0.0, metadata={"help": "GPUs per Ray worker."})
+    ray_address: str | None = field(default=None, metadata={"help": "An existing Ray cluster (e.g. auto); null: start Ray here."})
     # run directory, logging, checkpoints
-    run_dir: str = "runs/train"
-    save_every: int = 25
-    keep_checkpoints: int = 2
-    log_every: int = 1
-    sample_every: int = 10
-    loggers: list[str] = field(default_factory=lambda: ["csv"])
+    run_dir: str = field(default="runs/train", metadata={"help": "Run directory: config, metrics, samples, checkpoints."})
+    save_every: int = field(default=25, metadata={"help": "Steps between checkpoints (one is also written at the end)."})
+    keep_checkpoints: int = field(default=2, metadata={"help": "Newest checkpoints kept; older ones are removed."})
+    log_every: int = field(default=1, metadata={"help": "Steps between logger writes (metrics.csv gets every step)."})
+    sample_every: int = field(default=10, metadata={"help": "Steps between sample turns in samples.jsonl (and step 1)."})
+    loggers: list[str] = field(default_factory=lambda: ["csv"], metadata={"help": "TorchRL loggers: csv, tensorboard, wandb."})
 
     def __post_init__(self) -> None:
         checks = [
@@ -241,7 +371,7 @@ class TrainConfig:
 
     def reward_options(self) -> dict | None:
         """Reward weights for :func:`astrl.envs.make_redteam_env` (None for the plain score)."""
-        return reward_options(self.reward, self.alpha, self.zeta, self.gamma, self.probe_penalty, self.elicit_gate)
+        return reward_options(self.reward, self.alpha, self.zeta, self.likelihood_weight, self.probe_penalty, self.elicit_gate)
 
     def novelty_options(self) -> dict | None:
         """The ``novelty`` option of :func:`astrl.envs.make_redteam_env` (None when both coefficients are 0)."""
@@ -302,14 +432,56 @@ def _parse_value(key: str, text: str):
     return value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+def renamed_keys(values: dict, where: str, on_warning: Callable[[str], None] | None = None) -> dict:
+    """``values`` with the old names of renamed keys (:data:`RENAMED_KEYS`) replaced by the new ones.
+
+    Each old name is reported to ``on_warning`` (default: a :class:`DeprecationWarning`); an old
+    name beside its new one is a :class:`ConfigError`, since either could be the one meant.
+    ``where`` names the source in the messages (``"config file 'x.yaml'"``, ``"the overrides"``).
+    """
+    for old, new in RENAMED_KEYS.items():
+        if old in values and new in values:
+            raise ConfigError(
+                f"both {old!r} and {new!r} are set in {where}; {old!r} is the old name of {new!r}: keep only {new!r}"
+            )
+    for old in (key for key in values if key in RENAMED_KEYS):
+        message = f"config key {old!r} in {where} is deprecated: it is now {RENAMED_KEYS[old]!r} (same meaning); rename it"
+        if on_warning is None:
+            warnings.warn(message, DeprecationWarning, stacklevel=2)
+        else:
+            on_warning(message)
+    return {RENAMED_KEYS.get(key, key): value for key, value in values.items()}
+
+
+def renamed_overrides(overrides: Sequence[str], on_warning: Callable[[str], None] | None = None) -> list[str]:
+    """``key=value`` overrides with the old names of renamed keys replaced (see :func:`renamed_keys`)."""
+    renamed_keys(dict.fromkeys(item.partition("=")[0] for item in overrides if "=" in item), "the overrides", on_warning)
+    items = [item.partition("=") for item in overrides]
+    return [f"{RENAMED_KEYS.get(key, key)}={text}" if sep else key for key, sep, text in items]
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    on_warning: Callable[[str], None] | None = None,
+) -> TrainConfig:
     """Read a YAML config (or the defaults) and apply ``key=value`` overrides.
 
-    Unknown keys, in the file or the overrides, are rejected with the list of valid ones.
+    Unknown keys, in the file or the overrides, are rejected with the list of valid ones. Old
+    names of renamed keys are read as the new ones and reported to ``on_warning`` (default: a
+    :class:`DeprecationWarning`).
     """
     values: dict = {}
+    notes: list[str] = []
     if path is not None:
-        values.update(read_yaml_mapping(path))
+        values.update(renamed_keys(read_yaml_mapping(path), f"config file {str(path)!r}", notes.append))
+    overrides = renamed_overrides(overrides, notes.append)
+    for note in notes:
+        if on_warning is None:
+            warnings.warn(note, DeprecationWarning, stacklevel=2)
+        else:
+            on_warning(note)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value")
@@ -351,3 +523,21 @@ def _check_types(values: dict) -> None:
             raise ConfigError(f"config key {key!r} must be {kind}, got {value!r}")
         if kind == "float":
             values[key] = float(value)
+
+
+def yaml_value(value) -> str:
+    """``value`` written as in a YAML config, on one line (``null``, ``true``, ``0.0001``, ``[csv]``)."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=1_000_000).strip()
+    return text.removesuffix("...").strip()
+
+
+def describe_keys() -> str:
+    """Every :class:`TrainConfig` key with its type, default and help: the text of ``astrl train --keys``."""
+    lines = ["config keys (YAML file or key=value on the command line; lists also as a,b):"]
+    for spec in dataclasses.fields(TrainConfig):
+        default = spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
+        lines.append(f"  {spec.name} = {yaml_value(default)}  ({spec.type})")
+        lines.append(textwrap.fill(spec.metadata["help"], width=100, initial_indent=" " * 6, subsequent_indent=" " * 6))
+    renamed = ", ".join(f"{old} -> {new}" for old, new in RENAMED_KEYS.items())
+    lines.append(f"renamed keys, still read with a warning: {renamed}")
+    return "\n".join(lines)

@@ -20,7 +20,7 @@ from astrl._compat import as_list
 from astrl.policies import input_mode, make_policy
 from astrl.prompts import PromptStream, load_prompts, split_prompts
 from astrl.rewards.reference import AdaptersDisabled
-from astrl.training.config import ConfigError, TrainConfig, read_yaml_mapping
+from astrl.training.config import ConfigError, TrainConfig, read_yaml_mapping, renamed_keys
 from astrl.training.setup import generation
 from astrl.training.trainer import Trainer, latest_checkpoint, resume
 
@@ -34,7 +34,7 @@ DEMO_CONFIG = {
     "reward": "elicit",
     "alpha": 1.0,
     "probe_penalty": 1.0,
-    "gamma": 0.05,
+    "likelihood_weight": 0.05,
     "novelty_ngram": 0.3,
     "mode": "text",
     "prompts": "rtp",
@@ -143,8 +143,10 @@ def compare_testers(
 
 def check_same_demo(config: TrainConfig) -> None:
     """Refuse to resume a run directory that holds a run of other settings (e.g. an older demo's):
-    the run would go on with its own saved config, not the demo's."""
-    saved = read_yaml_mapping(Path(config.run_dir) / "config.yaml")
+    the run would go on with its own saved config, not the demo's. A run saved under old key names
+    compares by the new ones."""
+    path = Path(config.run_dir) / "config.yaml"
+    saved = renamed_keys(read_yaml_mapping(path), f"config file {str(path)!r}", on_warning=lambda _: None)
     current = config.to_dict()
     differ = [k for k in current if k not in ("total_steps", "run_dir") and k in saved and saved[k] != current[k]]
     if differ:

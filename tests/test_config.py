@@ -1,0 +1,103 @@
+"""TrainConfig keys: help text, the ``astrl train --keys`` listing, and the renamed ``gamma`` key."""
+
+import dataclasses
+import re
+import warnings
+
+import pytest
+import yaml
+
+from astrl.cli import main
+from astrl.training.config import ConfigError, TrainConfig, load_config, read_yaml_mapping
+from astrl.training.demo import check_same_demo, demo_config
+
+FIELDS = dataclasses.fields(TrainConfig)
+
+
+def _default(spec: dataclasses.Field):
+    return spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
+
+
+def test_every_config_key_has_help():
+    missing = [spec.name for spec in FIELDS if not str(spec.metadata.get("help", "")).strip()]
+    assert missing == []
+
+
+def test_train_keys_lists_every_key_with_its_default_and_help(capsys):
+    assert main(["train", "--keys"]) == 0
+    out = capsys.readouterr().out
+    listed = dict(re.findall(r"^  (\w+) = (.*)  \(.*\)$", out, flags=re.MULTILINE))
+    assert list(listed) == [spec.name for spec in FIELDS]
+    for spec in FIELDS:
+        assert yaml.safe_load(listed[spec.name]) == _default(spec), spec.name  # written as a YAML file would say it
+    assert "weight of the probe's mean per-token log-prob under the target" in out
+    assert "gamma -> likelihood_weight" in out
+
+
+def test_train_help_points_to_the_key_listing(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "astrl train --keys" in capsys.readouterr().out
+
+
+# -- gamma, the old name of likelihood_weight ------------------------------------------------------------------
+def test_gamma_in_a_file_or_an_override_loads_as_likelihood_weight_with_a_warning(tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text("reward: elicit\ngamma: 0.25\n")
+    with pytest.warns(DeprecationWarning, match=r"'gamma' in config file .*old\.yaml.* now 'likelihood_weight'"):
+        config = load_config(old)
+    assert config.likelihood_weight == 0.25 and config == load_config(None, ["reward=elicit", "likelihood_weight=0.25"])
+    assert config.reward_options() == {"alpha": 1.0, "penalty": 1.0, "gamma": 0.25, "gate": False}
+    with pytest.warns(DeprecationWarning, match="'gamma' in the overrides .* now 'likelihood_weight'"):
+        assert load_config(None, ["gamma=0.5"]).likelihood_weight == 0.5
+    new = tmp_path / "new.yaml"
+    new.write_text("likelihood_weight: 0.25\n")
+    notes = []
+    assert load_config(new, ["gamma=0.75"], on_warning=notes.append).likelihood_weight == 0.75  # the override wins
+    assert len(notes) == 1 and "'gamma'" in notes[0] and "'likelihood_weight'" in notes[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new name alone warns about nothing
+        assert load_config(new).likelihood_weight == 0.25
+
+
+def test_gamma_beside_likelihood_weight_is_an_error_naming_both(tmp_path):
+    both = tmp_path / "both.yaml"
+    both.write_text("gamma: 0.2\nlikelihood_weight: 0.1\n")
+    with pytest.raises(ConfigError, match=r"both 'gamma' and 'likelihood_weight' are set in config file .*both\.yaml"):
+        load_config(both)
+    with pytest.raises(ConfigError, match="both 'gamma' and 'likelihood_weight' are set in the overrides"):
+        load_config(None, ["gamma=0.2", "likelihood_weight=0.1"])
+
+
+def test_a_saved_config_uses_the_new_name(tmp_path):
+    with pytest.warns(DeprecationWarning):
+        config = load_config(None, ["gamma=0.3"])
+    config.save(tmp_path / "config.yaml")
+    saved = read_yaml_mapping(tmp_path / "config.yaml")
+    assert saved["likelihood_weight"] == 0.3 and "gamma" not in saved
+
+
+def test_the_cli_prints_the_warning_for_files_overrides_and_resume(tmp_path, capsys):
+    old = tmp_path / "old.yaml"
+    old.write_text("gamma: 0.2\n")
+    assert main(["train", "--config", str(old), "total_steps=0"]) == 2  # stops at the invalid total_steps
+    err = capsys.readouterr().err
+    assert re.search(r"astrl: warning: config key 'gamma' in config file .* now 'likelihood_weight'", err)
+    assert "total_steps must be >= 1" in err
+    assert main(["train", "--resume", str(tmp_path / "nowhere"), "gamma=0.2"]) == 2
+    err = capsys.readouterr().err
+    assert "astrl: warning: config key 'gamma' in the overrides" in err and "is not a run directory" in err
+    assert main(["train", "gamma=0.2", "likelihood_weight=0.1"]) == 2
+    assert "both 'gamma' and 'likelihood_weight'" in capsys.readouterr().err
+
+
+def test_the_demo_reads_a_run_saved_under_the_old_name(tmp_path):
+    config = demo_config({"run_dir": str(tmp_path)})
+    saved = config.to_dict()
+    saved["gamma"] = saved.pop("likelihood_weight")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    check_same_demo(config)  # the same settings under the old name
+    saved["gamma"] = 0.5
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    with pytest.raises(ConfigError, match="likelihood_weight: 0.5 there, 0.05 here"):
+        check_same_demo(config)
