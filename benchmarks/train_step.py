@@ -22,8 +22,8 @@ from _common import Timer, base_parser, emit, hwm_rss_mb, r, setup
 from astrl.models import load_model
 from astrl.rewards.logprobs import response_mask
 from astrl.training.config import TrainConfig
-from astrl.training.grpo import GRPO
-from astrl.training.ppo import PPO
+from astrl.training.grpo import GRPOAlgorithm
+from astrl.training.ppo import PPOAlgorithm
 from astrl.training.setup import build_env, build_models, build_stream
 
 
@@ -149,7 +149,7 @@ def main() -> None:
     stream = build_stream(config)
     env, policy = build_env(config, models, stream)
     timer = Timer(args.device)
-    grpo = GRPO(config, models, env, policy)
+    grpo = GRPOAlgorithm(config, models, env, policy)
     with timer.section("rollout"):
         grpo_batch, data = grpo.collect()
     prep = Timer(args.device)
@@ -172,8 +172,8 @@ def main() -> None:
     grpo_opt = torch.optim.AdamW(grpo.parameter_groups(1e-6))
     grpo_s = _step(timer, "grpo", grpo_opt, lambda: _total(grpo.loss(grpo_batch)), repeats)
 
-    # PPO: the batch PPO.collect builds, from the same rollout
-    ppo = PPO(config, models, env, policy)
+    # PPO: the batch PPOAlgorithm.collect builds, from the same rollout
+    ppo = PPOAlgorithm(config, models, env, policy)
     with prep.section("ppo"):
         ppo_batch = ppo.training_batch(data)
     ppo_opt = torch.optim.AdamW(ppo.parameter_groups(1e-6))

@@ -28,7 +28,7 @@ from astrl.losses import DPOLoss, IPOLoss
 from astrl.losses.ppo import clipped_surrogate
 from astrl.system.base import System, SystemValidationError
 from astrl.training.config import TrainConfig
-from astrl.training.preference import Preference, TreeAlgorithm
+from astrl.training.preference import PreferenceAlgorithm, TreeAlgorithm
 
 
 def TrainingConfig(  # noqa: N802 - the seed's class name, kept for porting
@@ -91,9 +91,9 @@ class DPO(_Solver):
         self.loss_module = self.loss_class(system, beta=beta)
         self.beta = self.loss_module.beta
 
-    def bind(self, sampler, config: TrainConfig) -> Preference:
+    def bind(self, sampler, config: TrainConfig) -> PreferenceAlgorithm:
         """The trainer's algorithm: this solver's loss on ``sampler``'s pairs."""
-        return Preference(sampler, self.loss_module, self.system.parameters, **self._batching(sampler, config))
+        return PreferenceAlgorithm(sampler, self.loss_module, self.system.parameters, **self._batching(sampler, config))
 
 
 class IPO(DPO):

@@ -332,7 +332,7 @@ class OnPolicy:
         load_novelty_states(self.novelty, state.get("novelty", []))
 
 
-class GRPO(OnPolicy):
+class GRPOAlgorithm(OnPolicy):
     """Multi-turn GRPO: advantages per (opener, turn) cell, TorchRL's ``GRPOLoss`` surrogate."""
 
     name = "grpo"

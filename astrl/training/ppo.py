@@ -2,8 +2,8 @@
 
 Per step: conversations are collected as for GRPO; each tester turn becomes one episode whose
 per-token reward is ``-kl_coef * clip(log pi - log pi_ref) + [last token] * clip(score)``
-(:class:`astrl.rewards.ClippedKLReward`); the value head gives old values, advantages follow
-(:func:`astrl.losses.compute_advantages`), then ``epochs`` passes of clipped-surrogate updates
+(:class:`astrl.rewards.ClippedKLReward`); the value head gives old values, undiscounted advantages
+follow (:func:`astrl.losses.compute_advantages`), then ``epochs`` passes of clipped-surrogate updates
 with value loss and entropy bonus. The value head has its own learning rate (``value_lr``).
 """
 
@@ -17,9 +17,14 @@ from astrl.training.config import TrainConfig
 from astrl.training.grpo import OnPolicy
 from astrl.training.setup import RunModels
 
+# Episodes are undiscounted (the advantages' gamma is 1): an episode is one tester turn, whose score
+# arrives on its last token, so each token's return is the plain sum of the rewards from it to the end
+# of the turn and the score counts in full for every token of the probe.
+DISCOUNT = 1.0
 
-class PPO(OnPolicy):
-    """The PPO algorithm of the trainer."""
+
+class PPOAlgorithm(OnPolicy):
+    """The trainer's PPO for ``algorithm: ppo`` (the System solver is :class:`astrl.PPO`)."""
 
     name = "ppo"
 
@@ -64,7 +69,7 @@ class PPO(OnPolicy):
         self.reference(batch)  # ref_log_probs and response_mask
         self.loss_module.annotate(batch)  # old values and behaviour log-probs, one forward
         self.kl_reward(batch)  # per-token reward
-        compute_advantages(batch, mode=self.config.advantage, gamma=1.0, lmbda=self.config.gae_lambda)
+        compute_advantages(batch, mode=self.config.advantage, gamma=DISCOUNT, lmbda=self.config.gae_lambda)
         return batch
 
     def loss(self, minibatch: TensorDictBase) -> TensorDictBase:

@@ -7,7 +7,7 @@ per batch, then ``epochs`` passes of the loss over ``minibatches``. With ``weak_
 a batch is forced with probability ``p`` (:class:`~astrl.sampling.WeakSupervision`).
 
 :class:`TreeAlgorithm` is what every tree-sampled algorithm shares (sampling, minibatches,
-metrics, samples, state); :class:`Preference` adds the DPO / IPO loss. The same classes run
+metrics, samples, state); :class:`PreferenceAlgorithm` adds the DPO / IPO loss. The same classes run
 astrl's configs and user Systems (:mod:`astrl.system`).
 """
 
@@ -116,7 +116,7 @@ class TreeAlgorithm:
         self.sampler.load_state_dict(state["sampler"])
 
 
-class Preference(TreeAlgorithm):
+class PreferenceAlgorithm(TreeAlgorithm):
     """DPO / IPO: best-vs-worst sibling pairs from the tree sampler, reference log-probs once per batch."""
 
     def __init__(
@@ -128,7 +128,7 @@ class Preference(TreeAlgorithm):
         self.name = "dpo" if isinstance(loss_module, DPOLoss) else "ipo" if isinstance(loss_module, IPOLoss) else "preference"
 
     @classmethod
-    def from_config(cls, config: TrainConfig, models: RunModels, stream) -> Preference:
+    def from_config(cls, config: TrainConfig, models: RunModels, stream) -> PreferenceAlgorithm:
         """The DPO / IPO algorithm of a config run (its prompt stream lives in the sampler)."""
         tester, target, scorers, settings = conversation_parts(config, models)
         sampler = TreeSampler(

@@ -51,13 +51,13 @@ CHECKPOINTS = "checkpoints"
 
 def make_algorithm(config: TrainConfig, models: RunModels, env, policy, stream=None):
     if config.algorithm == "grpo":
-        from astrl.training.grpo import GRPO
+        from astrl.training.grpo import GRPOAlgorithm
 
-        return GRPO(config, models, env, policy, stream)
+        return GRPOAlgorithm(config, models, env, policy, stream)
     if config.algorithm == "ppo":
-        from astrl.training.ppo import PPO
+        from astrl.training.ppo import PPOAlgorithm
 
-        return PPO(config, models, env, policy, stream)
+        return PPOAlgorithm(config, models, env, policy, stream)
     raise ConfigError(f"unknown algorithm {config.algorithm!r}")
 
 
@@ -176,12 +176,12 @@ class Trainer:
 
     def _build_preference(self) -> None:
         from astrl.prompts import PromptStream, load_prompts, split_prompts
-        from astrl.training.preference import Preference
+        from astrl.training.preference import PreferenceAlgorithm
 
         prompts = split_prompts(load_prompts(self.config.prompts), self.config.split, seed=self.config.seed)
         self.stream = PromptStream(prompts, self.config.prompts_per_step, seed=self.config.seed)
         self._start_step, self._draw_states = self.step, []  # the sampler's own state is checkpointed
-        self.algorithm = Preference.from_config(self.config, self.models, self.stream)
+        self.algorithm = PreferenceAlgorithm.from_config(self.config, self.models, self.stream)
 
     def _build_on_policy(self) -> None:
         self.stream = build_stream(self.config)
