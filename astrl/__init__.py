@@ -3,7 +3,9 @@
 The seed "System" API is importable from the top level (loaded on first use, so that
 ``import astrl`` stays light)::
 
-    from astrl import System, ASTSystem, HFASTSystem, ASTSampler, DPO, IPO, PPO, Trainer, TrainingConfig
+    from astrl import System, ASTSystem, HFASTSystem, ASTSampler, DPO, IPO, PPO, Trainer, system_train_config
+
+``TrainingConfig`` is ASTRA-RL's name of ``system_train_config``, kept so that ported code runs as is.
 """
 
 __version__ = "0.1.0"
@@ -17,6 +19,7 @@ _SYSTEM_API = {
     "IPO": "astrl.system",
     "PPO": "astrl.system",
     "TrainingConfig": "astrl.system",
+    "system_train_config": "astrl.system",
     "SystemValidationError": "astrl.system",
     "Trainer": "astrl.training.trainer",
     "TrainConfig": "astrl.training.config",

@@ -7,7 +7,8 @@ import torch
 from conftest import loaded, make_gpt2, make_llama, make_tokenizer
 from tensordict import TensorDict
 
-from astrl import DPO, IPO, PPO, ASTSampler, ASTSystem, HFASTSystem, System, Trainer, TrainingConfig
+import astrl
+from astrl import DPO, IPO, PPO, ASTSampler, ASTSystem, HFASTSystem, System, Trainer, TrainingConfig, system_train_config
 from astrl.scorers import KeywordScorer
 from astrl.system import SystemEnv, SystemPolicy, SystemValidationError
 from astrl.training.trainer import latest_checkpoint
@@ -308,6 +309,16 @@ def test_ast_sampler_pairs_are_text_and_ordered():
     assert child["context"] == parent["context"] + parent["probe"] + parent["reply"]
 
 
+def test_system_train_config_maps_the_astra_rl_settings_and_keeps_their_name(tmp_path):
+    config = system_train_config(
+        lr=1e-3, batch_size=4, optimizer="sgd", gradient_accumulation_steps=2, training_steps=7, num_episodes_per_experience=3
+    )
+    assert (config.lr, config.minibatch_size, config.optimizer, config.grad_accum) == (1e-3, 4, "sgd", 2)
+    assert (config.total_steps, config.prompts_per_step, config.warmup_steps, config.lora) == (7, 3, 0, False)
+    assert TrainingConfig is system_train_config and astrl.TrainingConfig is astrl.system_train_config
+    assert TrainingConfig(training_steps=7, run_dir=str(tmp_path)).run_dir == str(tmp_path)
+
+
 def test_sampler_and_solver_must_share_the_system(tmp_path):
     sampler = ASTSampler(my_system(), OPENERS, tree_width=2, tree_depth=1)
     config = TrainingConfig(training_steps=1, run_dir=str(tmp_path))
@@ -332,7 +343,7 @@ def test_a_user_system_trains_with_each_solver(tmp_path, name):
     before = [p.detach().clone() for p in system.auditor.parameters()]
     sampler = ASTSampler(system, OPENERS, tree_width=4, tree_depth=1)
     steps = dict(training_steps=24, num_episodes_per_experience=8, epochs=2, save_every=100)
-    config = TrainingConfig(batch_size=None, run_dir=str(tmp_path), **steps, **settings)
+    config = system_train_config(batch_size=None, run_dir=str(tmp_path), **steps, **settings)
     rows = Trainer(config=config, sampler=sampler, algorithm=make_solver(system)).train()
     rewards = [r["reward_mean"] for r in rows]
     assert len(rows) == 24 and all(r["loss"] == r["loss"] for r in rows if r.get("pairs", 1))
@@ -354,7 +365,7 @@ def test_system_training_resumes_exactly(tmp_path, monkeypatch):
             seed=5,
         )
         sampler = ASTSampler(system, OPENERS, tree_width=2, tree_depth=2)
-        config = TrainingConfig(
+        config = system_train_config(
             lr=1e-2, batch_size=2, training_steps=steps, num_episodes_per_experience=2, run_dir=str(run_dir), save_every=2, seed=4
         )
         trainer = Trainer(config=config, sampler=sampler, algorithm=IPO(system, beta=0.1))

@@ -1,11 +1,11 @@
-"""Seed-style solvers (``DPO``, ``IPO``, ``PPO``) and ``TrainingConfig`` over astrl's losses and trainer.
+"""Seed-style solvers (``DPO``, ``IPO``, ``PPO``) and their training config over astrl's losses and trainer.
 
 A solver holds a System and its loss; :class:`astrl.Trainer` binds it to a sampler and runs it with
 the same loop as every other astrl run::
 
     sampler = ASTSampler(system, PROMPTS, tree_width=2, tree_depth=3)
     solver = DPO(system, beta=0.1)
-    Trainer(config=TrainingConfig(...), sampler=sampler, algorithm=solver).train()
+    Trainer(config=system_train_config(...), sampler=sampler, algorithm=solver).train()
 
 DPO and IPO are :class:`astrl.losses.DPOLoss` / :class:`astrl.losses.IPOLoss` on the System's summed
 log-probs. PPO treats each probe as one action: ``log pi(probe | state)`` is the sum of the tester's
@@ -31,7 +31,7 @@ from astrl.training.config import TrainConfig
 from astrl.training.preference import PreferenceAlgorithm, TreeAlgorithm
 
 
-def TrainingConfig(  # noqa: N802 - the seed's class name, kept for porting
+def system_train_config(
     *,
     lr: float = 3e-3,
     batch_size: int | None = 16,
@@ -41,7 +41,7 @@ def TrainingConfig(  # noqa: N802 - the seed's class name, kept for porting
     num_episodes_per_experience: int = 8,
     **options,
 ) -> TrainConfig:
-    """A :class:`~astrl.training.TrainConfig` from the seed's training settings.
+    """The :class:`~astrl.training.TrainConfig` of a System run, from the seed's training settings.
 
     ``lr`` -> ``lr``; ``batch_size`` (items per gradient step) -> ``minibatch_size``; ``optimizer``
     (adamw, adam, sgd, rmsprop, adagrad) -> ``optimizer``; ``gradient_accumulation_steps`` ->
@@ -49,7 +49,7 @@ def TrainingConfig(  # noqa: N802 - the seed's class name, kept for porting
     ``num_episodes_per_experience`` -> ``prompts_per_step`` (trees per sampler call). Any other
     :class:`TrainConfig` key (``run_dir``, ``seed``, ``epochs``, ``warmup_steps``, ``save_every``, ...)
     passes through. Unlike the seed, the LR warms up over ``warmup_steps`` (default 0 here) and then
-    decays linearly to 0.
+    decays linearly to 0. ASTRA-RL calls it ``TrainingConfig``, an alias kept for ported code.
     """
     options.setdefault("warmup_steps", 0)
     options.setdefault("lora", False)
@@ -62,6 +62,10 @@ def TrainingConfig(  # noqa: N802 - the seed's class name, kept for porting
         prompts_per_step=num_episodes_per_experience,
         **options,
     )
+
+
+# ASTRA-RL's name of system_train_config (a class there, a function here), so that ported code runs unchanged.
+TrainingConfig = system_train_config
 
 
 class _Solver:
