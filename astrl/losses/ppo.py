@@ -190,7 +190,7 @@ def compute_advantages(
     With ``V_t = V(s_t)`` and ``V_{T+1} = 0`` (each turn is an episode; zeros on padding)::
 
         delta_t   = r_t + gamma * V_{t+1} - V_t
-        one_step:   A_t = delta_t                                   (seed 002: r_t + V_{t+1} - V_t)
+        one_step:   A_t = delta_t                                   (the TD error: r_t + V_{t+1} - V_t at gamma = 1)
         gae:        A_t = delta_t + gamma * lmbda * A_{t+1}         (torchrl's generalized_advantage_estimate)
         value_target_t = A_t + V_t
 

@@ -2,7 +2,7 @@
 
 Everything that needs log-probs (the ASTPrompter likelihood term, the KL to the reference, the
 losses) scores **token ids**, never re-tokenized text, and gets a value for every scored token,
-the first one included (TorchRL's generate-time log-probs set it to 0.0, see DESIGN.md).
+the first one included (TorchRL's generate-time log-probs set the first one to 0.0).
 """
 
 from __future__ import annotations
