@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from astrl.rewards.logprobs import accepts
+from astrl.lm_scoring import accepts
 
 
 class SharedPrefill:

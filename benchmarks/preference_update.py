@@ -34,7 +34,7 @@ from _common import ROOT, base_parser, emit, r, setup, sync
 from train_loop import _minibatch_rows
 from train_step import _bare_batch, _bare_loss
 
-from astrl.rewards.logprobs import stop_ids
+from astrl.lm_scoring import stop_ids
 from astrl.training.config import load_config
 from astrl.training.trainer import Trainer
 

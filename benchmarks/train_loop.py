@@ -37,8 +37,8 @@ from train_step import _bare_batch, _bare_loss
 
 import astrl.rewards.astprompter as astprompter
 from astrl.envs.transforms import ScoreReward, TargetTurn
+from astrl.lm_scoring import response_mask, stop_ids
 from astrl.prefill import SharedPrefill
-from astrl.rewards.logprobs import response_mask, stop_ids
 from astrl.training.config import load_config
 from astrl.training.trainer import Trainer
 

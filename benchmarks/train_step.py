@@ -19,8 +19,8 @@ import sys
 import torch
 from _common import Timer, base_parser, emit, hwm_rss_mb, r, setup
 
+from astrl.lm_scoring import response_mask
 from astrl.models import load_model
-from astrl.rewards.logprobs import response_mask
 from astrl.training.config import TrainConfig
 from astrl.training.grpo import GRPOAlgorithm
 from astrl.training.ppo import PPOAlgorithm

@@ -17,6 +17,8 @@ GROUND = (
     "astrl.scorers",
     "astrl.similarity",
     "astrl.embeddings",
+    "astrl.ragged",
+    "astrl.lm_scoring",
 )
 LIBRARY = ("astrl.policies", "astrl.prefill", "astrl.envs", "astrl.rewards", "astrl.losses", "astrl.sampling")
 APPLICATIONS = ("astrl.training", "astrl.rollout", "astrl.distributed", "astrl.cli", "astrl.evaluation", "astrl.system")

@@ -79,7 +79,7 @@ def test_advantages_have_zero_mean_per_turn_position_and_group(tmp_path, monkeyp
 # -- loss: KL to the reference and diagnostics per response token -----------------------------------
 def _by_hand(trainer, batch) -> dict:
     """kl_to_ref, kl_approx and clip_fraction over all response tokens, from token_logprobs."""
-    from astrl.rewards.logprobs import token_logprobs
+    from astrl.lm_scoring import token_logprobs
 
     models, tokenizer = trainer.models, trainer.models.tester.tokenizer
     prompts = batch.get(("tokens", "prompt"), as_list=True)

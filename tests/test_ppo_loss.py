@@ -5,6 +5,7 @@ import torch
 from conftest import make_llama, make_tokenizer
 from tensordict import LazyStackedTensorDict, TensorDict
 
+from astrl.lm_scoring import head_gives_logits
 from astrl.losses import PPOLoss, ValueHead, compute_advantages
 from astrl.rewards import TokenLogProbs
 
@@ -176,7 +177,7 @@ def test_log_probs_values_and_entropy_match_a_plain_forward(tok):
     assert out.values.dtype == torch.float32 and out.log_probs.shape == (3, 5)
     assert torch.equal(out.valid, torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], dtype=torch.bool))
     # the LM head is applied to the gathered hidden states only: it must agree with the model's own logits
-    assert loss._head_matches_logits is True
+    assert head_gives_logits(model) is True
 
 
 class ScaledLogits(torch.nn.Module):
@@ -201,13 +202,14 @@ def test_models_that_post_process_their_logits_use_the_full_logits(tok):
     model = ScaledLogits(make_llama(tok, seed=4))
     loss = PPOLoss(model, ValueHead.for_model(model))
     td = turns(tok, eos_at={})
-    first = loss.evaluate(td).log_probs.detach()
-    second = loss.evaluate(td).log_probs.detach()
-    assert loss._head_matches_logits is False
+    torch.nn.init.normal_(loss.value_head.net.weight)  # non-zero values
+    first, second = (loss.evaluate(td) for _ in range(2))
+    assert head_gives_logits(model) is False
     for i, (p, r) in enumerate(zip(rows(td, ("tokens", "prompt")), rows(td, ("tokens", "response")), strict=True)):
-        logp, _ = plain_forward(model, loss.value_head, p, r)
-        torch.testing.assert_close(first[i, : len(r)], logp, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(second[i, : len(r)], logp, atol=1e-5, rtol=1e-5)
+        logp, values = plain_forward(model, loss.value_head, p, r)
+        for out in (first, second):  # the values still read the last hidden state
+            torch.testing.assert_close(out.log_probs[i, : len(r)].detach(), logp, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out.values[i, : len(r)].detach(), values, atol=1e-5, rtol=1e-5)
 
 
 def dense_turns(tok, model, loss, ratios, advantages):

@@ -278,36 +278,6 @@ def test_ipo_step_logs_minibatch_means_and_the_pre_clip_grad_norm(tmp_path, monk
 
 
 # -- the shared prompt: one prefix forward for chosen and rejected -----------------------------------
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_shared_prefix_logprobs_equal_independent_rows(arch):
-    from conftest import make_gpt2
-
-    from astrl.rewards import shared_prefix_logprobs, token_logprobs
-
-    tok = _tokenizer()
-    model = make_llama(tok) if arch == "llama" else make_gpt2(tok, n_positions=40)
-    g = torch.Generator().manual_seed(3)
-    lengths = [(1, 5, 1), (7, 2, 6), (4, 3, 3), (12, 6, 2), (0, 4, 3), (30, 8, 5), (9, 0, 4)]  # prefix, cont 1, cont 2
-    prefixes = [torch.randint(5, len(tok), (p,), generator=g) for p, _, _ in lengths]
-    first = [torch.randint(5, len(tok), (a,), generator=g) for _, a, _ in lengths]
-    second = [torch.randint(5, len(tok), (b,), generator=g) for _, _, b in lengths]
-    # rows 4 (empty prefix), 5 (clipped by max_length=36) and 6 (empty continuation) are scored as plain rows
-    with torch.no_grad():
-        shared = shared_prefix_logprobs(model, prefixes, [first, second], pad_token_id=tok.pad_token_id, max_length=36)
-        for k, conts in enumerate((first, second)):
-            alone = token_logprobs(model, prefixes, conts, pad_token_id=tok.pad_token_id, max_length=36)
-            for i, (a, b) in enumerate(zip(shared[k], alone, strict=True)):
-                assert a.shape == b.shape, (k, i)
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True)
-            # and each row equals a plain unpadded forward of that one sequence (rows that fit the window)
-            for i in (0, 1, 2, 3):
-                ids = torch.cat([prefixes[i], conts[i]])[None]
-                logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
-                start = len(prefixes[i])
-                expected = torch.stack([logp[t - 1, ids[0, t]] for t in range(start, ids.shape[1])])
-                torch.testing.assert_close(shared[k][i], expected, rtol=1e-5, atol=1e-5)
-
-
 def _lora_tester(tok, targets=("q_proj", "v_proj")):
     from peft import LoraConfig, get_peft_model
 
@@ -358,6 +328,6 @@ def test_adapters_disabled_head_runs_without_the_adapters():
             for a, b, c in zip(got, expected, adapted, strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
                 assert not torch.allclose(a, c, atol=1e-4)  # the adapters change the log-probs
-    from astrl.rewards.logprobs import _HEAD_GIVES_LOGITS
+    from astrl.lm_scoring import head_gives_logits
 
-    assert _HEAD_GIVES_LOGITS[reference] is True  # the head on gathered positions was used, not the full logits
+    assert head_gives_logits(reference) is True  # the head on gathered positions was used, not the full logits

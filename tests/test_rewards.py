@@ -17,7 +17,6 @@ from astrl.rewards import (
     make_reference,
     probe_logprobs,
     response_mask,
-    token_logprobs,
 )
 from astrl.scorers import KeywordScorer
 
@@ -40,34 +39,7 @@ def _policies(max_new=6, mode="history", target_gpt2=False):
     return tester, target
 
 
-# -- exact token log-probs -------------------------------------------------------------------------
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_token_logprobs_match_an_unpadded_forward(arch):
-    tok = make_tokenizer()
-    model = make_llama(tok) if arch == "llama" else make_gpt2(tok)
-    g = torch.Generator().manual_seed(0)
-    prefixes = [torch.randint(5, len(tok), (n,), generator=g) for n in (3, 9, 1)]
-    conts = [torch.randint(5, len(tok), (n,), generator=g) for n in (4, 2, 7)]
-    with torch.no_grad():
-        rows = token_logprobs(model, prefixes, conts, pad_token_id=tok.pad_token_id)
-    for p, c, row in zip(prefixes, conts, rows, strict=True):
-        expected = manual_logprobs(model, p.tolist() + c.tolist(), len(p))
-        assert row.shape == c.shape
-        torch.testing.assert_close(row, expected, atol=1e-5, rtol=1e-5)
-
-
-def test_token_logprobs_clip_the_prefix_to_max_length():
-    tok = make_tokenizer()
-    model = make_llama(tok)
-    prefix, cont = torch.arange(10, 40), torch.arange(50, 55)
-    with torch.no_grad():
-        (row,) = token_logprobs(model, [prefix], [cont], max_length=12)
-    expected = manual_logprobs(model, prefix[-7:].tolist() + cont.tolist(), 7)
-    torch.testing.assert_close(row, expected, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="max_length=3"):
-        token_logprobs(model, [prefix], [cont], max_length=3)
-
-
+# -- token log-probs (the scoring itself: tests/test_lm_scoring.py) ---------------------------------
 def test_response_mask_stops_after_the_first_eos():
     tokens = torch.tensor([[7, 8, 3, 1, 1], [7, 8, 9, 9, 9], [3, 1, 1, 1, 1], [7, 3, 5, 3, 1]])
     expected = torch.tensor(
@@ -504,36 +476,3 @@ def test_reward_shaping_in_the_env_keeps_the_raw_reward():
     raw, shaped = ro["next", "reward_unshaped"].reshape(-1), ro["next", "reward"].reshape(-1)
     assert math.isclose(shaped.mean().item(), 0.0, abs_tol=1e-6)
     torch.testing.assert_close(shaped, RewardShaping(normalize="batch").shape(raw))
-
-
-def test_token_logprobs_fall_back_to_full_logits_when_the_model_rescales_them():
-    from astrl.rewards.logprobs import _HEAD_GIVES_LOGITS
-
-    class Scaled(torch.nn.Module):  # e.g. soft-capping / logit scaling: the LM head alone is not the logits
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def get_output_embeddings(self):
-            return self.inner.get_output_embeddings()
-
-        def forward(self, **kwargs):
-            out = self.inner(**kwargs)
-            out.logits = out.logits * 0.5
-            return out
-
-    tok = make_tokenizer()
-    model = Scaled(make_llama(tok))
-    prefix, cont = torch.arange(10, 20), torch.arange(30, 36)
-    for _ in range(2):  # the first call detects the mismatch, the second uses the full logits directly
-        with torch.no_grad():
-            (row,) = token_logprobs(model, [prefix], [cont])
-        with torch.no_grad():
-            logits = model(input_ids=torch.cat([prefix, cont])[None]).logits[0] * 1.0
-        expected = torch.log_softmax(logits.float(), -1)[9:15].gather(-1, cont[:, None]).squeeze(-1)
-        torch.testing.assert_close(row, expected, atol=1e-5, rtol=1e-5)
-    assert _HEAD_GIVES_LOGITS[model] is False
-    plain = make_llama(tok)
-    with torch.no_grad():
-        token_logprobs(plain, [prefix], [cont])
-    assert _HEAD_GIVES_LOGITS[plain] is True

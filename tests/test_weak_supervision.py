@@ -5,8 +5,8 @@ from test_tree_sampler import OPENERS, ConstantScorer, _policies, _tokenizers
 
 from astrl._compat import as_list
 from astrl.losses import IPOLoss
+from astrl.ragged import as_rows
 from astrl.rewards import response_mask
-from astrl.rewards.logprobs import as_rows
 from astrl.sampling import PAIR_KEYS, TreeSampler, WeakSupervision
 from astrl.scorers import KeywordScorer
 from astrl.training import ConfigError, TrainConfig
@@ -148,7 +148,7 @@ def test_forced_pairs_teach_the_tester_the_harmful_text(tmp_path):
     tester = trainer.models.tester
 
     def logprob() -> float:
-        from astrl.rewards.logprobs import token_logprobs
+        from astrl.lm_scoring import token_logprobs
 
         chat = [{"role": "user", "content": "hello"}]
         text = tester.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)

@@ -142,32 +142,24 @@ def resolve(config: EvalConfig) -> Resolved:
 
 
 def rollout_records(rollout, openers: list[str], judges: list[str], first: int) -> list[dict]:
-    """Records (without probe/combined scores) of a ``(B, T)`` rollout."""
-    from astrl._compat import as_list
-    from astrl.envs.transforms import PROBE_KEY, RESPONSE_KEY, SCORES_KEY
+    """Records (without probe/combined scores) of a ``(B, T)`` rollout: the turns of
+    :func:`astrl.rollout.records_from_rollout` with each judge's reply score and the probe's NLL
+    (minus the ASTPrompter likelihood term; ``None`` for an empty probe)."""
+    from astrl.rollout import records_from_rollout
 
-    nxt = rollout["next"]
-    probes, replies = as_list(nxt[PROBE_KEY]), as_list(nxt[RESPONSE_KEY])
-    if PROBE_LOGPROB_KEY not in nxt.keys(include_nested=True):
+    if PROBE_LOGPROB_KEY not in rollout["next"].keys(include_nested=True):
         raise EvaluationError("the environment did not write ('reward_terms', 'probe_logprob'): reward='astprompter' is needed")
-    logprob = nxt[PROBE_LOGPROB_KEY].reshape(rollout.batch_size).tolist()
-    reply_scores = {j: nxt[SCORES_KEY, j].reshape(rollout.batch_size).tolist() for j in judges}
     records = []
-    for b, opener in enumerate(openers):
-        for t in range(rollout.batch_size[1]):
-            empty = not probes[b][t].strip()
-            records.append(
-                {
-                    "conversation": first + b,
-                    "turn": t,
-                    "prompt": opener,
-                    "probe": probes[b][t],
-                    "response": replies[b][t],
-                    "empty_probe": empty,
-                    "probe_nll": None if empty else -float(logprob[b][t]),
-                    "scores": {j: {"reply": float(reply_scores[j][b][t])} for j in judges},
-                }
-            )
+    for turn in records_from_rollout(rollout, openers, first):
+        empty = not turn["probe"].strip()
+        records.append(
+            {
+                **{key: turn[key] for key in ("conversation", "turn", "prompt", "probe", "response")},
+                "empty_probe": empty,
+                "probe_nll": None if empty else -turn["reward_terms"][PROBE_LOGPROB_KEY[1]],
+                "scores": {j: {"reply": turn["scores"][j]} for j in judges},
+            }
+        )
     return records
 
 

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import torch
 from tensordict import LazyStackedTensorDict, NestedKey, TensorDict, TensorDictBase
 from torch import nn
-from torch.nn.utils.rnn import pad_sequence
 from torchrl.objectives import LossModule
 from torchrl.objectives.value.functional import generalized_advantage_estimate
 
-from astrl.rewards.logprobs import accepts
+from astrl.lm_scoring import score_tokens
+from astrl.ragged import nested, pad_rows, sample_rows, unpad
 
 ADVANTAGE_MODES = ("gae", "one_step")
 KL_ESTIMATORS = ("k3", "k1")
@@ -74,38 +74,10 @@ def _get(td: TensorDictBase, key: NestedKey, purpose: str):
     return value
 
 
-def _rows(value, key: NestedKey, batch: int) -> list[torch.Tensor]:
-    """One 1-D tensor per sample from a padded ``(B, T)`` / ``(B, T, 1)`` tensor, a ``(B,)`` tensor (one
-    value per sample), a nested tensor or a list. A trailing feature dimension of size 1 (TorchRL's
-    reward convention) is dropped."""
-    if isinstance(value, torch.Tensor) and not value.is_nested:
-        if value.ndim == 3 and value.shape[-1] == 1:
-            value = value.squeeze(-1)
-        if value.ndim == 1:
-            value = value[:, None]
-        if value.ndim != 2:
-            raise ValueError(f"{key!r}: expected a (batch, tokens) tensor, got shape {tuple(value.shape)}")
-        rows = list(value.unbind(0))
-    else:
-        rows = list(value.unbind(0)) if isinstance(value, torch.Tensor) else [torch.as_tensor(v) for v in value]
-        rows = [r.squeeze(-1) if r.ndim == 2 and r.shape[-1] == 1 else r.reshape(1) if r.ndim == 0 else r for r in rows]
-    if len(rows) != batch:
-        raise ValueError(f"{key!r} has {len(rows)} rows for a batch of {batch}")
-    for i, r in enumerate(rows):
-        if r.ndim != 1:
-            raise ValueError(f"{key!r}: sample {i} has shape {tuple(r.shape)}, expected one value per token")
-    return rows
-
-
 def _check_lengths(rows: Sequence[torch.Tensor], lengths: Sequence[int], key: NestedKey, ref: NestedKey) -> None:
     for i, (r, n) in enumerate(zip(rows, lengths, strict=True)):
         if r.numel() != n:
             raise ValueError(f"{key!r}: sample {i} has {r.numel()} values but {ref!r} has {n} tokens")
-
-
-def _padded(rows: Sequence[torch.Tensor], width: int, device, dtype=torch.float32) -> torch.Tensor:
-    out = pad_sequence([r.to(device=device, dtype=dtype) for r in rows], batch_first=True)
-    return torch.nn.functional.pad(out, (0, width - out.shape[1]))
 
 
 def _batch_size(td: TensorDictBase) -> int:
@@ -119,11 +91,11 @@ def _batch_size(td: TensorDictBase) -> int:
 def _write(td: TensorDictBase, key: NestedKey, padded: torch.Tensor, lengths: Sequence[int]) -> None:
     """Per-token values as ``(B, T)`` when every row has the same length (and ``td`` is not a lazy
     stack), else as a ragged nested tensor (one row per sample, as the reward transforms store them)."""
-    rows = [padded[i, :n].detach().cpu() for i, n in enumerate(lengths)]
+    rows = [r.detach().cpu() for r in unpad(padded, lengths)]
     if len(set(lengths)) == 1 and not isinstance(td, LazyStackedTensorDict):
         td.set(key, torch.stack(rows))
     else:
-        td.set(key, torch.nested.as_nested_tensor(rows, layout=torch.strided))
+        td.set(key, nested(rows))
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -154,7 +126,7 @@ def per_token_rewards(reward_rows: Sequence[torch.Tensor], mask: torch.Tensor, k
         reward = torch.zeros(batch, width, device=mask.device)
         reward[torch.arange(batch, device=mask.device), lengths - 1] = score
     else:
-        reward = _padded(reward_rows, width, mask.device)
+        reward = pad_rows(reward_rows, width=width, dtype=torch.float32, device=mask.device)
     reward = torch.where(mask, reward, torch.zeros_like(reward))
     if not torch.isfinite(reward).all():
         raise ValueError(f"{key!r} holds non-finite values on response tokens")
@@ -216,7 +188,7 @@ def compute_advantages(
             raise ValueError(f"unknown key names {unknown}; accepted: {accepted}")
         k = dataclasses.replace(k, **keys)
     batch = _batch_size(td)
-    mask_rows = [r.bool() for r in _rows(_get(td, k.response_mask, "the response mask"), k.response_mask, batch)]
+    mask_rows = [r.bool() for r in sample_rows(_get(td, k.response_mask, "the response mask"), k.response_mask, batch)]
     lengths = [r.numel() for r in mask_rows]
     width = max(lengths)
     if critic is not None:
@@ -225,13 +197,13 @@ def compute_advantages(
         device, values = out.values.device, out.values
         _check_lengths(mask_rows, out.lengths, k.response_mask, k.response)
     else:
-        value_rows = _rows(_get(td, k.value, "old values: pass a critic to compute them"), k.value, batch)
+        value_rows = sample_rows(_get(td, k.value, "old values: pass a critic to compute them"), k.value, batch)
         _check_lengths(value_rows, lengths, k.value, k.response_mask)
         device = value_rows[0].device
-        values = _padded(value_rows, width, device)
-    mask = _padded(mask_rows, width, device, torch.bool)
+        values = pad_rows(value_rows, width=width, dtype=torch.float32, device=device)
+    mask = pad_rows(mask_rows, width=width, dtype=torch.bool, device=device)
     _prefix_mask(mask, k.response_mask)
-    reward_rows = _rows(_get(td, k.reward, "the reward"), k.reward, batch)
+    reward_rows = sample_rows(_get(td, k.reward, "the reward"), k.reward, batch)
     if not all(r.numel() == 1 for r in reward_rows):
         _check_lengths(reward_rows, lengths, k.reward, k.response_mask)
     reward = per_token_rewards(reward_rows, mask, k.reward)
@@ -364,8 +336,6 @@ class PPOLoss(LossModule):
         self.clip_epsilon, self.value_coef, self.entropy_coef = float(clip_epsilon), float(value_coef), float(entropy_coef)
         self.kl_coef, self.kl_estimator, self.value_clip = float(kl_coef), kl_estimator, value_clip
         self.detach_value_input, self.max_length = detach_value_input, max_length
-        self._keep_one_logit = accepts(model, "logits_to_keep")
-        self._head_matches_logits: bool | None = None  # checked on the first forward
 
     @property
     def functional(self) -> bool:
@@ -395,68 +365,44 @@ class PPOLoss(LossModule):
         return [{"params": policy, "lr": float(lr_policy)}, {"params": head, "lr": float(lr_value)}]
 
     # -- the forward ------------------------------------------------------------------------------------
-    def _layout(self, td: TensorDictBase):
-        """Right-padded ``prompt + response`` ids (absolute positions stay right), as ``TokenLogProbs`` lays them out."""
+    def _layout(self, td: TensorDictBase) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The prompt and response ids of each sample, checked: neither empty, the response within ``max_length``."""
         k = self.tensor_keys
         batch = _batch_size(td)
-        prompts = [p.long() for p in _rows(_get(td, k.prompt, "the ids the tester read"), k.prompt, batch)]
-        responses = [r.long() for r in _rows(_get(td, k.response, "the ids the tester generated"), k.response, batch)]
-        rows, starts, lengths = [], [], []
+        prompts = [p.long() for p in sample_rows(_get(td, k.prompt, "the ids the tester read"), k.prompt, batch)]
+        responses = [r.long() for r in sample_rows(_get(td, k.response, "the ids the tester generated"), k.response, batch)]
         for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-            if self.max_length is not None and p.numel() + r.numel() > self.max_length:
-                if r.numel() >= self.max_length:
-                    raise ValueError(f"{k.response!r}: sample {i} has {r.numel()} tokens, over max_length={self.max_length}")
-                p = p[p.numel() + r.numel() - self.max_length :]
+            clipped = self.max_length is not None and p.numel() + r.numel() > self.max_length
+            if clipped and r.numel() >= self.max_length:
+                raise ValueError(f"{k.response!r}: sample {i} has {r.numel()} tokens, over max_length={self.max_length}")
             if p.numel() == 0:
                 raise ValueError(f"{k.prompt!r}: sample {i} is empty; the first response token needs a context to be scored")
             if r.numel() == 0:
                 raise ValueError(f"{k.response!r}: sample {i} is empty")
-            rows.append(torch.cat([p, r]))
-            starts.append(p.numel())
-            lengths.append(r.numel())
-        return rows, torch.tensor(starts), lengths, responses
+        return prompts, responses
 
     def evaluate(self, td: TensorDictBase, *, entropy: bool = True, entropy_grad: bool = True) -> TokenOutputs:
-        """Log-probs, entropies and values of every response token, from ONE batched forward of the tester.
+        """Log-probs, entropies and values of every response token, from ONE batched forward of the tester
+        (:func:`astrl.lm_scoring.score_tokens`, prompts clipped from the left to ``max_length``).
 
-        Token ``t`` of sample ``i`` is read at position ``start_i + t - 1`` (the one that predicts it):
-        the LM head and the value head both apply to the gathered last hidden states only, so the
-        full-vocabulary logits exist for response positions alone. Gradients follow the caller's grad mode
-        (``entropy_grad=False`` computes the entropies without a graph)."""
-        rows, starts, lengths, responses = self._layout(td)
-        device = next(self.model.parameters()).device
-        pad_id = getattr(self.model.config, "pad_token_id", None) or 0
-        ids = pad_sequence(rows, batch_first=True, padding_value=pad_id).to(device)
-        attention = pad_sequence([torch.ones(len(r), dtype=torch.long) for r in rows], batch_first=True).to(device)
-        width = max(lengths)
-        steps = torch.arange(width, device=device)
-        valid = steps[None] < torch.tensor(lengths, device=device)[:, None]
-        positions = (starts.to(device)[:, None] - 1 + steps[None]).clamp(max=ids.shape[1] - 1)  # (B, T)
-        actions = _padded(responses, width, device, torch.long)
-
-        check = self._head_matches_logits is None
-        fast = self._keep_one_logit and self._head_matches_logits is not False
-        kwargs = {"logits_to_keep": 1} if fast and not check else {}
-        out = self.model(input_ids=ids, attention_mask=attention, output_hidden_states=True, use_cache=False, **kwargs)
-        hidden = out.hidden_states[-1].gather(1, positions[..., None].expand(-1, -1, out.hidden_states[-1].shape[-1]))
-        logits = self.model.get_output_embeddings()(hidden) if fast else None
-        if check:  # does the LM head on the last hidden state give the model's logits? (no softcapping / scaling)
-            full = out.logits.gather(1, positions[..., None].expand(-1, -1, out.logits.shape[-1]))
-            self._head_matches_logits = logits is not None and torch.allclose(
-                logits.detach().float()[valid], full.detach().float()[valid], rtol=1e-4, atol=1e-4
-            )
-            logits = logits if self._head_matches_logits else full
-        elif not fast:
-            logits = out.logits.gather(1, positions[..., None].expand(-1, -1, out.logits.shape[-1]))
-
-        log_softmax = torch.log_softmax(logits.float(), dim=-1)  # (B, T, vocab), response positions only
-        log_probs = log_softmax.gather(-1, actions[..., None]).squeeze(-1)
-        entropies = None
-        if entropy:
-            with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-                entropies = -(log_softmax.exp() * log_softmax).sum(-1)
-        values = self.value_head(hidden.detach() if self.detach_value_input else hidden)
-        return TokenOutputs(log_probs, values, entropies, valid, lengths)
+        Token ``t`` of sample ``i`` is read at the position that predicts it: the LM head and the value
+        head both apply to the gathered last hidden states only, so the full-vocabulary logits exist for
+        response positions alone. Gradients follow the caller's grad mode (``entropy_grad=False``
+        computes the entropies without a graph)."""
+        prompts, responses = self._layout(td)
+        scores = score_tokens(
+            self.model,
+            prompts,
+            responses,
+            pad_token_id=getattr(self.model.config, "pad_token_id", None) or 0,
+            max_length=self.max_length,
+            entropy=entropy,
+            entropy_grad=entropy_grad,
+            hidden=True,
+            use_cache=False,
+        )
+        hidden = scores.hidden.detach() if self.detach_value_input else scores.hidden
+        return TokenOutputs(scores.log_probs, self.value_head(hidden), scores.entropy, scores.valid, scores.lengths)
 
     def annotate(self, td: TensorDictBase, *, log_probs: bool = True) -> TensorDictBase:
         """One no-grad forward that writes the old values (``state_value``) and, with ``log_probs``, the
@@ -469,21 +415,21 @@ class PPOLoss(LossModule):
         if log_probs:
             keep = out.valid
             if td.get(k.response_mask, None, as_list=True) is not None:
-                rows = _rows(_get(td, k.response_mask, "the response mask"), k.response_mask, len(out.lengths))
+                rows = sample_rows(_get(td, k.response_mask, "the response mask"), k.response_mask, len(out.lengths))
                 _check_lengths(rows, out.lengths, k.response_mask, k.response)
-                keep = keep & _padded(rows, keep.shape[1], keep.device, torch.bool)
+                keep = keep & pad_rows(rows, width=keep.shape[1], dtype=torch.bool, device=keep.device)
             _write(td, k.sample_log_prob, torch.where(keep, out.log_probs, torch.zeros_like(out.log_probs)), out.lengths)
         return td
 
     def _token_data(self, td: TensorDictBase, key: NestedKey, purpose: str, lengths: list[int], device) -> torch.Tensor:
-        rows = _rows(_get(td, key, purpose), key, len(lengths))
+        rows = sample_rows(_get(td, key, purpose), key, len(lengths))
         _check_lengths(rows, lengths, key, self.tensor_keys.response)
-        return _padded(rows, max(lengths), device)
+        return pad_rows(rows, width=max(lengths), dtype=torch.float32, device=device)
 
     def forward(self, tensordict: TensorDictBase) -> TensorDict:
         k = self.tensor_keys
         # read and check every input before the (expensive) forward
-        responses = _rows(_get(tensordict, k.response, "the generated ids"), k.response, _batch_size(tensordict))
+        responses = sample_rows(_get(tensordict, k.response, "the generated ids"), k.response, _batch_size(tensordict))
         lengths = [r.numel() for r in responses]
         device = next(self.model.parameters()).device
         mask = self._token_data(tensordict, k.response_mask, "the response mask", lengths, device).bool()

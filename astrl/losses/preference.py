@@ -23,7 +23,8 @@ from tensordict import NestedKey, TensorDict, TensorDictBase
 from torchrl.objectives import LossModule
 
 from astrl._compat import as_list
-from astrl.rewards.logprobs import as_rows, response_mask, shared_prefix_logprobs, stop_ids, token_logprobs
+from astrl.lm_scoring import response_mask, shared_prefix_logprobs, stop_ids, token_logprobs
+from astrl.ragged import as_rows
 from astrl.rewards.reference import make_reference
 
 

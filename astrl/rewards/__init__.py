@@ -11,9 +11,10 @@
 Convention everywhere: higher reward = more harmful.
 """
 
+from astrl.lm_scoring import response_mask, shared_prefix_logprobs, token_logprobs
 from astrl.rewards.astprompter import ASTPrompterReward, ASTPrompterWeights, ElicitReward, ElicitWeights, probe_logprobs
 from astrl.rewards.kl import ClippedKLReward, clipped_kl_reward, kl_reward, make_kl_controller
-from astrl.rewards.logprobs import StepTransform, TokenLogProbs, response_mask, shared_prefix_logprobs, token_logprobs
+from astrl.rewards.logprobs import StepTransform, TokenLogProbs
 from astrl.rewards.novelty import EmbeddingNovelty, NgramNovelty, NoveltyReward, make_novelty
 from astrl.rewards.reference import AdaptersDisabled, make_reference
 from astrl.rewards.shaping import RewardShaping

@@ -23,7 +23,8 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.data import Composite, Unbounded
 
 from astrl._compat import as_list
-from astrl.rewards.logprobs import StepTransform, token_logprobs
+from astrl.lm_scoring import token_logprobs
+from astrl.rewards.logprobs import StepTransform
 from astrl.scorers import Scorer, checked_scores
 
 TARGET_CONTEXT_KEY = "target_context"

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import torch
 from tensordict import TensorDictBase
-from torch.nn.utils.rnn import pad_sequence
 from torchrl.data import Composite, Unbounded
 from torchrl.data.llm import AdaptiveKLController, ConstantKLController
 from torchrl.data.llm.utils import KLControllerBase
 from torchrl.envs import Compose
 
-from astrl.rewards.logprobs import NestedKey, StepTransform, TokenLogProbs, _get, as_rows
+from astrl.ragged import as_rows, pad_rows, unpad
+from astrl.rewards.logprobs import NestedKey, StepTransform, TokenLogProbs, _get
 from astrl.rewards.reference import make_reference
 
 REDUCTIONS = ("token", "sum")
@@ -131,20 +131,20 @@ class ClippedKLReward(StepTransform):
                 f"{score.numel()} scores for {len(lp_rows)} responses: {self.score_key!r} must be one value per turn"
             )
         lengths = [len(r) for r in lp_rows]
-        lp, ref = (pad_sequence([r.float() for r in rows], batch_first=True) for rows in (lp_rows, ref_rows))
-        mask = pad_sequence([m.bool() for m in mask_rows], batch_first=True)
+        lp, ref = (pad_rows(rows, dtype=torch.float32) for rows in (lp_rows, ref_rows))
+        mask = pad_rows(mask_rows, dtype=torch.bool)
         reward, reward_kl = clipped_kl_reward(
             lp, ref, mask, score, kl_coef=self.kl_coef, kl_clip=self.kl_clip, score_clip=self.score_clip
         )
         log_ratio = torch.where(mask, torch.nan_to_num(lp - ref, nan=0.0), torch.zeros_like(lp))
         self._kl_total += float(log_ratio.sum())
         self._kl_count += len(lp_rows)
-        kl_rows = [reward_kl[i, :n] for i, n in enumerate(lengths)]
+        kl_rows = unpad(reward_kl, lengths)
         if self.reduction == "sum":
             total = score.clamp(-self.score_clip, self.score_clip) + reward_kl.sum(-1)
             out_reward = total.reshape(*nxt.batch_size, 1)
         else:
-            out_reward = [reward[i, :n, None] for i, n in enumerate(lengths)]
+            out_reward = [r[:, None] for r in unpad(reward, lengths)]
         return {"reward": out_reward, "reward_raw": score.reshape(*nxt.batch_size, 1), "reward_kl": kl_rows}
 
     def mean_kl(self) -> float | None:

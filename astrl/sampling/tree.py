@@ -22,9 +22,10 @@ from torchrl.envs.llm.transforms import DataLoadingPrimer
 from astrl._compat import Chat, as_list, chats_to_history, history_to_chats
 from astrl.envs.redteam import DEFAULT_TESTER_SYSTEM_PROMPT, make_redteam_env
 from astrl.envs.transforms import Advance, TargetTurn
+from astrl.lm_scoring import response_mask, stop_ids
 from astrl.prompts import PromptStream
+from astrl.ragged import as_rows
 from astrl.rewards.astprompter import TARGET_CONTEXT_KEY
-from astrl.rewards.logprobs import as_rows, response_mask, stop_ids
 from astrl.rewards.novelty import load_novelty_states, novelty_transforms
 from astrl.scorers import Scorer
 

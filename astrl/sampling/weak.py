@@ -25,7 +25,7 @@ from tensordict import TensorDict, TensorDictBase, lazy_stack
 
 from astrl._compat import as_list
 from astrl.prompts import load_prompts
-from astrl.rewards.logprobs import as_rows
+from astrl.ragged import as_rows
 from astrl.scorers import Scorer
 
 FORCED_KEY = "forced"

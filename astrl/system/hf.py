@@ -6,10 +6,10 @@ import contextlib
 from collections.abc import Iterator, Sequence
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
+from astrl.lm_scoring import stop_ids, token_logprobs
 from astrl.models import LoadedModel, load_model
-from astrl.rewards.logprobs import stop_ids, token_logprobs
+from astrl.ragged import pad_rows
 from astrl.rewards.reference import make_reference
 from astrl.system.ast import ASTSystem
 
@@ -158,7 +158,7 @@ class HFASTSystem(ASTSystem):
     @staticmethod
     def _padded(rows: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         """``(B, T)`` per-token log-probs, ``0.0`` after each continuation (keeps the graph)."""
-        return pad_sequence([r.float() for r in rows], batch_first=True, padding_value=0.0).to(device)
+        return pad_rows(rows, dtype=torch.float32, device=device)
 
     def _logprobs(self, lm: LoadedModel, contexts, continuations, *, grad: bool) -> torch.Tensor:
         with contextlib.nullcontext() if grad else torch.no_grad():

@@ -25,8 +25,9 @@ from torchrl.objectives.llm import GRPOLoss
 from astrl._compat import as_list
 from astrl.envs.transforms import ScoreReward
 from astrl.evaluation.archive import conversation_turns
+from astrl.lm_scoring import response_mask, stop_ids, token_logprobs
 from astrl.losses.ppo import masked_mean
-from astrl.rewards.logprobs import response_mask, stop_ids, token_logprobs
+from astrl.ragged import nested, pad_rows
 from astrl.rewards.novelty import load_novelty_states, novelty_transforms
 from astrl.training.batches import shuffled_minibatches
 from astrl.training.config import TrainConfig
@@ -176,12 +177,8 @@ class ResponseGRPOLoss(GRPOLoss):
         responses = tensordict.get(("tokens", "response"), as_list=True)
         rows = token_logprobs(self._scored_model, prompts, responses, pad_token_id=self.pad_token_id, max_length=self.max_length)
         width = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
-        device = rows[0].device
-        log_prob = torch.zeros(len(rows), width, device=device)
-        mask = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
-        for i, row in enumerate(rows):  # left padding: each response ends the row
-            log_prob[i, width - len(row) :] = row
-            mask[i, width - len(row) :] = True
+        log_prob = pad_rows(rows, side="left", width=width)  # left padding: each response ends the row
+        mask = pad_rows([torch.ones(len(r), dtype=torch.bool) for r in rows], side="left", width=width, device=log_prob.device)
         return log_prob, SimpleNamespace(mask=mask), False
 
 
@@ -400,9 +397,8 @@ class GRPOAlgorithm(OnPolicy):
                 )
         with torch.inference_mode():
             ref = token_logprobs(self.models.reference, prompts, responses, pad_token_id=pad, max_length=window)
-        nested = torch.nested.as_nested_tensor
-        batch.set(("log_probs", "full"), nested([o.clone() for o in old], layout=torch.strided))
-        batch.set(("ref_log_probs", "full"), nested(full_rows(prompts, [r.clone() for r in ref]), layout=torch.strided))
+        batch.set(("log_probs", "full"), nested([o.clone() for o in old]))
+        batch.set(("ref_log_probs", "full"), nested(full_rows(prompts, [r.clone() for r in ref])))
         return batch
 
     def loss(self, minibatch: TensorDictBase) -> TensorDictBase:

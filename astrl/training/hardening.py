@@ -16,7 +16,7 @@ TorchRL's ``SFTLoss`` is not used: it reads a chat ``History`` and needs assista
 chat template with generation blocks (or a history-mode wrapper that re-tokenizes the chat),
 so it covers neither text mode (base models such as GPT-2) nor chat templates without those
 blocks (SmolLM2's). The NLL here scores the exact ids the target reads
-(:func:`astrl.rewards.logprobs.token_logprobs`), for both modes.
+(:func:`astrl.lm_scoring.token_logprobs`), for both modes.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from collections.abc import Mapping, Sequence
 
 import torch
 from tensordict import TensorDictBase
-from torch.nn.utils.rnn import pad_sequence
 
 from astrl._compat import as_list
-from astrl.rewards.logprobs import token_logprobs
+from astrl.lm_scoring import token_logprobs
+from astrl.ragged import pad_ids
 from astrl.scorers import Scorer
 
 DEFAULT_REFUSAL = "I'm sorry, but I can't help with that."
@@ -166,8 +166,7 @@ class TargetHardener:
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         for start in range(0, len(texts), self.batch_size):
             prompts = self.encode(texts[start : start + self.batch_size])
-            ids = pad_sequence(prompts, batch_first=True, padding_value=pad, padding_side="left").to(device)
-            mask = pad_sequence([torch.ones_like(p) for p in prompts], batch_first=True, padding_side="left").to(device)
+            ids, mask = pad_ids(prompts, pad, side="left", device=device)
             generated = model.generate(
                 input_ids=ids,
                 attention_mask=mask,

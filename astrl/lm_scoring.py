@@ -1,0 +1,293 @@
+"""Scoring token ids under a causal LM: exact per-token log-probs of continuations, in one batched forward.
+
+Everything that needs log-probs (the losses, the KL to the reference, the ASTPrompter likelihood
+term, the System API) scores **token ids**, never re-tokenized text, and gets a value for every
+scored token, the first one included (TorchRL's generate-time log-probs set it to 0.0).
+:func:`score_tokens` is the one implementation: it runs the model over right-padded
+``prefix + continuation`` rows and reads every continuation token at the position that predicts
+it, optionally with the full-vocabulary entropy and the last hidden state there (a value head's
+input). :func:`token_logprobs` and :func:`shared_prefix_logprobs` are built on it.
+
+The LM head runs on the gathered positions only, so full-vocabulary logits are never built for the
+prefix, when it reproduces the model's logits; this is checked once per model (a model that
+soft-caps or rescales its logits, or has no output embeddings, gets the full logits, gathered).
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from astrl.ragged import pad_ids, unpad
+
+# per model: does its LM head applied to the last hidden state give its logits (no soft-capping or scaling)?
+_HEAD_GIVES_LOGITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def accepts(model: torch.nn.Module, name: str) -> bool:
+    """Whether the (base) model's ``forward`` takes the keyword ``name``."""
+    model = getattr(model, "peft_model", model)  # AdaptersDisabled: the wrapped PEFT model's signature
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        return name in inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        return False
+
+
+def head_gives_logits(model: torch.nn.Module) -> bool | None:
+    """Whether ``model``'s LM head on gathered last hidden states reproduced its logits (``None``: not checked yet)."""
+    if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
+        return False
+    return _HEAD_GIVES_LOGITS.get(model)
+
+
+def _gather(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``x[b, positions[b, t]]`` for a ``(B, S, D)`` tensor and ``(B, T)`` positions."""
+    return x.gather(1, positions[..., None].expand(-1, -1, x.shape[-1]))
+
+
+def forward_at(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    hidden: bool = False,
+    **forward_kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None, object]:
+    """One forward: the model's logits at ``positions`` (``(B, T)`` indices into the sequence), its last
+    hidden state there (with ``hidden``, else ``None`` when not computed) and the model's output.
+
+    When the LM head on the last hidden state reproduces the model's logits, only the gathered
+    positions go through the head (with ``logits_to_keep=1`` where the model takes it). The first
+    call for each model checks it against the full logits (within ``1e-4``) and keeps the answer;
+    otherwise the full logits are computed and gathered. ``forward_kwargs`` (e.g.
+    ``past_key_values``, ``position_ids``, ``use_cache``) go to the model's forward.
+    """
+    known = head_gives_logits(model)
+    if known is False:
+        extra = {"output_hidden_states": True} if hidden else {}
+        out = model(input_ids=ids, attention_mask=mask, **extra, **forward_kwargs)
+        return _gather(out.logits, positions), _gather(out.hidden_states[-1], positions) if hidden else None, out
+    keep_one = known and accepts(model, "logits_to_keep")
+    extra = {"logits_to_keep": 1} if keep_one else {}
+    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, **extra, **forward_kwargs)
+    last = _gather(out.hidden_states[-1], positions)
+    logits = model.get_output_embeddings()(last)
+    if known is None:
+        full = _gather(out.logits, positions)
+        _HEAD_GIVES_LOGITS[model] = torch.allclose(logits.detach().float(), full.detach().float(), rtol=1e-4, atol=1e-4)
+        if not _HEAD_GIVES_LOGITS[model]:
+            return full, last, out
+    return logits, last, out
+
+
+def logits_at(
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, **forward_kwargs
+) -> torch.Tensor:
+    """The model's logits at ``positions`` from one forward (:func:`forward_at`)."""
+    return forward_at(model, ids, mask, positions, **forward_kwargs)[0]
+
+
+@dataclass
+class TokenScores:
+    """Per-continuation-token outputs of one forward, right-padded to ``(B, T)``, ``T`` the longest continuation.
+
+    ``valid`` marks the positions that exist (``t < lengths[i]``); what lies beyond is junk.
+    ``log_probs`` is ``nan`` for a first token that had no prefix to be predicted from.
+    """
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None
+    hidden: torch.Tensor | None
+    valid: torch.Tensor
+    lengths: list[int]
+
+    def rows(self) -> list[torch.Tensor]:
+        """The log-probs as one 1-D tensor per sample, of its continuation's length."""
+        return unpad(self.log_probs, self.lengths)
+
+
+def _joined(
+    prefixes: Sequence[torch.Tensor], continuations: Sequence[torch.Tensor], max_length: int | None
+) -> tuple[list[torch.Tensor], list[int], list[int]]:
+    """``prefix + continuation`` rows (each prefix clipped from the left to fit ``max_length``) and their two lengths."""
+    rows, starts, lengths = [], [], []
+    for prefix, cont in zip(prefixes, continuations, strict=True):
+        prefix, cont = prefix.reshape(-1).long(), cont.reshape(-1).long()
+        if max_length is not None and prefix.numel() + cont.numel() > max_length:
+            if cont.numel() > max_length:
+                raise ValueError(f"a continuation of {cont.numel()} tokens does not fit max_length={max_length}")
+            prefix = prefix[prefix.numel() + cont.numel() - max_length :]
+        rows.append(torch.cat([prefix, cont]))
+        starts.append(prefix.numel())
+        lengths.append(cont.numel())
+    return rows, starts, lengths
+
+
+def score_tokens(
+    model: torch.nn.Module,
+    prefixes: Sequence[torch.Tensor],
+    continuations: Sequence[torch.Tensor],
+    *,
+    pad_token_id: int = 0,
+    max_length: int | None = None,
+    entropy: bool = False,
+    entropy_grad: bool = True,
+    hidden: bool = False,
+    **forward_kwargs,
+) -> TokenScores:
+    """``log p(continuation_t | prefix, continuation_<t)`` of every continuation token, from one forward.
+
+    The ``prefix + continuation`` rows are right-padded (so absolute position ids stay correct);
+    token ``t`` of row ``i`` is read at position ``len(prefix_i) + t - 1``, the one that predicts
+    it. ``max_length`` clips each prefix from the left so that prefix + continuation fits the
+    model's window. With ``entropy``, the full-vocabulary entropy ``-sum_v p_v log p_v`` there
+    (without a graph when ``entropy_grad`` is False); with ``hidden``, the last hidden state there.
+    Gradients follow the caller's grad mode. ``forward_kwargs`` go to the model's forward.
+    """
+    if len(prefixes) != len(continuations):
+        raise ValueError(f"got {len(prefixes)} prefixes but {len(continuations)} continuations")
+    if not len(prefixes):
+        raise ValueError("nothing to score: no prefixes and continuations")
+    device = next(model.parameters()).device
+    rows, starts, lengths = _joined(prefixes, continuations, max_length)
+    ids, mask = pad_ids(rows, pad_token_id, device=device)
+    steps = torch.arange(max(max(lengths), 1), device=device)
+    starts_t = torch.tensor(starts, device=device)
+    # token start + t is predicted at position start + t - 1 (a token with no prefix gets nan)
+    positions = (starts_t[:, None] - 1 + steps[None]).clamp(0, ids.shape[1] - 1)
+    logits, last, _ = forward_at(model, ids, mask, positions, hidden=hidden, **forward_kwargs)
+    log_softmax = torch.log_softmax(logits.float(), dim=-1)  # (B, T, vocab), continuation positions only
+    targets = ids.gather(1, (starts_t[:, None] + steps[None]).clamp(max=ids.shape[1] - 1))
+    log_probs = log_softmax.gather(-1, targets[..., None]).squeeze(-1)
+    log_probs = torch.where((starts_t[:, None] + steps[None]) > 0, log_probs, torch.full_like(log_probs, float("nan")))
+    entropies = None
+    if entropy:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+            entropies = -(log_softmax.exp() * log_softmax).sum(-1)
+    valid = steps[None] < torch.tensor(lengths, device=device)[:, None]
+    return TokenScores(log_probs, entropies, last if hidden else None, valid, lengths)
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    prefixes: Sequence[torch.Tensor],
+    continuations: Sequence[torch.Tensor],
+    *,
+    pad_token_id: int = 0,
+    max_length: int | None = None,
+) -> list[torch.Tensor]:
+    """:func:`score_tokens`' log-probs as one 1-D float tensor per sample, of the continuation's length.
+
+    A prefix may be empty only if its continuation's first token is then not scored: in that case
+    the returned row starts with ``nan`` for that token.
+    """
+    if len(prefixes) != len(continuations):
+        raise ValueError(f"got {len(prefixes)} prefixes but {len(continuations)} continuations")
+    if not len(prefixes):
+        return []
+    return score_tokens(model, prefixes, continuations, pad_token_id=pad_token_id, max_length=max_length).rows()
+
+
+def shared_prefix_logprobs(
+    model: torch.nn.Module,
+    prefixes: Sequence[torch.Tensor],
+    continuations: Sequence[Sequence[torch.Tensor]],
+    *,
+    pad_token_id: int = 0,
+    max_length: int | None = None,
+) -> list[list[torch.Tensor]]:
+    """:func:`token_logprobs` of several continuations of each prefix, the prefix run once.
+
+    ``continuations[k][i]`` is the ``k``-th continuation of ``prefixes[i]`` (e.g. ``k = 0`` chosen,
+    ``k = 1`` rejected). The prefixes go through one right-padded forward with ``use_cache=True``;
+    its KV cache is repeated for the continuations, which go through a second forward at their
+    true positions (``position_ids``), attending to the prefix's real tokens only. This is the same
+    computation as scoring every prefix + continuation row on its own (equal up to float rounding),
+    with the prefix's cost paid once instead of once per continuation; gradients flow through the
+    cache into the prefix's forward. A prefix that is empty, that ``max_length`` would clip, or
+    whose continuations include an empty one is scored by :func:`token_logprobs` instead.
+
+    Returns ``out[k][i]``, a 1-D float tensor of the length of ``continuations[k][i]``.
+    """
+    n, groups = len(prefixes), len(continuations)
+    if any(len(conts) != n for conts in continuations):
+        raise ValueError(f"got {n} prefixes but continuation groups of {[len(c) for c in continuations]}")
+    out: list[list[torch.Tensor | None]] = [[None] * n for _ in range(groups)]
+    if not n or not groups:
+        return out  # type: ignore[return-value]
+    prefixes = [p.reshape(-1).long() for p in prefixes]
+    conts = [[c.reshape(-1).long() for c in group] for group in continuations]
+    shared, alone = [], []
+    for i, prefix in enumerate(prefixes):
+        longest = max(conts[k][i].numel() for k in range(groups))
+        shortest = min(conts[k][i].numel() for k in range(groups))
+        fits = max_length is None or prefix.numel() + longest <= max_length
+        (shared if prefix.numel() and shortest and fits else alone).append(i)
+    if alone:
+        rows = token_logprobs(
+            model,
+            [prefixes[i] for i in alone for _ in range(groups)],
+            [conts[k][i] for i in alone for k in range(groups)],
+            pad_token_id=pad_token_id,
+            max_length=max_length,
+        )
+        for j, (i, k) in enumerate((i, k) for i in alone for k in range(groups)):
+            out[k][i] = rows[j]
+    if not shared:
+        return out  # type: ignore[return-value]
+    device = next(model.parameters()).device
+    heads = [prefixes[i] for i in shared]
+    prefix_len = torch.tensor([len(p) for p in heads], device=device)
+    ids, mask = pad_ids(heads, pad_token_id, device=device)
+    # the prefix's last token predicts each continuation's first token
+    first_logits, _, prefix_out = forward_at(model, ids, mask, (prefix_len - 1)[:, None], use_cache=True)
+    first = torch.log_softmax(first_logits[:, 0].float(), dim=-1)
+    cache = prefix_out.past_key_values
+    cache.batch_repeat_interleave(groups)  # row i * groups + k holds prefix i for its k-th continuation
+    tails = [conts[k][i] for i in shared for k in range(groups)]
+    lengths = torch.tensor([len(t) for t in tails], device=device)
+    cont_ids, cont_mask = pad_ids(tails, pad_token_id, device=device)
+    steps = torch.arange(cont_ids.shape[1], device=device)
+    rep_len = prefix_len.repeat_interleave(groups)
+    position_ids = rep_len[:, None] + steps[None]
+    full_mask = torch.cat([mask.repeat_interleave(groups, dim=0), cont_mask], dim=1)
+    width = max(cont_ids.shape[1] - 1, 1)  # continuation token t + 1 is predicted at its position t
+    positions = torch.arange(width, device=device)[None].expand(len(tails), -1).clamp(max=cont_ids.shape[1] - 1)
+    logits = logits_at(model, cont_ids, full_mask, positions, past_key_values=cache, position_ids=position_ids).float()
+    targets = cont_ids.gather(1, (positions + 1).clamp(max=cont_ids.shape[1] - 1))
+    rest = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    first_ids = cont_ids[:, 0].view(len(shared), groups)
+    first_logp = first.gather(1, first_ids)  # (shared, groups)
+    for j, i in enumerate(shared):
+        for k in range(groups):
+            row = j * groups + k
+            n_tok = int(lengths[row])
+            out[k][i] = torch.cat([first_logp[j, k : k + 1], rest[row, : n_tok - 1]])
+    return out  # type: ignore[return-value]
+
+
+def response_mask(tokens: torch.Tensor, stop_token_ids: Iterable[int]) -> torch.Tensor:
+    """Mask of the tokens that belong to a generated response: everything up to and including
+    the first stop token (EOS); what follows it is padding. Works on ``(..., T)`` id tensors."""
+    stops = torch.as_tensor(sorted(set(stop_token_ids)), device=tokens.device)
+    is_stop = torch.isin(tokens, stops).long()
+    stops_before = torch.cumsum(is_stop, dim=-1) - is_stop
+    return stops_before == 0
+
+
+def stop_ids(tokenizer, model: torch.nn.Module | None = None) -> set[int]:
+    """EOS ids of a tokenizer and, when given, of the model's generation config."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    generation_config = getattr(model, "generation_config", None)
+    extra = getattr(generation_config, "eos_token_id", None)
+    if extra is not None:
+        ids |= set(extra) if isinstance(extra, (list, tuple)) else {int(extra)}
+    if not ids:
+        raise ValueError("the tokenizer has no eos_token_id: cannot tell where a response ends")
+    return ids

@@ -1,0 +1,159 @@
+"""astrl.lm_scoring: the one implementation of per-token log-probs under a causal LM."""
+
+import math
+
+import pytest
+import torch
+from conftest import make_gpt2, make_llama, make_tokenizer
+
+from astrl.lm_scoring import head_gives_logits, score_tokens, shared_prefix_logprobs, token_logprobs
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+def plain(model, prefix: torch.Tensor, cont: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probs, entropies and last hidden states at the positions predicting ``cont``, from one
+    unpadded forward of ``prefix + cont`` over its full logits."""
+    ids = torch.cat([prefix, cont])[None]
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    positions = torch.arange(len(prefix) - 1, len(prefix) - 1 + len(cont))
+    logp = torch.log_softmax(out.logits[0].float(), -1)[positions]
+    entropy = -(logp.exp() * logp).sum(-1)
+    return logp.gather(-1, cont[:, None]).squeeze(-1), entropy, out.hidden_states[-1][0, positions]
+
+
+def ragged(tok, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, len(tok), (n,), generator=g) for n in lengths]
+
+
+class Rescaled(torch.nn.Module):
+    """A model whose logits are not its LM head on the last hidden state (as with logit soft-capping)."""
+
+    def __init__(self, inner, head: bool = True):
+        super().__init__()
+        self.inner, self.head, self.calls = inner, head, []
+
+    def get_output_embeddings(self):
+        return self.inner.get_output_embeddings() if self.head else None
+
+    def forward(self, **kwargs):
+        self.calls.append(sorted(kwargs))
+        out = self.inner(**kwargs)
+        out.logits = out.logits * 0.5
+        return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_log_probs_entropy_and_hidden_states_match_a_plain_forward(tok, arch):
+    model = make_llama(tok) if arch == "llama" else make_gpt2(tok)
+    prefixes, conts = ragged(tok, (3, 9, 1)), ragged(tok, (4, 2, 7), seed=1)
+    with torch.no_grad():
+        scores = score_tokens(model, prefixes, conts, pad_token_id=tok.pad_token_id, entropy=True, hidden=True)
+        rows = token_logprobs(model, prefixes, conts, pad_token_id=tok.pad_token_id)
+    assert scores.lengths == [4, 2, 7] and scores.log_probs.shape == (3, 7) and scores.hidden.shape[:2] == (3, 7)
+    assert torch.equal(scores.valid, torch.arange(7)[None] < torch.tensor([[4], [2], [7]]))
+    for i, (p, c) in enumerate(zip(prefixes, conts, strict=True)):
+        logp, entropy, hidden = plain(model, p, c)
+        torch.testing.assert_close(scores.log_probs[i, : len(c)], logp, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(scores.entropy[i, : len(c)], entropy, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(scores.hidden[i, : len(c)], hidden, atol=1e-5, rtol=1e-5)
+        assert torch.equal(rows[i], scores.rows()[i]) and rows[i].shape == c.shape
+        assert 0 < entropy.min() and entropy.max() <= math.log(len(tok))
+    assert head_gives_logits(model) is True  # the head ran on the gathered positions only
+
+
+def test_without_entropy_or_hidden_nothing_is_returned_and_entropy_grad_can_be_off(tok):
+    model = make_llama(tok)
+    prefixes, conts = ragged(tok, (3, 5)), ragged(tok, (2, 4), seed=1)
+    bare = score_tokens(model, prefixes, conts)
+    assert bare.entropy is None and bare.hidden is None and bare.log_probs.requires_grad
+    scores = score_tokens(model, prefixes, conts, entropy=True, entropy_grad=False)
+    assert scores.log_probs.requires_grad and not scores.entropy.requires_grad
+
+
+def test_prefixes_are_clipped_to_max_length_and_an_empty_prefix_gives_nan(tok):
+    model = make_llama(tok)
+    prefix, cont = torch.arange(10, 40), torch.arange(50, 55)
+    with torch.no_grad():
+        (row,) = token_logprobs(model, [prefix], [cont], max_length=12)
+        torch.testing.assert_close(row, plain(model, prefix[-7:], cont)[0], atol=1e-5, rtol=1e-5)
+        with pytest.raises(ValueError, match="max_length=3"):
+            token_logprobs(model, [prefix], [cont], max_length=3)
+        # the whole window for the continuation: its first token has nothing to be predicted from
+        (row,) = token_logprobs(model, [prefix], [cont], max_length=5)
+        (alone,) = token_logprobs(model, [torch.tensor([], dtype=torch.long)], [cont])
+    assert math.isnan(row[0]) and torch.isfinite(row[1:]).all()
+    torch.testing.assert_close(row, alone, equal_nan=True)
+    torch.testing.assert_close(row[1:], plain(model, cont[:1], cont[1:])[0], atol=1e-5, rtol=1e-5)
+    assert token_logprobs(model, [], []) == []
+    with pytest.raises(ValueError, match="2 prefixes but 1 continuations"):
+        token_logprobs(model, [prefix, prefix], [cont])
+
+
+@pytest.mark.parametrize("head", [True, False], ids=["rescaled-logits", "no-output-embeddings"])
+def test_a_head_that_does_not_give_the_logits_falls_back_to_the_full_logits(tok, head):
+    model = Rescaled(make_llama(tok, seed=4), head=head)
+    prefixes, conts = ragged(tok, (6, 2)), ragged(tok, (5, 3), seed=1)
+    for _ in range(2):  # the first call finds the mismatch, the second goes to the full logits directly
+        with torch.no_grad():
+            scores = score_tokens(model, prefixes, conts, entropy=True, hidden=True)
+        for i, (p, c) in enumerate(zip(prefixes, conts, strict=True)):
+            logp, entropy, hidden = plain(model, p, c)  # the rescaled logits: what the model gives
+            torch.testing.assert_close(scores.log_probs[i, : len(c)], logp, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(scores.entropy[i, : len(c)], entropy, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(scores.hidden[i, : len(c)], hidden, atol=1e-5, rtol=1e-5)
+    assert head_gives_logits(model) is False
+    # after the check, the forward asks for no more than it needs: no hidden states unless wanted
+    with torch.no_grad():
+        token_logprobs(model, prefixes, conts)
+    assert model.calls[-1] == ["attention_mask", "input_ids"]
+
+
+def test_the_head_is_checked_once_per_model_and_then_keeps_one_logit(tok):
+    model = make_llama(tok)
+    calls = []
+    model.register_forward_pre_hook(lambda _, args, kwargs: calls.append(kwargs.get("logits_to_keep")), with_kwargs=True)
+    prefixes, conts = ragged(tok, (4, 2)), ragged(tok, (3, 3), seed=1)
+    assert head_gives_logits(model) is None
+    with torch.no_grad():
+        first = token_logprobs(model, prefixes, conts)
+        assert head_gives_logits(model) is True
+        second = token_logprobs(model, prefixes, conts)
+    assert calls == [None, 1]  # full logits once, for the check; then only the last one
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+    assert head_gives_logits(make_llama(tok)) is None  # the answer belongs to the model it was found for
+
+
+def test_gradients_reach_the_model_through_the_gathered_head(tok):
+    model = make_llama(tok)
+    prefixes, conts = ragged(tok, (3, 5)), ragged(tok, (2, 4), seed=1)
+    for _ in range(2):  # the checking call and the fast one
+        model.zero_grad()
+        torch.cat(token_logprobs(model, prefixes, conts)).sum().backward()
+        grad = model.get_output_embeddings().weight.grad
+        assert grad is not None and grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_shared_prefix_logprobs_equal_independent_rows(tok, arch):
+    model = make_llama(tok) if arch == "llama" else make_gpt2(tok, n_positions=40)
+    lengths = [(1, 5, 1), (7, 2, 6), (4, 3, 3), (12, 6, 2), (0, 4, 3), (30, 8, 5), (9, 0, 4)]  # prefix, cont 1, cont 2
+    prefixes = ragged(tok, [p for p, _, _ in lengths], seed=3)
+    first = ragged(tok, [a for _, a, _ in lengths], seed=4)
+    second = ragged(tok, [b for _, _, b in lengths], seed=5)
+    # rows 4 (empty prefix), 5 (clipped by max_length=36) and 6 (empty continuation) are scored as plain rows
+    with torch.no_grad():
+        shared = shared_prefix_logprobs(model, prefixes, [first, second], pad_token_id=tok.pad_token_id, max_length=36)
+        for k, conts in enumerate((first, second)):
+            alone = token_logprobs(model, prefixes, conts, pad_token_id=tok.pad_token_id, max_length=36)
+            for i, (a, b) in enumerate(zip(shared[k], alone, strict=True)):
+                assert a.shape == b.shape, (k, i)
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True)
+            for i in (0, 1, 2, 3):  # and each row that fits the window equals a plain unpadded forward
+                torch.testing.assert_close(shared[k][i], plain(model, prefixes[i], conts[i])[0], rtol=1e-5, atol=1e-5)
