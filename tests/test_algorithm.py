@@ -12,7 +12,7 @@ from tensordict import TensorDict
 from astrl import Trainer, TrainingConfig
 from astrl.prompts import PromptStream
 from astrl.training.algorithm import Algorithm
-from astrl.training.trainer import latest_checkpoint
+from astrl.training.trainer import append_csv_row, latest_checkpoint, trim_csv
 
 WORDS = 4  # the bandit's actions; action 0 is rewarded
 
@@ -134,3 +134,57 @@ def test_the_trainer_refuses_a_solver_whose_algorithm_breaks_the_contract(tmp_pa
     solver = Solver(lambda stream, logits: Duck())
     with pytest.raises(TypeError, match="astrl.training.algorithm.Algorithm, got Duck"):
         Trainer(_config(tmp_path, 1), _sampler(), solver).train()
+
+
+# -- metrics.csv: one appended line a step ----------------------------------------------------------------
+def test_metrics_rows_are_appended_and_new_columns_rewrite_the_file_once(tmp_path):
+    path = tmp_path / "metrics.csv"
+    columns = append_csv_row(path, None, {"step": "1", "loss": "0.5"})
+    inode, first = path.stat().st_ino, path.read_text()
+    assert first == "step,loss\n1,0.5\n"
+    columns = append_csv_row(path, columns, {"step": "2", "loss": "0.25"})
+    columns = append_csv_row(path, columns, {"step": "3"})  # a column missing: left empty
+    assert path.stat().st_ino == inode  # appended in place, not replaced
+    assert path.read_text() == first + "2,0.25\n3,\n"
+    columns = append_csv_row(path, columns, {"step": "4", "asr": "0.1", "loss": "0.125"})
+    assert columns == ["step", "loss", "asr"]
+    assert path.read_text() == "step,loss,asr\n1,0.5,\n2,0.25,\n3,,\n4,0.125,0.1\n"
+    append_csv_row(path, columns, {"step": "5", "loss": "1"})
+    assert path.read_text().endswith("4,0.125,0.1\n5,1,\n")
+
+
+def test_trimming_keeps_whole_rows_up_to_the_step_and_drops_a_cut_short_line(tmp_path):
+    path = tmp_path / "metrics.csv"
+    path.write_text("step,loss\n1,0.5\n2,0.25\n3,0.1\n1")  # the row of step 12 cut short by a kill
+    assert trim_csv(path, 2) == ["step", "loss"]
+    assert path.read_text() == "step,loss\n1,0.5\n2,0.25\n"
+    path.write_text(path.read_text() + "3,0.1,9\n")  # a row that does not fit the header
+    assert trim_csv(path, 5) == ["step", "loss"]
+    assert path.read_text() == "step,loss\n1,0.5\n2,0.25\n"
+    assert trim_csv(path, 0) is None and not path.exists()
+    assert trim_csv(path, 3) is None
+
+
+def test_a_resumed_run_has_each_step_once_in_metrics(tmp_path, monkeypatch):
+    Trainer(_config(tmp_path / "a", 4, save_every=2), _sampler(), Solver()).train()
+    step = Trainer.train_step
+
+    def interrupted(self):
+        if self.step == 3:
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(_config(tmp_path / "b", 4, save_every=2), _sampler(), Solver()).train()
+    monkeypatch.setattr(Trainer, "train_step", step)
+    assert [r["step"] for r in _rows(tmp_path / "b" / "metrics.csv")] == ["1", "2", "3"]
+    trainer = Trainer(_config(tmp_path / "b", 4, save_every=2), _sampler(), Solver())
+    trainer.load_checkpoint(tmp_path / "b" / "checkpoints" / "step_000002")  # not the newest: step 3 is redone
+    trainer.train()
+
+    def logged(run):
+        return [{k: r[k] for k in ("step", "loss", "grad_norm")} for r in _rows(run / "metrics.csv")]
+
+    assert [r["step"] for r in logged(tmp_path / "b")] == ["1", "2", "3", "4"]
+    assert logged(tmp_path / "b") == logged(tmp_path / "a")

@@ -5,7 +5,7 @@ built by a :class:`~astrl.training.algorithm.TrainingSource` (:class:`ConfigSour
 :class:`astrl.system.solvers.SystemSource` for a System).
 
 A run directory holds ``config.yaml`` (the resolved config), ``metrics.csv`` (one row per
-step), ``samples.jsonl`` (sample conversations), ``checkpoints/step_NNNNNN/`` and, at the end,
+step, appended after it), ``samples.jsonl`` (sample conversations), ``checkpoints/step_NNNNNN/`` and, at the end,
 ``final/tester/`` (the LoRA adapter or the full model, with its tokenizer; with target hardening
 also ``final/target/``, the target's adapter), and ``attacks.jsonl``
 (the attack archive: every turn whose reward scorer's score is above ``archive_threshold``, once
@@ -195,6 +195,7 @@ class Trainer:
         self._built = False
         self._step_start: dict | None = None  # inside train(): the state before the running step
         self._step_updates = 0  # optimizer updates made by the running step
+        self._columns: list[str] | None = None  # the header of metrics.csv, once it has one
 
     @property
     def models(self) -> RunModels | None:
@@ -304,10 +305,7 @@ class Trainer:
 
     def _trim_logs(self) -> None:
         """Keep the rows of ``metrics.csv`` and the complete lines of ``samples.jsonl`` up to the current step."""
-        path = self.run_dir / "metrics.csv"
-        if path.exists():
-            rows = [r for r in csv.DictReader(path.open(encoding="utf-8")) if _int(r.get("step")) <= self.step]
-            _write_csv(path, rows)
+        self._columns = trim_csv(self.run_dir / "metrics.csv", self.step)
         path = self.run_dir / "samples.jsonl"
         if path.exists():
             kept = []
@@ -404,10 +402,7 @@ class Trainer:
         return loggers
 
     def _log(self, row: dict, loggers: list) -> None:
-        path = self.run_dir / "metrics.csv"
-        rows = list(csv.DictReader(path.open(encoding="utf-8"))) if path.exists() else []
-        rows = [r for r in rows if _int(r.get("step")) < row["step"]] + [{k: str(v) for k, v in row.items()}]
-        _write_csv(path, rows)
+        self._columns = append_csv_row(self.run_dir / "metrics.csv", self._columns, {k: str(v) for k, v in row.items()})
         if row["step"] % self.config.log_every == 0:
             for logger in loggers:
                 for key, value in row.items():
@@ -499,13 +494,52 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _write_csv(path: Path, rows: list[dict]) -> None:
-    columns = list(dict.fromkeys(k for r in rows for k in r))
+def _csv_text(columns: list[str], rows: list[dict], *, header: bool = True) -> str:
+    """CSV lines of ``rows`` under ``columns`` (a missing value is empty), after the header when ``header``."""
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
-    writer.writeheader()
+    if header:
+        writer.writeheader()
     writer.writerows(rows)
-    _atomic_write(path, buffer.getvalue())
+    return buffer.getvalue()
+
+
+def append_csv_row(path: Path, columns: list[str] | None, row: dict[str, str]) -> list[str]:
+    """Append ``row`` to the CSV file ``path`` whose header is ``columns`` (None: no file yet) in one write;
+    returns the header. A row with a column the header lacks (a hardening round's, or loss terms after a
+    step without any) rewrites the file once, with the new columns added at the end of the header (empty
+    in earlier rows); a row without some of the columns leaves them empty."""
+    if columns is not None and set(row) <= set(columns):
+        with path.open("a", encoding="utf-8") as handle:
+            handle.write(_csv_text(columns, [row], header=False))
+        return columns
+    rows = list(csv.DictReader(path.open(encoding="utf-8"))) if columns is not None else []
+    columns = list(dict.fromkeys([*(columns or []), *row]))
+    _atomic_write(path, _csv_text(columns, [*rows, row]))
+    return columns
+
+
+def trim_csv(path: Path, step: int) -> list[str] | None:
+    """Keep the header and the complete rows up to ``step`` (its ``step`` column) of a CSV file written by
+    :func:`append_csv_row`; a line cut short by a killed process goes. Returns the header, or None when no
+    row is left (the file is removed then)."""
+    if not path.exists():
+        return None
+    lines = [line + "\n" for line in path.read_text(encoding="utf-8", errors="replace").split("\n")[:-1]]
+    rows = [next(csv.reader([line]), []) for line in lines]
+    if not rows:
+        path.unlink()
+        return None
+    header = rows[0]
+    kept = [
+        line for line, row in zip(lines[1:], rows[1:], strict=True)
+        if len(row) == len(header) and _int(dict(zip(header, row, strict=True)).get("step")) <= step
+    ]  # fmt: skip
+    if not kept:
+        path.unlink()
+        return None
+    _atomic_write(path, lines[0] + "".join(kept))
+    return header
 
 
 def checkpoints(run_dir: str | Path) -> list[Path]:
