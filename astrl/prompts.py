@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 SPLITS = ("train", "dev", "test", "all")
@@ -181,7 +181,8 @@ class PromptStream:
     Each epoch visits every prompt once in a fresh seeded order; the position is kept in
     :meth:`state_dict` so a resumed run draws the same prompts as an uninterrupted one.
     With ``group_size=G`` each batch holds ``batch_size / G`` prompts, each repeated ``G`` times
-    in a row (the sibling groups that GRPO compares).
+    in a row (the sibling groups that GRPO compares). :meth:`on_draw` registers a function that sees
+    the state before each draw.
     """
 
     def __init__(
@@ -201,6 +202,14 @@ class PromptStream:
         self.epoch = 0
         self.position = 0
         self._order = self._make_order()
+        self._draw_hooks: list[Callable[[dict[str, int]], None]] = []
+
+    def on_draw(self, hook: Callable[[dict[str, int]], None]) -> None:
+        """Call ``hook(state)`` with :meth:`state_dict` before each batch drawn from now on.
+
+        A data loader may draw ahead of the step that uses the batch; a trainer records these states
+        to checkpoint the one that feeds its next step."""
+        self._draw_hooks.append(hook)
 
     def _make_order(self) -> list[int]:
         order = list(range(len(self.prompts)))
@@ -209,6 +218,8 @@ class PromptStream:
         return order
 
     def next_batch(self) -> list[str]:
+        for hook in self._draw_hooks:
+            hook(self.state_dict())
         batch = []
         while len(batch) < self.batch_size:
             if self.position >= len(self._order):

@@ -59,3 +59,17 @@ def test_prompt_stream_resumes_where_it_stopped():
     b.load_state_dict(state)
     assert [b.next_batch() for _ in range(3)] == rest
     assert len(set(sum(first, []))) == 6  # within one epoch no prompt repeats
+
+
+def test_draw_hooks_see_the_state_before_each_draw_also_through_iteration():
+    prompts = [f"p{i}" for i in range(5)]
+    stream, seen = PromptStream(prompts, 2, seed=3), []
+    stream.on_draw(seen.append)
+    states, drawn = [], []
+    for draw in (stream.next_batch, lambda: next(iter(stream))["query"], stream.next_batch):  # a data loader iterates
+        states.append(stream.state_dict())
+        drawn.append(draw())
+    assert seen == states and len({str(s) for s in seen}) == 3
+    replay = PromptStream(prompts, 2, seed=3)
+    replay.load_state_dict(seen[2])
+    assert replay.next_batch() == drawn[2]  # a recorded state draws its batch again

@@ -29,7 +29,8 @@ from astrl.lm_scoring import response_mask, stop_ids, token_logprobs
 from astrl.losses.ppo import masked_mean
 from astrl.ragged import nested, pad_rows
 from astrl.rewards.novelty import load_novelty_states, novelty_transforms
-from astrl.training.batches import shuffled_minibatches
+from astrl.training.algorithm import Algorithm
+from astrl.training.batches import shuffled_minibatches, turn_metrics
 from astrl.training.config import TrainConfig
 from astrl.training.setup import RunModels
 
@@ -182,11 +183,10 @@ class ResponseGRPOLoss(GRPOLoss):
         return log_prob, SimpleNamespace(mask=mask), False
 
 
-class OnPolicy:
-    """What GRPO and PPO share: an ``LLMCollector`` over the red-team env, minibatches, samples.
-
-    The trainer calls ``collect()`` once per step, then ``loss(minibatch)`` for each of
-    ``minibatches(batch, generator)``, and optimises ``parameter_groups(lr)``.
+class OnPolicy(Algorithm):
+    """What GRPO and PPO share: an ``LLMCollector`` over the red-team env, minibatches, metrics,
+    samples and weight pushes (the :class:`~astrl.training.algorithm.Algorithm` hooks); GRPO and PPO
+    add ``collect`` and ``loss``.
     """
 
     def __init__(self, config: TrainConfig, models: RunModels, env, policy, stream=None) -> None:
@@ -279,6 +279,11 @@ class OnPolicy:
     def minibatches(self, batch: TensorDictBase, generator: torch.Generator) -> Iterator[TensorDictBase]:
         config = self.config
         return shuffled_minibatches(batch, generator, epochs=config.epochs, count=config.minibatches, size=config.minibatch_size)
+
+    @staticmethod
+    def metrics(data: TensorDictBase) -> dict:
+        """:func:`~astrl.training.batches.turn_metrics` of a flat rollout's turns."""
+        return turn_metrics(data["next"])
 
     @staticmethod
     def samples(data: TensorDictBase) -> list[dict]:

@@ -23,13 +23,15 @@ from astrl.envs.transforms import ScoreReward
 from astrl.evaluation.archive import conversation_turns
 from astrl.losses import DPOLoss, IPOLoss, PreferenceLoss
 from astrl.sampling import TreeSampler, WeakSupervision
+from astrl.training.algorithm import Algorithm
 from astrl.training.batches import shuffled_minibatches, turn_metrics
 from astrl.training.config import TrainConfig
 from astrl.training.setup import RunModels, conversation_parts
 
 
-class TreeAlgorithm:
-    """An algorithm of the trainer fed by a tree sampler (no env, no collector).
+class TreeAlgorithm(Algorithm):
+    """An algorithm of the trainer fed by a tree sampler (no env, no collector); subclasses add
+    ``collect`` and ``loss``.
 
     Args:
         sampler: a :class:`~astrl.sampling.TreeSampler` (or :class:`astrl.system.ASTSampler`).
@@ -37,7 +39,6 @@ class TreeAlgorithm:
         epochs, minibatches, minibatch_size: passes over each batch and how it is split.
     """
 
-    uses_env = False
     name = "tree"
 
     def __init__(

@@ -1,7 +1,11 @@
 """The training loop: collect, update, log, checkpoint, resume.
 
+One :class:`Trainer` runs every path: it drives an :class:`~astrl.training.algorithm.Algorithm`
+built by a :class:`~astrl.training.algorithm.TrainingSource` (:class:`ConfigSource` for a config,
+:class:`astrl.system.solvers.SystemSource` for a System).
+
 A run directory holds ``config.yaml`` (the resolved config), ``metrics.csv`` (one row per
-step), ``samples.jsonl`` (sample conversations), ``checkpoints/step_NNNNNN/`` and, at the end,
+step, appended after it), ``samples.jsonl`` (sample conversations), ``checkpoints/step_NNNNNN/`` and, at the end,
 ``final/tester/`` (the LoRA adapter or the full model, with its tokenizer; with target hardening
 also ``final/target/``, the target's adapter), and ``attacks.jsonl``
 (the attack archive: every turn whose reward scorer's score is above ``archive_threshold``, once
@@ -26,11 +30,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tensordict import TensorDictBase
 
 from astrl.evaluation.archive import ARCHIVE_FILE, AttackArchive
 from astrl.models import LoadedModel
-from astrl.training.batches import turn_metrics
+from astrl.training.algorithm import Algorithm, DataPath, TrainingSource
 from astrl.training.config import ConfigError, TrainConfig, load_config
 from astrl.training.setup import RunModels, build_env, build_models, build_stream, conversation_parts
 from astrl.training.state_io import (
@@ -93,13 +96,72 @@ def make_optimizer(name: str, groups: list[dict], lr: float, weight_decay: float
     return classes[name](groups, lr=lr, weight_decay=weight_decay)
 
 
+class ConfigSource(TrainingSource):
+    """A run built from its config: the config's models (``models``, or loaded now), the GRPO / PPO
+    env and collector or the DPO / IPO tree sampler, and the tester as what is trained and saved."""
+
+    def __init__(self, config: TrainConfig, models: RunModels | None = None) -> None:
+        self.config = config
+        self.models = models or build_models(config)
+
+    def build(self, stream_state: dict | None) -> DataPath:
+        config = self.config
+        if config.share_prefill and config.backend == "transformers":
+            from astrl.prefill import SharedPrefill
+
+            if not isinstance(self.models.tester.model.generate, SharedPrefill):
+                SharedPrefill(self.models.tester.model)  # also serves a target that shares the tester's base
+        if config.algorithm in ("dpo", "ipo"):
+            return self._preference()
+        return self._on_policy(stream_state)
+
+    def _preference(self) -> DataPath:
+        from astrl.prompts import PromptStream, load_prompts, split_prompts
+        from astrl.training.preference import PreferenceAlgorithm
+
+        prompts = split_prompts(load_prompts(self.config.prompts), self.config.split, seed=self.config.seed)
+        stream = PromptStream(prompts, self.config.prompts_per_step, seed=self.config.seed)
+        # the sampler draws inside collect() and its own state (with the stream's) is the algorithm's
+        return DataPath(PreferenceAlgorithm.from_config(self.config, self.models, stream), stream)
+
+    def _on_policy(self, stream_state: dict | None) -> DataPath:
+        stream = build_stream(self.config)
+        if stream_state is not None:
+            stream.load_state_dict(stream_state)
+        # The env's data loader draws openers ahead of the step that uses them (also while it is built),
+        # so the state before each draw is recorded from the start: draw i feeds the build's step + i.
+        draws: list[dict] = []
+        stream.on_draw(draws.append)
+        if self.config.collector == "ray":  # the workers build their own envs; the tester policy gives the weight layout
+            env, policy = None, conversation_parts(self.config, self.models)[0]
+        else:
+            env, policy = build_env(self.config, self.models, stream)
+        algorithm = make_algorithm(self.config, self.models, env, policy, stream)
+        return DataPath(algorithm, stream, env=env, policy=policy, draws=draws)
+
+    def before_collect(self) -> None:
+        self.models.tester.model.eval()
+
+    def save(self, folder: Path) -> None:
+        save_tester(self.models.tester.model, self.models.tester.tokenizer, folder)
+
+    def trainable_state(self) -> dict:
+        return trainable_state(self.models.tester.model)
+
+    def load_trainable_state(self, state: dict) -> None:
+        load_trainable_state(self.models.tester.model, state)
+
+
 class Trainer:
     """Runs ``config.total_steps`` steps of the configured algorithm and keeps the run directory.
 
-    ``Trainer(config)`` builds models, data path and algorithm from the config. With a
-    :class:`astrl.System`, ``Trainer(config, sampler, algorithm)`` trains it instead: ``sampler`` is an
-    :class:`astrl.ASTSampler` and ``algorithm`` a solver (:class:`astrl.DPO`, :class:`astrl.IPO`,
-    :class:`astrl.PPO`); the loop, optimizer, schedule, logging and checkpoints are the same.
+    ``Trainer(config)`` builds models, data path and algorithm from the config
+    (:class:`ConfigSource`). With a :class:`astrl.System`, ``Trainer(config, sampler, algorithm)``
+    trains it instead: ``sampler`` is an :class:`astrl.ASTSampler` and ``algorithm`` a solver
+    (:class:`astrl.DPO`, :class:`astrl.IPO`, :class:`astrl.PPO`), bound together by
+    :class:`astrl.system.solvers.SystemSource`; the loop, optimizer, schedule, logging and checkpoints
+    are the same. The trainer drives an :class:`~astrl.training.algorithm.Algorithm`
+    (:mod:`astrl.training.algorithm` gives the calls and their order).
     """
 
     def __init__(
@@ -121,28 +183,34 @@ class Trainer:
         torch.manual_seed(config.seed)
         random.seed(config.seed)
         np.random.seed(config.seed)
-        self.sampler, self.solver = sampler, algorithm
-        self.models = None if algorithm is not None else models or build_models(config)
+        if algorithm is not None:
+            from astrl.system.solvers import SystemSource
+
+            self.source: TrainingSource = SystemSource(config, sampler, algorithm)
+        else:
+            self.source = ConfigSource(config, models)
         self.step = 0
         self._pending_stream_state: dict | None = None
         self.generator = torch.Generator().manual_seed(config.seed)
         self._built = False
         self._step_start: dict | None = None  # inside train(): the state before the running step
         self._step_updates = 0  # optimizer updates made by the running step
+        self._columns: list[str] | None = None  # the header of metrics.csv, once it has one
+
+    @property
+    def models(self) -> RunModels | None:
+        """The run's models (tester, reference, target); None for a System, whose models are its own."""
+        return self.source.models
 
     # -- construction of the data path (after a possible resume of the prompt stream) ----------------
     def _build(self) -> None:
-        if self.config.share_prefill and self.models is not None and self.config.backend == "transformers":
-            from astrl.prefill import SharedPrefill
-
-            if not isinstance(self.models.tester.model.generate, SharedPrefill):
-                SharedPrefill(self.models.tester.model)  # also serves a target that shares the tester's base
-        if self.solver is not None:
-            self._build_system()
-        elif self.config.algorithm in ("dpo", "ipo"):
-            self._build_preference()
-        else:
-            self._build_on_policy()
+        self._data_path = self.source.build(self._pending_stream_state)
+        self.algorithm, self.stream = self._data_path.algorithm, self._data_path.stream
+        self.env, self.policy = self._data_path.env, self._data_path.policy
+        if not isinstance(self.algorithm, Algorithm):
+            kind = type(self.algorithm).__name__
+            raise TypeError(f"the trainer runs an astrl.training.algorithm.Algorithm, got {kind}")
+        self._start_step = self.step  # the step that the stream's draws since the build count from
         config = self.config
         groups = self.algorithm.parameter_groups(config.lr)
         self.optimizer = make_optimizer(config.optimizer, groups, config.lr, config.weight_decay)
@@ -161,47 +229,10 @@ class Trainer:
         self._lr_position = self.step * self._planned_updates
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: factor(self._lr_position))
         # the reward scorer decides; unknown here (Ray workers, a System's own reward): any score present does
-        scorer = getattr(self.algorithm, "reward_scorer", None)
+        scorer = self.algorithm.reward_scorer
         self.archive = AttackArchive(config.archive_threshold, scorers=[scorer] if scorer else None)
         self._new_attacks: list = []
         self._built = True
-
-    def _build_system(self) -> None:
-        bind = getattr(self.solver, "bind", None)
-        if bind is None:
-            raise TypeError(f"algorithm must be an astrl solver (DPO, IPO, PPO), got {type(self.solver).__name__}")
-        self.algorithm = bind(self.sampler, self.config)
-        self.stream = self.sampler.prompt_stream
-        self._start_step, self._draw_states = self.step, []  # the sampler's own state is checkpointed
-
-    def _build_preference(self) -> None:
-        from astrl.prompts import PromptStream, load_prompts, split_prompts
-        from astrl.training.preference import PreferenceAlgorithm
-
-        prompts = split_prompts(load_prompts(self.config.prompts), self.config.split, seed=self.config.seed)
-        self.stream = PromptStream(prompts, self.config.prompts_per_step, seed=self.config.seed)
-        self._start_step, self._draw_states = self.step, []  # the sampler's own state is checkpointed
-        self.algorithm = PreferenceAlgorithm.from_config(self.config, self.models, self.stream)
-
-    def _build_on_policy(self) -> None:
-        self.stream = build_stream(self.config)
-        if self._pending_stream_state is not None:
-            self.stream.load_state_dict(self._pending_stream_state)
-        # The env may draw the next batch of openers before a checkpoint is taken (the data loader
-        # prefetches), so remember the stream state before each draw: draw i feeds step start + i.
-        self._start_step, self._draw_states = self.step, []
-        draw = self.stream.next_batch
-
-        def recorded_draw():
-            self._draw_states.append(self.stream.state_dict())
-            return draw()
-
-        self.stream.next_batch = recorded_draw
-        if self.config.collector == "ray":  # the workers build their own envs; the tester policy gives the weight layout
-            self.env, self.policy = None, conversation_parts(self.config, self.models)[0]
-        else:
-            self.env, self.policy = build_env(self.config, self.models, self.stream)
-        self.algorithm = make_algorithm(self.config, self.models, self.env, self.policy, self.stream)
 
     # -- the loop -----------------------------------------------------------------------------------
     def train(self) -> list[dict]:
@@ -211,9 +242,8 @@ class Trainer:
         if not self._built:
             self._build()
         self.archive.write(self.run_dir / ARCHIVE_FILE)  # drops attacks found after the checkpoint resumed from
-        sync = getattr(self.algorithm, "sync_weights", None)
-        if sync is not None and self.step > 0:  # Ray workers / a vLLM engine start from the untrained weights
-            sync()
+        if self.step > 0:  # Ray workers / a vLLM engine start from the untrained weights
+            self.algorithm.sync_weights()
         from tqdm.auto import tqdm
 
         self._trim_logs()  # a resumed run redoes the steps after its checkpoint: their rows go
@@ -229,7 +259,7 @@ class Trainer:
                 AttackArchive.append(self.run_dir / ARCHIVE_FILE, self._new_attacks)
                 self._step_start = None  # a step boundary: the run directory and the trainer agree
                 bar.update(1)
-                bar.set_postfix(reward=f"{row['reward_mean']:.3f}", loss=f"{row['loss']:.3f}")
+                bar.set_postfix(reward=f"{row.get('reward_mean', math.nan):.3f}", loss=f"{row['loss']:.3f}")
                 if self.step % self.config.save_every == 0 or self.step == self.config.total_steps:
                     self.save_checkpoint()
         except (KeyboardInterrupt, Exception):
@@ -240,7 +270,7 @@ class Trainer:
             if self.config.collector == "ray":  # stop the workers; a later train() builds them again
                 self.algorithm.shutdown()
                 self._built = False
-        self._save_trained(self.run_dir / "final" / "tester")
+        self.source.save(self.run_dir / "final" / "tester")
         if self.hardening is not None:
             save_tester(self.models.target.model, self.models.target.tokenizer, self.run_dir / "final" / "target")
         self.archive.write(self.run_dir / ARCHIVE_FILE)
@@ -275,10 +305,7 @@ class Trainer:
 
     def _trim_logs(self) -> None:
         """Keep the rows of ``metrics.csv`` and the complete lines of ``samples.jsonl`` up to the current step."""
-        path = self.run_dir / "metrics.csv"
-        if path.exists():
-            rows = [r for r in csv.DictReader(path.open(encoding="utf-8")) if _int(r.get("step")) <= self.step]
-            _write_csv(path, rows)
+        self._columns = trim_csv(self.run_dir / "metrics.csv", self.step)
         path = self.run_dir / "samples.jsonl"
         if path.exists():
             kept = []
@@ -296,8 +323,7 @@ class Trainer:
         on_gpu = str(self.config.device).startswith("cuda")
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()
-        if self.models is not None:
-            self.models.tester.model.eval()
+        self.source.before_collect()
         batch, rollout = self.algorithm.collect()
         collect_seconds = time.perf_counter() - start
         new_attacks = self.hardening.observe(rollout) if self.hardening is not None else 0
@@ -327,14 +353,11 @@ class Trainer:
         if not grad_norms:  # no update this step (e.g. no preference pair): the schedule still moves on
             self._lr_position = self._position_after(1, 1)
             self.scheduler.step()
-        push = getattr(self.algorithm, "push_weights", None)
-        if push is not None:
-            push()
+        self.algorithm.push_weights()
         self.step += 1
         self._new_attacks = self.archive.extend(self.algorithm.turn_records(rollout), step=self.step)
-        metrics = getattr(self.algorithm, "metrics", self._rollout_metrics)
-        row = {"step": self.step, **metrics(rollout), "attacks_unique": len(self.archive)}
-        version = getattr(self.algorithm, "data_policy_version", lambda _: None)(rollout)
+        row = {"step": self.step, **self.algorithm.metrics(rollout), "attacks_unique": len(self.archive)}
+        version = self.algorithm.data_policy_version(rollout)
         # updates behind the data: counted from this process's start (the collectors count from 0)
         row["policy_version"] = self.step - 1 if version is None else self._start_step + version
         row.update({k: sum(v) / len(v) for k, v in losses.items()})
@@ -342,7 +365,7 @@ class Trainer:
             row["loss"] = float("nan")
         grad_norm = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
         row.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0])
-        row.update(getattr(self.algorithm, "step_metrics", dict)())
+        row.update(self.algorithm.step_metrics())
         if self.hardening is not None:
             row.update(harden_new_attacks=new_attacks, **self.hardening.after_step(self.step))
         row.update(collect_seconds=collect_seconds, step_seconds=time.perf_counter() - start)
@@ -366,10 +389,6 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    @staticmethod
-    def _rollout_metrics(rollout: TensorDictBase) -> dict:
-        return turn_metrics(rollout["next"])
-
     # -- logging ------------------------------------------------------------------------------------
     def _loggers(self) -> list:
         from torchrl.record.loggers import get_logger
@@ -383,10 +402,7 @@ class Trainer:
         return loggers
 
     def _log(self, row: dict, loggers: list) -> None:
-        path = self.run_dir / "metrics.csv"
-        rows = list(csv.DictReader(path.open(encoding="utf-8"))) if path.exists() else []
-        rows = [r for r in rows if _int(r.get("step")) < row["step"]] + [{k: str(v) for k, v in row.items()}]
-        _write_csv(path, rows)
+        self._columns = append_csv_row(self.run_dir / "metrics.csv", self._columns, {k: str(v) for k, v in row.items()})
         if row["step"] % self.config.log_every == 0:
             for logger in loggers:
                 for key, value in row.items():
@@ -407,10 +423,10 @@ class Trainer:
         tmp = folder.with_name(folder.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        self._save_trained(tmp / "tester")
+        self.source.save(tmp / "tester")
         state = {
             "step": self.step,
-            "trainable": self._trainable_state(),
+            "trainable": self.source.trainable_state(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "rng": rng_state(),
@@ -430,37 +446,8 @@ class Trainer:
         self._prune_checkpoints()
         return folder
 
-    # -- what is trained: the config's tester, or a System's parameters --------------------------------
-    def _save_trained(self, folder: Path) -> None:
-        if self.models is not None:
-            save_tester(self.models.tester.model, self.models.tester.tokenizer, folder)
-            return
-        folder.mkdir(parents=True, exist_ok=True)
-        system = self.solver.system
-        if callable(getattr(system, "save", None)):
-            system.save(folder)
-        else:
-            torch.save([p.detach().cpu() for p in system.parameters()], folder / "parameters.pt")
-
-    def _trainable_state(self) -> dict | list:
-        if self.models is not None:
-            return trainable_state(self.models.tester.model)
-        return [p.detach().cpu().clone() for p in self.solver.system.parameters()]
-
-    def _load_trainable_state(self, state: dict | list) -> None:
-        if self.models is not None:
-            load_trainable_state(self.models.tester.model, state)
-            return
-        params = list(self.solver.system.parameters())
-        if len(params) != len(state):
-            raise ValueError(f"checkpoint holds {len(state)} parameter tensors, the System has {len(params)}")
-        with torch.no_grad():
-            for param, saved in zip(params, state, strict=True):
-                param.copy_(saved)
-
     def _stream_state_for_next_step(self) -> dict:
-        index = self.step - self._start_step
-        return self._draw_states[index] if index < len(self._draw_states) else self.stream.state_dict()
+        return self._data_path.stream_state(self.step - self._start_step)
 
     def _prune_checkpoints(self) -> None:
         folders = checkpoints(self.run_dir)
@@ -479,7 +466,7 @@ class Trainer:
         self.step = state["step"]
         self._pending_stream_state = state["stream"]
         self._build()
-        self._load_trainable_state(state["trainable"])
+        self.source.load_trainable_state(state["trainable"])
         self.algorithm.load_state_dict(state["algorithm"])
         if "archive" in state:
             self.archive.load_state_dict(state["archive"])
@@ -507,13 +494,52 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _write_csv(path: Path, rows: list[dict]) -> None:
-    columns = list(dict.fromkeys(k for r in rows for k in r))
+def _csv_text(columns: list[str], rows: list[dict], *, header: bool = True) -> str:
+    """CSV lines of ``rows`` under ``columns`` (a missing value is empty), after the header when ``header``."""
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
-    writer.writeheader()
+    if header:
+        writer.writeheader()
     writer.writerows(rows)
-    _atomic_write(path, buffer.getvalue())
+    return buffer.getvalue()
+
+
+def append_csv_row(path: Path, columns: list[str] | None, row: dict[str, str]) -> list[str]:
+    """Append ``row`` to the CSV file ``path`` whose header is ``columns`` (None: no file yet) in one write;
+    returns the header. A row with a column the header lacks (a hardening round's, or loss terms after a
+    step without any) rewrites the file once, with the new columns added at the end of the header (empty
+    in earlier rows); a row without some of the columns leaves them empty."""
+    if columns is not None and set(row) <= set(columns):
+        with path.open("a", encoding="utf-8") as handle:
+            handle.write(_csv_text(columns, [row], header=False))
+        return columns
+    rows = list(csv.DictReader(path.open(encoding="utf-8"))) if columns is not None else []
+    columns = list(dict.fromkeys([*(columns or []), *row]))
+    _atomic_write(path, _csv_text(columns, [*rows, row]))
+    return columns
+
+
+def trim_csv(path: Path, step: int) -> list[str] | None:
+    """Keep the header and the complete rows up to ``step`` (its ``step`` column) of a CSV file written by
+    :func:`append_csv_row`; a line cut short by a killed process goes. Returns the header, or None when no
+    row is left (the file is removed then)."""
+    if not path.exists():
+        return None
+    lines = [line + "\n" for line in path.read_text(encoding="utf-8", errors="replace").split("\n")[:-1]]
+    rows = [next(csv.reader([line]), []) for line in lines]
+    if not rows:
+        path.unlink()
+        return None
+    header = rows[0]
+    kept = [
+        line for line, row in zip(lines[1:], rows[1:], strict=True)
+        if len(row) == len(header) and _int(dict(zip(header, row, strict=True)).get("step")) <= step
+    ]  # fmt: skip
+    if not kept:
+        path.unlink()
+        return None
+    _atomic_write(path, lines[0] + "".join(kept))
+    return header
 
 
 def checkpoints(run_dir: str | Path) -> list[Path]:
