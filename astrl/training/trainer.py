@@ -32,7 +32,7 @@ from astrl.evaluation.archive import ARCHIVE_FILE, AttackArchive
 from astrl.models import LoadedModel
 from astrl.training.batches import turn_metrics
 from astrl.training.config import ConfigError, TrainConfig, load_config
-from astrl.training.setup import RunModels, build_env, build_models, build_stream, conversation_parts
+from astrl.training.setup import RunModels, build_env, build_models, build_stream, training_conversation
 from astrl.training.state_io import (
     STATE_FILE,
     DamagedCheckpointError,
@@ -198,7 +198,7 @@ class Trainer:
 
         self.stream.next_batch = recorded_draw
         if self.config.collector == "ray":  # the workers build their own envs; the tester policy gives the weight layout
-            self.env, self.policy = None, conversation_parts(self.config, self.models)[0]
+            self.env, self.policy = None, training_conversation(self.config, self.models, env=False).tester
         else:
             self.env, self.policy = build_env(self.config, self.models, self.stream)
         self.algorithm = make_algorithm(self.config, self.models, self.env, self.policy, self.stream)
