@@ -78,22 +78,6 @@ class RedTeamEnv(ChatEnv):
         return tensordict.empty(device=self.device).set("text", Text(prompt=query, batch_size=self.batch_size))
 
 
-def conversation_options(config) -> dict:
-    """The :func:`make_redteam_env` keywords a run's config sets: system prompts and reward.
-
-    ``config`` has ``tester_system_prompt``, ``target_system_prompt``, ``reward`` and
-    ``reward_options()`` (a training or rollout config); an unset tester prompt keeps the env's
-    default red-teaming prompt."""
-    options = {
-        "target_system_prompt": config.target_system_prompt,
-        "reward": config.reward,
-        "reward_options": config.reward_options(),
-    }
-    if config.tester_system_prompt is not None:
-        options["tester_system_prompt"] = config.tester_system_prompt
-    return options
-
-
 def reward_options(reward: str, alpha: float, zeta: float, gamma: float, penalty: float, gate: bool) -> dict | None:
     """The ``reward_options`` of :func:`astrl.envs.make_redteam_env` for a reward name: the weights it uses."""
     if reward not in LIKELIHOOD_REWARDS:
