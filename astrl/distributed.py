@@ -1,11 +1,12 @@
 """Collection over Ray: TorchRL ``RayLLMCollector`` workers that each run a shard of the batch.
 
 Each worker is a Ray actor holding a TorchRL ``LLMCollector`` over its own red-team env. The
-env and the tester policy are built *inside* the worker from a :class:`WorkerSpec` (model ids
-or folders plus settings: plain, picklable data), so the tester, the target and the scorers all
-run in the worker. Worker ``i`` of ``n`` draws slice ``i`` of every batch of openers of the
-run's seeded :class:`~astrl.prompts.PromptStream` (whole groups), so the workers together
-collect the conversations a local collector would, in worker order.
+env and the tester policy are built *inside* the worker by :func:`astrl.envs.build_conversation`
+from a :class:`WorkerSpec`: the run's :class:`~astrl.envs.ConversationSpec` (model ids or
+folders plus settings: plain, picklable data) and the worker's place, so the tester, the target
+and the scorers all run in the worker. Worker ``i`` of ``n`` draws slice ``i`` of every batch of
+openers of the run's seeded :class:`~astrl.prompts.PromptStream` (whole groups), so the workers
+together collect the conversations a local collector would, in worker order.
 
 After each update the trainer sends the tester's trainable weights (the LoRA adapters, or the
 full model) with the collectors' ``update_policy_weights_``, TorchRL's weight-update path,
@@ -17,44 +18,32 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 
 from astrl.backends import init_ray, require_ray
-from astrl.policies import GenerationSettings, make_policy, vllm_share
+
+if TYPE_CHECKING:
+    from astrl.envs.recipe import ConversationSpec
 
 _PARTS: dict[str, tuple] = {}  # per process: (env, policy) of each spec, built once
 
 
 @dataclass
 class WorkerSpec:
-    """Everything a worker needs to build its env and tester policy (models are loaded in the worker).
+    """What a worker builds its env and tester policy from (models are loaded in the worker).
 
-    ``tester``/``target`` are embedded model names, local checkpoint folders (visible to every
-    node) or hub ids. ``batch_size`` is the size of the *whole* batch of conversations (all
-    workers); worker ``worker`` of ``num_workers`` runs ``batch_size / num_workers`` of them.
+    ``conversation`` is the run's :class:`~astrl.envs.ConversationSpec`: its models are embedded
+    names, local checkpoint folders (visible to every node) or hub ids, and its ``batch_size`` is
+    the size of the *whole* batch of conversations (all workers); worker ``worker`` of
+    ``num_workers`` runs ``batch_size / num_workers`` of them, from the run's opener stream at
+    ``stream_state``. ``threads``: torch threads of the worker.
     """
 
-    tester: str
-    target: str
-    scorers: list[str]
-    prompts: str = "builtin"
-    split: str = "all"
-    mode: str = "chat"
-    batch_size: int = 8
-    group_size: int = 1
-    turns: int = 3
-    tester_generation: GenerationSettings = field(default_factory=GenerationSettings)
-    target_generation: GenerationSettings = field(default_factory=GenerationSettings)
-    env_options: dict = field(default_factory=dict)
-    lora: dict | None = None
-    backend: str = "transformers"
-    target_backend: str = "transformers"
-    seed: int = 0
-    dtype: str = "float32"
-    device: str = "cpu"
+    conversation: ConversationSpec
     threads: int | None = None
     stream_state: dict | None = None
     worker: int = 0
@@ -63,15 +52,16 @@ class WorkerSpec:
     def __post_init__(self) -> None:
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
-        if self.batch_size % (self.num_workers * self.group_size):
+        batch, group = self.conversation.batch_size, self.conversation.group_size
+        if batch % (self.num_workers * group):
             raise ValueError(
-                f"{self.batch_size} conversations ({self.batch_size // self.group_size} openers x group {self.group_size}) "
+                f"{batch} conversations ({batch // group} openers x group {group}) "
                 f"cannot be split into {self.num_workers} workers of whole groups"
             )
 
     @property
     def worker_batch_size(self) -> int:
-        return self.batch_size // self.num_workers
+        return self.conversation.batch_size // self.num_workers
 
     def for_worker(self, index: int) -> WorkerSpec:
         return replace(self, worker=index)
@@ -82,48 +72,16 @@ def build_worker(spec: WorkerSpec) -> tuple:
     key = repr(spec)
     if key in _PARTS:
         return _PARTS[key]
-    from astrl.envs import make_redteam_env
-    from astrl.models import LoadedModel, add_lora, load_model
-    from astrl.policies import input_mode
-    from astrl.prompts import PromptStream, load_prompts, split_prompts
-    from astrl.rewards.reference import AdaptersDisabled
-    from astrl.scorers import make_scorers
+    from astrl.envs.recipe import build_conversation, opener_stream
 
     if spec.threads:
         torch.set_num_threads(spec.threads)
-    torch.manual_seed(spec.seed + 7919 * spec.worker)
-    tester_lm = load_model(spec.tester, dtype=spec.dtype, device=spec.device)
-    tester_model = tester_lm.model
-    if spec.lora is not None:
-        tester_model = add_lora(tester_model, **spec.lora).eval()
-    tester_lm = LoadedModel(tester_lm.name, tester_model, tester_lm.tokenizer, tester_lm.context_window)
-    if spec.target != spec.tester:
-        target_lm = load_model(spec.target, dtype=spec.dtype, device=spec.device)
-    elif spec.lora is not None:  # the target is the base model, without the tester's adapters
-        target_lm = LoadedModel(tester_lm.name, AdaptersDisabled(tester_model), tester_lm.tokenizer, tester_lm.context_window)
-    else:
-        target_lm = tester_lm
-    mode = input_mode(spec.mode)
-    memory = vllm_share(0.5, spec.backend, spec.target_backend)
-    engine = {"vllm_memory": memory, "vllm_options": {"seed": spec.seed + spec.worker}}
-    tester = make_policy(tester_lm, spec.tester_generation, input_mode=mode, backend=spec.backend, **engine)
-    target = make_policy(target_lm, spec.target_generation, input_mode=mode, backend=spec.target_backend, **engine)
-    prompts = split_prompts(load_prompts(spec.prompts), spec.split, seed=spec.seed)
-    stream = PromptStream(prompts, spec.batch_size, seed=spec.seed, group_size=spec.group_size)
+    torch.manual_seed(spec.conversation.seed + 7919 * spec.worker)
+    stream = opener_stream(spec.conversation)
     if spec.stream_state is not None:
         stream.load_state_dict(spec.stream_state)
-    env = make_redteam_env(
-        tester,
-        target,
-        make_scorers(spec.scorers, device=spec.device),
-        stream.shard(spec.worker, spec.num_workers),
-        batch_size=spec.worker_batch_size,
-        max_turns=spec.turns,
-        mode=spec.mode,
-        seed=spec.seed,
-        **spec.env_options,
-    )
-    _PARTS[key] = (env, tester)
+    conversation = build_conversation(spec.conversation, stream=stream, shard=(spec.worker, spec.num_workers))
+    _PARTS[key] = (conversation.env, conversation.tester)
     return _PARTS[key]
 
 
@@ -184,7 +142,7 @@ class RayCollectors:
                 RayLLMCollector(
                     functools.partial(worker_env, worker),
                     policy_factory=functools.partial(worker_policy, worker),
-                    dialog_turns_per_batch=worker.worker_batch_size * worker.turns,
+                    dialog_turns_per_batch=worker.worker_batch_size * worker.conversation.turns,
                     yield_completed_trajectories=True,
                     track_policy_version=True,
                     remote_config={"num_cpus": num_cpus, "num_gpus": num_gpus},

@@ -14,15 +14,12 @@ import torch
 from tensordict import TensorDictBase, lazy_stack
 
 from astrl._compat import as_list
-from astrl.backends import BACKENDS, check_backend, check_collector
-from astrl.envs import make_redteam_env
+from astrl.backends import BACKENDS, check_collector
+from astrl.envs.recipe import ConversationSpec, build_conversation
 from astrl.envs.redteam import REWARDS, reward_options
 from astrl.envs.transforms import PROBE_KEY, RESPONSE_KEY, SCORES_KEY
-from astrl.models import LoadedModel, load_model
-from astrl.policies import GenerationSettings, input_mode, make_policy, vllm_share
-from astrl.prompts import PromptStream, load_prompts, split_prompts
+from astrl.policies import GenerationSettings
 from astrl.rewards.astprompter import REWARD_TERMS_KEY
-from astrl.scorers import make_scorers
 
 if TYPE_CHECKING:
     from astrl.distributed import WorkerSpec
@@ -124,32 +121,36 @@ def records_from_rollout(rollout: TensorDictBase, openers: Sequence[str], first_
     return records
 
 
-def worker_spec(config: RolloutConfig) -> WorkerSpec:
-    """The recipe each Ray worker builds its env and policies from."""
-    from astrl.distributed import WorkerSpec
-    from astrl.envs.redteam import conversation_options
-
-    options = conversation_options(config)
-    return WorkerSpec(
+def conversation_spec(config: RolloutConfig) -> ConversationSpec:
+    """The conversations of a rollout as a :class:`~astrl.envs.ConversationSpec` (one batch at a time)."""
+    return ConversationSpec(
         tester=config.tester,
         target=config.target,
         scorers=list(config.scorers),
         prompts=config.prompts,
         split=config.split,
-        mode=config.mode,
         batch_size=min(config.batch_size, config.num_conversations),
         turns=config.turns,
+        mode=config.mode,
         tester_generation=config.tester_generation,
         target_generation=config.target_generation,
-        env_options=options,
+        tester_system_prompt=config.tester_system_prompt,
+        target_system_prompt=config.target_system_prompt,
+        reward=config.reward,
+        reward_options=config.reward_options(),
         backend=config.backend,
         target_backend=config.target_backend,
         seed=config.seed,
         dtype=config.dtype,
         device=config.device,
-        threads=max(1, int(config.collector_cpus)),
-        num_workers=config.num_collectors,
     )
+
+
+def worker_spec(config: RolloutConfig) -> WorkerSpec:
+    """The recipe each Ray worker builds its env and policies from."""
+    from astrl.distributed import WorkerSpec
+
+    return WorkerSpec(conversation_spec(config), threads=max(1, int(config.collector_cpus)), num_workers=config.num_collectors)
 
 
 def conversations(turns: TensorDictBase, num_turns: int) -> TensorDictBase:
@@ -182,12 +183,6 @@ def _iter_ray_rollouts(config: RolloutConfig, on_turn: Callable[[], None] | None
         collectors.shutdown()
 
 
-def _load_pair(config: RolloutConfig) -> tuple[LoadedModel, LoadedModel]:
-    tester = load_model(config.tester, dtype=config.dtype, device=config.device)
-    target = tester if config.target == config.tester else load_model(config.target, dtype=config.dtype, device=config.device)
-    return tester, target
-
-
 def iter_rollouts(config: RolloutConfig, on_turn: Callable[[], None] | None = None) -> Iterator[list[dict]]:
     """Yield the records of each batch of conversations, seeded by ``config.seed``.
 
@@ -197,31 +192,8 @@ def iter_rollouts(config: RolloutConfig, on_turn: Callable[[], None] | None = No
     if config.collector == "ray":
         yield from _iter_ray_rollouts(config, on_turn)
         return
-    check_backend(config.backend, config.device)
-    check_backend(config.target_backend, config.device)
-    scorers = make_scorers(config.scorers, device=config.device)
-    prompts = split_prompts(load_prompts(config.prompts), config.split, seed=config.seed)
-    tester_lm, target_lm = _load_pair(config)
-    mode = input_mode(config.mode)
-    engine = {"vllm_memory": vllm_share(0.5, config.backend, config.target_backend), "vllm_options": {"seed": config.seed}}
-    tester = make_policy(tester_lm, config.tester_generation, input_mode=mode, backend=config.backend, **engine)
-    target = make_policy(target_lm, config.target_generation, input_mode=mode, backend=config.target_backend, **engine)
-    batch = min(config.batch_size, config.num_conversations)
-    stream = PromptStream(prompts, batch, seed=config.seed)
-    kwargs = {"tester_system_prompt": config.tester_system_prompt} if config.tester_system_prompt is not None else {}
-    env = make_redteam_env(
-        tester,
-        target,
-        scorers,
-        stream,
-        batch_size=batch,
-        max_turns=config.turns,
-        mode=config.mode,
-        target_system_prompt=config.target_system_prompt,
-        reward=config.reward,
-        reward_options=config.reward_options(),
-        **kwargs,
-    )
+    conversation = build_conversation(conversation_spec(config))
+    env, tester, batch = conversation.env, conversation.tester, conversation.spec.batch_size
     torch.manual_seed(config.seed)
     callback = (lambda *_: on_turn()) if on_turn else None
     done = 0

@@ -10,6 +10,7 @@ import torch
 from astrl._compat import as_list
 from astrl.backends import MissingExtraError, check_collector, init_ray, require_ray
 from astrl.distributed import WorkerSpec
+from astrl.envs import ConversationSpec
 from astrl.policies import GenerationSettings
 from astrl.prompts import PromptStream
 
@@ -28,7 +29,7 @@ def local_ray():
         ray.shutdown()
 
 
-def _spec(folder, **overrides) -> WorkerSpec:
+def _spec(folder, num_workers=2, **overrides) -> WorkerSpec:
     generation = GenerationSettings(max_new_tokens=4)
     settings = dict(
         tester=str(folder),
@@ -39,9 +40,8 @@ def _spec(folder, **overrides) -> WorkerSpec:
         turns=2,
         tester_generation=generation,
         target_generation=generation,
-        num_workers=2,
     )
-    return WorkerSpec(**{**settings, **overrides})
+    return WorkerSpec(ConversationSpec(**{**settings, **overrides}), num_workers=num_workers)
 
 
 # -- no Ray needed -----------------------------------------------------------------------------------
@@ -91,7 +91,10 @@ def test_ray_workers_collect_what_the_local_collector_collects_and_take_weight_u
     spec = _spec(tiny_model_dir, lora={"rank": 2, "alpha": 4, "dropout": 0.0, "targets": ["q_proj"]})
     env, policy = build_worker(replace(spec, num_workers=1))  # the same recipe, one local collector
     local = LLMCollector(
-        env, policy=policy, dialog_turns_per_batch=spec.batch_size * spec.turns, yield_completed_trajectories=True
+        env,
+        policy=policy,
+        dialog_turns_per_batch=spec.conversation.batch_size * spec.conversation.turns,
+        yield_completed_trajectories=True,
     )
     local_batches = [next(iter(local)).reshape(-1) for _ in range(2)]
 
@@ -99,7 +102,7 @@ def test_ray_workers_collect_what_the_local_collector_collects_and_take_weight_u
     try:
         batches = [collectors.next() for _ in range(2)]
         for mine, theirs in zip(batches, local_batches, strict=True):
-            assert mine.shape == theirs.shape == (spec.batch_size * spec.turns,)
+            assert mine.shape == theirs.shape == (spec.conversation.batch_size * spec.conversation.turns,)
             assert as_list(mine["query"]) == as_list(theirs["query"])  # same openers, same order
             assert mine["step_count"].reshape(-1).tolist() == theirs["step_count"].reshape(-1).tolist()
             same_keys = set(theirs["next"].keys(True, True)) | {"policy_version"}

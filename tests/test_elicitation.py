@@ -31,8 +31,8 @@ def test_elicit_config_keys_reach_the_env_and_the_ray_worker_spec():
     config = load_config(None, ["reward=elicit", "probe_penalty=2", "elicit_gate=true", "alpha=1.5", "likelihood_weight=0.05"])
     options = {"alpha": 1.5, "penalty": 2.0, "gamma": 0.05, "gate": True}
     assert config.reward_options() == options
-    spec = worker_spec(config)
-    assert spec.env_options["reward"] == "elicit" and spec.env_options["reward_options"] == options
+    spec = worker_spec(config).conversation
+    assert spec.reward == "elicit" and spec.reward_options == options
     assert load_config(None, ["reward=astprompter"]).reward_options() == {"alpha": 1.0, "zeta": 0.5, "gamma": 0.1}
     with pytest.raises(ConfigError, match="probe_penalty must be >= 0, got -1.0"):
         load_config(None, ["reward=elicit", "probe_penalty=-1"])

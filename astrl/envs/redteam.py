@@ -78,28 +78,24 @@ class RedTeamEnv(ChatEnv):
         return tensordict.empty(device=self.device).set("text", Text(prompt=query, batch_size=self.batch_size))
 
 
-def conversation_options(config) -> dict:
-    """The :func:`make_redteam_env` keywords a run's config sets: system prompts and reward.
-
-    ``config`` has ``tester_system_prompt``, ``target_system_prompt``, ``reward`` and
-    ``reward_options()`` (a training or rollout config); an unset tester prompt keeps the env's
-    default red-teaming prompt."""
-    options = {
-        "target_system_prompt": config.target_system_prompt,
-        "reward": config.reward,
-        "reward_options": config.reward_options(),
-    }
-    if config.tester_system_prompt is not None:
-        options["tester_system_prompt"] = config.tester_system_prompt
-    return options
-
-
 def reward_options(reward: str, alpha: float, zeta: float, gamma: float, penalty: float, gate: bool) -> dict | None:
     """The ``reward_options`` of :func:`astrl.envs.make_redteam_env` for a reward name: the weights it uses."""
     if reward not in LIKELIHOOD_REWARDS:
         return None
     values = {"alpha": alpha, "zeta": zeta, "gamma": gamma, "penalty": penalty, "gate": gate}
     return {name: values[name] for name in weight_names(reward)}
+
+
+def check_reward_options(reward: str, options: Mapping[str, object] | None) -> None:
+    """Refuse a reward name, or ``reward_options`` the reward does not take, naming the offending value."""
+    if reward not in REWARDS:
+        raise ValueError(f"reward must be one of {REWARDS}, got {reward!r}")
+    if options and reward == "score":
+        raise ValueError(f"reward_options {sorted(options)} only apply to reward='astprompter' or 'elicit'")
+    allowed = {*weight_names(reward), "join", "empty_probe_logprob"} if reward != "score" else set()
+    unknown = set(options or {}) - allowed
+    if unknown:
+        raise ValueError(f"unknown reward_options {sorted(unknown)} for reward={reward!r}; valid: {', '.join(sorted(allowed))}")
 
 
 def make_redteam_env(
@@ -152,10 +148,7 @@ def make_redteam_env(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if advance is not None and mode != "text":
         raise ValueError("advance is only used in text mode")
-    if reward not in REWARDS:
-        raise ValueError(f"reward must be one of {REWARDS}, got {reward!r}")
-    if reward_options and reward == "score":
-        raise ValueError(f"reward_options {sorted(reward_options)} only apply to reward='astprompter' or 'elicit'")
+    check_reward_options(reward, reward_options)
     stream = prompts if isinstance(prompts, PromptStream) else PromptStream(list(prompts), batch_size, seed=seed)
     if stream.batch_size != batch_size:
         raise ValueError(f"PromptStream batch_size {stream.batch_size} differs from env batch_size {batch_size}")
@@ -191,12 +184,7 @@ def make_redteam_env(
 
 def _likelihood_reward(reward: str, target, scorer: Scorer, mode: str, options: dict) -> ASTPrompterReward:
     """The ASTPrompter or elicitation reward transform from its ``reward_options``."""
-    names, allowed = weight_names(reward), {"join", "empty_probe_logprob"}
-    unknown = set(options) - allowed - set(names)
-    if unknown:
-        raise ValueError(
-            f"unknown reward_options {sorted(unknown)} for reward={reward!r}; valid: {', '.join(sorted([*names, *allowed]))}"
-        )
+    names = weight_names(reward)
     weights = reward_weights(reward, **{k: options.pop(k) for k in names if k in options})
     tokenizer, window, _ = policy_limits(target, "target")
     kind = LIKELIHOOD_REWARDS[reward][1]

@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,9 @@ from astrl.evaluation.records import (
 from astrl.evaluation.tester import TesterSource, load_tester, resolve_tester
 from astrl.policies import GenerationSettings
 from astrl.scorers import checked_scores
+
+if TYPE_CHECKING:
+    from astrl.envs import ConversationSpec
 
 PROBE_LOGPROB_KEY = ("reward_terms", "probe_logprob")
 # Top-level keys of a training run's config.yaml that eval takes as defaults.
@@ -163,36 +167,42 @@ def rollout_records(rollout, openers: list[str], judges: list[str], first: int) 
     return records
 
 
+def conversation_spec(config: EvalConfig, resolved: Resolved, judges: list[str]) -> ConversationSpec:
+    """The evaluation's conversations: the run's held-out openers, scored by ``judges``, with the
+    ASTPrompter reward terms on (they carry the probe's likelihood under the target)."""
+    from astrl.envs import ConversationSpec
+
+    return ConversationSpec(
+        tester=resolved.source.model,
+        target=resolved.target,
+        scorers=judges,
+        prompts=resolved.prompts,
+        split=config.split,
+        split_seed=resolved.split_seed,
+        batch_size=min(config.batch_size, config.num_conversations),
+        turns=config.turns,
+        mode=resolved.mode,
+        tester_generation=config.tester_generation,
+        target_generation=config.target_generation,
+        tester_system_prompt=resolved.tester_system_prompt,
+        target_system_prompt=resolved.target_system_prompt,
+        reward="astprompter",
+        seed=config.seed,
+        dtype=config.dtype,
+        device=config.device,
+    )
+
+
 def generate(config: EvalConfig, resolved: Resolved, scorers: dict, on_turns: Callable[[int], None] | None = None) -> list[dict]:
     """Run ``config.num_conversations`` conversations in batches; one record per tester turn."""
     from astrl._compat import as_list
-    from astrl.envs import make_redteam_env
-    from astrl.models import load_model
-    from astrl.policies import input_mode, make_policy
-    from astrl.prompts import PromptStream, load_prompts, split_prompts
+    from astrl.envs import build_conversation
 
-    prompts = split_prompts(load_prompts(resolved.prompts), config.split, seed=resolved.split_seed)
     tester_lm = load_tester(resolved.source, dtype=config.dtype, device=config.device)
     shared = resolved.source.run_dir is None and resolved.target == resolved.source.model
-    target_lm = tester_lm if shared else load_model(resolved.target, dtype=config.dtype, device=config.device)
-    wrapper_mode = input_mode(resolved.mode)
-    tester = make_policy(tester_lm, config.tester_generation, input_mode=wrapper_mode)
-    target = make_policy(target_lm, config.target_generation, input_mode=wrapper_mode)
-    batch = min(config.batch_size, config.num_conversations)
-    stream = PromptStream(prompts, batch, seed=config.seed)
-    kwargs = {"tester_system_prompt": resolved.tester_system_prompt} if resolved.tester_system_prompt is not None else {}
-    env = make_redteam_env(
-        tester,
-        target,
-        scorers,
-        stream,
-        batch_size=batch,
-        max_turns=config.turns,
-        mode=resolved.mode,
-        target_system_prompt=resolved.target_system_prompt,
-        reward="astprompter",
-        **kwargs,
-    )
+    spec = conversation_spec(config, resolved, list(scorers))
+    conversation = build_conversation(spec, tester=tester_lm, target=tester_lm if shared else None, scorers=scorers)
+    env, tester, batch = conversation.env, conversation.tester, spec.batch_size
     torch.manual_seed(config.seed)
     records: list[dict] = []
     done = 0

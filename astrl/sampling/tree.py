@@ -20,6 +20,7 @@ from torchrl.envs import StepCounter, Transform
 from torchrl.envs.llm.transforms import DataLoadingPrimer
 
 from astrl._compat import Chat, as_list, chats_to_history, history_to_chats
+from astrl.envs.recipe import Conversation, opener_stream
 from astrl.envs.redteam import DEFAULT_TESTER_SYSTEM_PROMPT, make_redteam_env
 from astrl.envs.transforms import Advance, TargetTurn
 from astrl.lm_scoring import response_mask, stop_ids
@@ -145,6 +146,29 @@ class TreeSampler:
         self.seed = seed
         self.calls = 0
         self.stop_token_ids = stop_ids(tester.tokenizer, tester.model)
+
+    @classmethod
+    def from_conversation(cls, conversation: Conversation, *, tree_width: int = 2, min_reward_gap: float = 0.0) -> TreeSampler:
+        """A sampler over a :func:`~astrl.envs.build_conversation` result: its policies, scorers and
+        settings, ``spec.batch_size`` trees of depth ``spec.turns`` a call, seeded by ``spec.seed``,
+        openers from its stream (the spec's :func:`~astrl.envs.recipe.opener_stream` when it has none).
+        Build it with ``env=False``: an env's opener loader draws a batch from the stream when made."""
+        if conversation.env is not None:
+            raise ValueError("build the conversation with env=False: its env has already drawn openers from its stream")
+        spec = conversation.spec
+        stream = conversation.stream if conversation.stream is not None else opener_stream(spec)
+        return cls(
+            conversation.tester,
+            conversation.target,
+            conversation.scorers,
+            stream,
+            num_trees=spec.batch_size,
+            tree_width=tree_width,
+            tree_depth=spec.turns,
+            min_reward_gap=min_reward_gap,
+            seed=spec.seed,
+            **spec.env_options(),
+        )
 
     # -- public API ------------------------------------------------------------------------------
     @property

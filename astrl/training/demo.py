@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from astrl._compat import as_list
-from astrl.policies import input_mode, make_policy
-from astrl.prompts import PromptStream, load_prompts, split_prompts
+from astrl.envs import ConversationSpec
 from astrl.rewards.reference import AdaptersDisabled
 from astrl.training.config import ConfigError, TrainConfig, read_yaml_mapping, renamed_keys
-from astrl.training.setup import generation
+from astrl.training.setup import conversation_spec
 from astrl.training.trainer import Trainer, latest_checkpoint, resume
 
 # Mirrors configs/demo.yaml (a test keeps the two equal).
@@ -62,6 +62,27 @@ def demo_config(overrides: dict | None = None) -> TrainConfig:
     return TrainConfig(**{**DEMO_CONFIG, **(overrides or {})})
 
 
+def comparison_spec(config: TrainConfig, *, conversations: int, seed: int, judge: str) -> ConversationSpec:
+    """The conversations of :func:`compare_testers`: the run's settings (mode, turns, generation,
+    system prompts, reward; no novelty terms) on its dev split, seeded by ``seed``, scored by the
+    training scorer and ``judge``, with the ASTPrompter terms on under the plain score reward (they
+    carry the probe's likelihood), on Transformers."""
+    return replace(
+        conversation_spec(config),
+        scorers=list(dict.fromkeys([config.scorer, judge])),
+        split="dev",
+        split_seed=config.seed,
+        batch_size=min(conversations, 16),
+        group_size=1,
+        turns=config.turns,
+        reward="astprompter" if config.reward == "score" else config.reward,
+        novelty=None,
+        backend="transformers",
+        target_backend="transformers",
+        seed=seed,
+    )
+
+
 def compare_testers(
     trainer: Trainer, *, conversations: int = 64, seed: int = 1234, judge: str = DEMO_JUDGE, resamples: int = 1000
 ) -> dict[str, dict]:
@@ -74,36 +95,18 @@ def compare_testers(
     :func:`astrl.evaluation.metrics.elicitation_metrics`: elicited success rate, elicited ASR,
     toxic probe/reply rates, with 95% bootstrap intervals over conversations), and the best elicited
     exchange under the judge (the highest-reward turn when there is none)."""
-    from astrl.envs import make_redteam_env
-    from astrl.envs.redteam import conversation_options
+    from astrl.envs import build_conversation
     from astrl.evaluation.metrics import elicitation_metrics
     from astrl.evaluation.run import rollout_records, score_probes
-    from astrl.scorers import make_scorers
 
     config, models = trainer.config, trainer.models
-    prompts = split_prompts(load_prompts(config.prompts), "dev", seed=config.seed)
-    wrapper_mode = input_mode(config.mode)
-    target = make_policy(models.target, generation(config, target=True), input_mode=wrapper_mode)
-    scorers = make_scorers(list(dict.fromkeys([config.scorer, judge])))
-    options = conversation_options(config)
-    if options["reward"] == "score":  # the likelihood term comes with the ASTPrompter terms
-        options.update(reward="astprompter", reward_options=None)
-    results = {}
+    spec = comparison_spec(config, conversations=conversations, seed=seed, judge=judge)
+    results, scorers = {}, None
     untrained = AdaptersDisabled(models.tester.model) if hasattr(models.tester.model, "disable_adapter") else models.reference
     for label, model in (("before", untrained), ("after", models.tester.model)):
         loaded = type(models.tester)(models.tester.name, model, models.tester.tokenizer, models.tester.context_window)
-        tester = make_policy(loaded, generation(config), input_mode=wrapper_mode)
-        batch = min(conversations, 16)
-        env = make_redteam_env(
-            tester,
-            target,
-            scorers,
-            PromptStream(prompts, batch, seed=seed),
-            batch_size=batch,
-            max_turns=config.turns,
-            mode=config.mode,
-            **options,
-        )
+        conversation = build_conversation(spec, tester=loaded, target=models.target, scorers=scorers)
+        env, tester, scorers, batch = conversation.env, conversation.tester, conversation.scorers, spec.batch_size
         torch.manual_seed(seed)
         records, rewards = [], []
         with torch.no_grad():

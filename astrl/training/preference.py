@@ -26,7 +26,7 @@ from astrl.sampling import TreeSampler, WeakSupervision
 from astrl.training.algorithm import Algorithm
 from astrl.training.batches import shuffled_minibatches, turn_metrics
 from astrl.training.config import TrainConfig
-from astrl.training.setup import RunModels, conversation_parts
+from astrl.training.setup import RunModels, training_conversation
 
 
 class TreeAlgorithm(Algorithm):
@@ -131,18 +131,8 @@ class PreferenceAlgorithm(TreeAlgorithm):
     @classmethod
     def from_config(cls, config: TrainConfig, models: RunModels, stream) -> PreferenceAlgorithm:
         """The DPO / IPO algorithm of a config run (its prompt stream lives in the sampler)."""
-        tester, target, scorers, settings = conversation_parts(config, models)
-        sampler = TreeSampler(
-            tester,
-            target,
-            scorers,
-            stream,
-            num_trees=config.prompts_per_step,
-            tree_width=config.tree_width,
-            tree_depth=config.tree_depth,
-            min_reward_gap=config.min_reward_gap,
-            **settings,
-        )
+        conversation = training_conversation(config, models, stream, env=False)
+        sampler = TreeSampler.from_conversation(conversation, tree_width=config.tree_width, min_reward_gap=config.min_reward_gap)
         loss_class = DPOLoss if config.algorithm == "dpo" else IPOLoss
         loss = loss_class(
             models.tester.model,
@@ -159,7 +149,7 @@ class PreferenceAlgorithm(TreeAlgorithm):
                 probability=config.weak_supervision,
                 max_new_tokens=config.max_new_tokens,
                 seed=config.seed,
-                clean_under=next(iter(scorers.values())) if config.reward == "elicit" else None,  # the reward scorer
+                clean_under=next(iter(conversation.scorers.values())) if config.reward == "elicit" else None,  # the reward scorer
             )
         return cls(
             sampler,

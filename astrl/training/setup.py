@@ -1,4 +1,5 @@
-"""Build the models, policies and environment of a training run from its config.
+"""Build the models of a training run and describe its conversations (:func:`conversation_spec`);
+:func:`astrl.envs.build_conversation` makes the policies, scorers and env from them.
 
 With ``lora: true`` and the same base for tester and target, one copy of the base weights
 serves all three roles: the tester (adapters on), the reference and the target (adapters off).
@@ -14,14 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from astrl.envs import make_redteam_env
-from astrl.envs.redteam import conversation_options
+from astrl.envs.recipe import Conversation, ConversationSpec, build_conversation, opener_stream
 from astrl.models import LoadedModel, add_lora, load_model
-from astrl.policies import GenerationSettings, input_mode, make_policy, vllm_share
-from astrl.prompts import PromptStream, load_prompts, split_prompts
+from astrl.policies import GenerationSettings
+from astrl.prompts import PromptStream
 from astrl.rewards import make_reference
 from astrl.rewards.reference import AdaptersDisabled
-from astrl.scorers import make_scorers
 from astrl.training.config import TrainConfig
 
 
@@ -77,48 +76,59 @@ def generation(config: TrainConfig, target: bool = False) -> GenerationSettings:
     return GenerationSettings(max_new, config.temperature, config.top_p, config.top_k, do_sample=True)
 
 
+def conversation_spec(config: TrainConfig) -> ConversationSpec:
+    """The run's conversations as a :class:`~astrl.envs.ConversationSpec`.
+
+    GRPO / PPO run ``prompts_per_step`` openers ``group_size`` times for ``turns`` turns; DPO / IPO
+    grow ``prompts_per_step`` trees of depth ``tree_depth``."""
+    trees = config.algorithm in ("dpo", "ipo")
+    return ConversationSpec(
+        tester=config.tester,
+        target=config.target,
+        scorers=[config.scorer, *config.judges],
+        prompts=config.prompts,
+        split=config.split,
+        batch_size=config.prompts_per_step if trees else config.batch_size,
+        group_size=1 if trees else config.group_size,
+        turns=config.tree_depth if trees else config.turns,
+        mode=config.mode,
+        tester_generation=generation(config),
+        target_generation=generation(config, target=True),
+        tester_system_prompt=config.tester_system_prompt,
+        target_system_prompt=config.target_system_prompt,
+        reward=config.reward,
+        reward_options=config.reward_options(),
+        novelty=config.novelty_options(),
+        lora=lora_settings(config) if config.lora else None,
+        backend=config.backend,
+        target_backend=config.target_backend,
+        vllm_memory=config.vllm_memory,
+        seed=config.seed,
+        dtype=config.dtype,
+        device=config.device,
+    )
+
+
 def build_stream(config: TrainConfig) -> PromptStream:
-    prompts = split_prompts(load_prompts(config.prompts), config.split, seed=config.seed)
-    return PromptStream(prompts, config.batch_size, seed=config.seed, group_size=config.group_size)
+    return opener_stream(conversation_spec(config))
 
 
-def conversation_parts(config: TrainConfig, models: RunModels) -> tuple:
-    """Tester and target policies, scorers, and the conversation settings that the red-team env
-    and the tree sampler share: ``(tester, target, scorers, settings)``."""
-    mode, memory = input_mode(config.mode), vllm_share(config.vllm_memory, config.backend, config.target_backend)
-    engine = {"vllm_memory": memory, "vllm_options": {"seed": config.seed}}  # vLLM reseeds the process at start
-    tester = make_policy(models.tester, generation(config), input_mode=mode, backend=config.backend, **engine)
-    target = make_policy(models.target, generation(config, target=True), input_mode=mode, backend=config.target_backend, **engine)
-    scorers = make_scorers([config.scorer, *config.judges], device=config.device)
-    settings = {"mode": config.mode, **conversation_options(config), "novelty": config.novelty_options(), "seed": config.seed}
-    return tester, target, scorers, settings
+def training_conversation(
+    config: TrainConfig, models: RunModels, stream: PromptStream | None = None, *, env: bool = True
+) -> Conversation:
+    """The run's tester and target policies over its loaded models, its scorers and, with ``env``,
+    the red-team env over ``stream``. ``env=False``: no env (the tree sampler builds its own from
+    the same settings; Ray workers build theirs from :func:`worker_spec`)."""
+    spec = conversation_spec(config)
+    return build_conversation(spec, tester=models.tester, target=models.target, stream=stream, env=env)
 
 
 def worker_spec(config: TrainConfig, stream_state: dict | None = None):
     """The recipe from which each Ray worker builds the env and tester policy of this run."""
     from astrl.distributed import WorkerSpec
 
-    options = conversation_options(config)
-    lora = lora_settings(config) if config.lora else None
     return WorkerSpec(
-        tester=config.tester,
-        target=config.target,
-        scorers=[config.scorer, *config.judges],
-        prompts=config.prompts,
-        split=config.split,
-        mode=config.mode,
-        batch_size=config.batch_size,
-        group_size=config.group_size,
-        turns=config.turns,
-        tester_generation=generation(config),
-        target_generation=generation(config, target=True),
-        env_options=options,
-        lora=lora,
-        backend=config.backend,
-        target_backend=config.target_backend,
-        seed=config.seed,
-        dtype=config.dtype,
-        device=config.device,
+        conversation_spec(config),
         threads=max(1, int(config.collector_cpus)),
         stream_state=stream_state,
         num_workers=config.num_collectors,
@@ -127,6 +137,5 @@ def worker_spec(config: TrainConfig, stream_state: dict | None = None):
 
 def build_env(config: TrainConfig, models: RunModels, stream: PromptStream):
     """The red-team env and the tester policy that acts in it."""
-    tester, target, scorers, settings = conversation_parts(config, models)
-    env = make_redteam_env(tester, target, scorers, stream, batch_size=config.batch_size, max_turns=config.turns, **settings)
-    return env, tester
+    conversation = training_conversation(config, models, stream)
+    return conversation.env, conversation.tester

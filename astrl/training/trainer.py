@@ -35,7 +35,7 @@ from astrl.evaluation.archive import ARCHIVE_FILE, AttackArchive
 from astrl.models import LoadedModel
 from astrl.training.algorithm import Algorithm, DataPath, TrainingSource
 from astrl.training.config import ConfigError, TrainConfig, load_config
-from astrl.training.setup import RunModels, build_env, build_models, build_stream, conversation_parts
+from astrl.training.setup import RunModels, build_env, build_models, build_stream, training_conversation
 from astrl.training.state_io import (
     STATE_FILE,
     DamagedCheckpointError,
@@ -133,7 +133,7 @@ class ConfigSource(TrainingSource):
         draws: list[dict] = []
         stream.on_draw(draws.append)
         if self.config.collector == "ray":  # the workers build their own envs; the tester policy gives the weight layout
-            env, policy = None, conversation_parts(self.config, self.models)[0]
+            env, policy = None, training_conversation(self.config, self.models, env=False).tester
         else:
             env, policy = build_env(self.config, self.models, stream)
         algorithm = make_algorithm(self.config, self.models, env, policy, stream)

@@ -1,0 +1,209 @@
+"""The conversation recipe: one plain spec of a red-team conversation and the builder that makes it.
+
+::
+
+    ConversationSpec (plain data: model names, settings)          training, rollout, eval, demo, Ray workers
+      -> build_conversation(spec, [loaded models, scorers, stream])
+           models    loaded from the spec's names unless the caller passes them
+           policies  tester and target (astrl.policies.make_policy)
+           scorers   by name (astrl.scorers.make_scorers), the first gives the reward
+           stream    the seeded opener stream of the spec's prompt split
+           env       make_redteam_env(...) over that stream
+      -> Conversation(spec, tester, target, scorers, stream, env)
+
+Every entry point describes its conversations as a :class:`ConversationSpec` and calls
+:func:`build_conversation` once; the tree sampler of DPO / IPO takes the same policies and
+settings (:meth:`astrl.sampling.TreeSampler.from_conversation`). The spec pickles, so a Ray worker
+receives it and builds its own part of the batch (``shard``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from astrl.backends import BACKENDS, check_backend
+from astrl.envs.redteam import DEFAULT_TESTER_SYSTEM_PROMPT, MODES, REWARDS, check_reward_options, make_redteam_env
+from astrl.models import LoadedModel, add_lora, load_model
+from astrl.policies import GenerationSettings, input_mode, make_policy, vllm_share
+from astrl.prompts import SPLITS, PromptStream, load_prompts, split_prompts
+from astrl.scorers import Scorer, make_scorers
+
+if TYPE_CHECKING:
+    from torchrl.envs import TransformedEnv
+    from torchrl.modules.llm import LLMWrapperBase
+
+
+@dataclass(frozen=True)
+class ConversationSpec:
+    """A red-team conversation set-up as plain, picklable data.
+
+    Args:
+        tester / target: model names, folders or hub ids; loaded by :func:`build_conversation`
+            unless the caller passes loaded models. A target named like the tester shares the
+            tester's weights (its base, adapters off, under ``lora``).
+        scorers: scorer names (:func:`astrl.scorers.make_scorer`); the first gives the reward.
+        prompts / split: the opener source and its split; ``split_seed`` seeds the split
+            (``None``: ``seed``).
+        batch_size: conversations run together (``batch_size / group_size`` openers, each
+            ``group_size`` times in a row); for a tree sampler, the trees per call.
+        turns: tester turns per conversation; for a tree sampler, the tree depth.
+        mode: ``"chat"`` or ``"text"``.
+        tester_generation / target_generation: sampling settings of each side.
+        tester_system_prompt: ``None`` keeps the env's default red-teaming prompt.
+        target_system_prompt: the target's system prompt (chat mode), ``None`` for none.
+        reward / reward_options / novelty: as in :func:`~astrl.envs.make_redteam_env`.
+        lora: :func:`astrl.models.add_lora` keywords for a tester loaded from ``tester``.
+        backend / target_backend / vllm_memory: generation backends, and the GPU share all vLLM
+            engines take together.
+        seed: seeds the opener order (and the split, unless ``split_seed``) and the vLLM engines.
+        dtype / device: of the models loaded here and the scorers.
+    """
+
+    tester: str = "smollm2-135m"
+    target: str = "smollm2-135m"
+    scorers: list[str] = field(default_factory=lambda: ["profanity"])
+    prompts: str = "builtin"
+    split: str = "all"
+    split_seed: int | None = None
+    batch_size: int = 8
+    group_size: int = 1
+    turns: int = 3
+    mode: str = "chat"
+    tester_generation: GenerationSettings = field(default_factory=GenerationSettings)
+    target_generation: GenerationSettings = field(default_factory=GenerationSettings)
+    tester_system_prompt: str | None = None
+    target_system_prompt: str | None = None
+    reward: str = "score"
+    reward_options: dict | None = None
+    novelty: dict | None = None
+    lora: dict | None = None
+    backend: str = "transformers"
+    target_backend: str = "transformers"
+    vllm_memory: float = 0.5
+    seed: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        choices = {"mode": MODES, "reward": REWARDS, "split": SPLITS, "backend": BACKENDS, "target_backend": BACKENDS}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        for name in ("batch_size", "group_size", "turns"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_size % self.group_size:
+            raise ValueError(f"group_size {self.group_size} must divide batch_size {self.batch_size}")
+        if isinstance(self.scorers, str) or not self.scorers:
+            raise ValueError(f"scorers must be a non-empty list of scorer names, got {self.scorers!r}")
+        if not 0 < self.vllm_memory <= 1:
+            raise ValueError(f"vllm_memory must be in (0, 1], got {self.vllm_memory}")
+        for name in ("tester_generation", "target_generation"):
+            if not isinstance(getattr(self, name), GenerationSettings):
+                raise TypeError(f"{name} must be a GenerationSettings, got {type(getattr(self, name)).__name__}")
+        check_reward_options(self.reward, self.reward_options)
+
+    def env_options(self) -> dict:
+        """The conversation keywords of :func:`~astrl.envs.make_redteam_env` (and of the tree sampler)."""
+        tester_prompt = self.tester_system_prompt
+        return {
+            "mode": self.mode,
+            "tester_system_prompt": DEFAULT_TESTER_SYSTEM_PROMPT if tester_prompt is None else tester_prompt,
+            "target_system_prompt": self.target_system_prompt,
+            "reward": self.reward,
+            "reward_options": self.reward_options,
+            "novelty": self.novelty,
+        }
+
+
+@dataclass
+class Conversation:
+    """What :func:`build_conversation` makes of a spec. ``stream`` and ``env`` are ``None`` when no
+    env was asked for (and no stream passed)."""
+
+    spec: ConversationSpec
+    tester: LLMWrapperBase
+    target: LLMWrapperBase
+    scorers: dict[str, Scorer]
+    stream: PromptStream | None
+    env: TransformedEnv | None
+
+
+def opener_stream(spec: ConversationSpec) -> PromptStream:
+    """The seeded stream of the spec's openers: ``batch_size`` a draw, ``group_size`` repeats each."""
+    split_seed = spec.seed if spec.split_seed is None else spec.split_seed
+    prompts = split_prompts(load_prompts(spec.prompts), spec.split, seed=split_seed)
+    return PromptStream(prompts, spec.batch_size, seed=spec.seed, group_size=spec.group_size)
+
+
+def load_models(spec: ConversationSpec, tester: LoadedModel | None = None) -> tuple[LoadedModel, LoadedModel]:
+    """The spec's tester (with its LoRA adapters) and target. A target named like the tester shares
+    its weights (adapters off) when the tester is loaded here; a passed ``tester`` never shares."""
+    if tester is None:
+        tester = load_model(spec.tester, dtype=spec.dtype, device=spec.device)
+        if spec.lora is not None:
+            tester = LoadedModel(tester.name, add_lora(tester.model, **spec.lora).eval(), tester.tokenizer, tester.context_window)
+        if spec.target == spec.tester and spec.lora is None:
+            return tester, tester
+        if spec.target == spec.tester:
+            from astrl.rewards.reference import AdaptersDisabled
+
+            return tester, LoadedModel(tester.name, AdaptersDisabled(tester.model), tester.tokenizer, tester.context_window)
+    return tester, load_model(spec.target, dtype=spec.dtype, device=spec.device)
+
+
+def build_conversation(
+    spec: ConversationSpec,
+    *,
+    tester: LoadedModel | None = None,
+    target: LoadedModel | None = None,
+    scorers: Mapping[str, Scorer] | None = None,
+    stream: PromptStream | None = None,
+    shard: tuple[int, int] | None = None,
+    env: bool = True,
+) -> Conversation:
+    """Build the policies, scorers, opener stream and env of ``spec``; what the caller passes is used as is.
+
+    Args:
+        spec: the conversation set-up.
+        tester / target: loaded models (e.g. a training run's LoRA tester and its adapters-off
+            target); missing ones are loaded from the spec (:func:`load_models`).
+        scorers: built scorers, keyed by name; default ``make_scorers(spec.scorers)``.
+        stream: the opener stream; default :func:`opener_stream`.
+        shard: ``(index, count)``: build worker ``index`` of ``count``'s part: slice ``index`` of
+            every batch of openers, ``batch_size / count`` conversations, its vLLM engines seeded
+            ``seed + index``.
+        env: ``False``: policies and scorers only (for a tree sampler, or a trainer whose Ray
+            workers build their own envs); ``stream`` is kept as passed.
+    """
+    check_backend(spec.backend, spec.device)
+    check_backend(spec.target_backend, spec.device)
+    index, count = shard or (0, 1)
+    if target is None:
+        tester, target = load_models(spec, tester)
+    elif tester is None:
+        raise TypeError("a passed target model needs its tester model passed too")
+    memory = vllm_share(spec.vllm_memory, spec.backend, spec.target_backend)
+    engine = {"vllm_memory": memory, "vllm_options": {"seed": spec.seed + index}}  # vLLM reseeds the process at start
+    mode = input_mode(spec.mode)
+    tester_policy = make_policy(tester, spec.tester_generation, input_mode=mode, backend=spec.backend, **engine)
+    target_policy = make_policy(target, spec.target_generation, input_mode=mode, backend=spec.target_backend, **engine)
+    scorers = dict(scorers) if scorers is not None else make_scorers(spec.scorers, device=spec.device)
+    if not env:
+        return Conversation(spec, tester_policy, target_policy, scorers, stream, None)
+    stream = stream if stream is not None else opener_stream(spec)
+    if shard is not None:
+        stream = stream.shard(index, count)
+    red_team = make_redteam_env(
+        tester_policy,
+        target_policy,
+        scorers,
+        stream,
+        batch_size=spec.batch_size // count,
+        max_turns=spec.turns,
+        seed=spec.seed,
+        **spec.env_options(),
+    )
+    return Conversation(spec, tester_policy, target_policy, scorers, stream, red_team)
