@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 
 from astrl.backends import BACKENDS, check_backend
 from astrl.models import LoadedModel, resolve
+from astrl.prefill import TurnCache
 
 
 @dataclass
@@ -67,6 +68,7 @@ def make_policy(
     return_log_probs: bool = True,
     vllm_memory: float = 0.5,
     vllm_options: dict | None = None,
+    turn_cache: bool = True,
 ):
     """Wrap a loaded model as a generating TorchRL LLM policy.
 
@@ -79,6 +81,9 @@ def make_policy(
             ``loaded.model`` stays the Transformers copy used for scoring and gradients).
         vllm_memory: share of the GPU memory the vLLM engine may take (``backend="vllm"``).
         vllm_options: more ``vllm.LLM`` keywords for that engine (see :func:`make_vllm_engine`).
+        turn_cache: keep the KV cache of the model's last ``generate`` call and prefill only the tokens
+            it has not read (a conversation's next turn, a tree node's children); see
+            :class:`astrl.prefill.TurnCache`. Transformers backend only (vLLM has its own prefix cache).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
@@ -103,6 +108,8 @@ def make_policy(
     else:
         from torchrl.modules.llm import TransformersWrapper
 
+        if turn_cache and not isinstance(loaded.model.generate, TurnCache):
+            TurnCache(loaded.model)
         policy = TransformersWrapper(loaded.model, **wrapper_options)
     policy.context_window = loaded.context_window
     policy.generation = generation

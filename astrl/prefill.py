@@ -73,3 +73,174 @@ class SharedPrefill:
         self.calls_shared += 1
         self.rows_saved += len(ids) - len(distinct)
         return self.original(**{**kwargs, "attention_mask": mask, "past_key_values": cache})
+
+
+# -- reuse of the last call's KV cache -------------------------------------------------------------------------
+_ORDER_DEPENDENT = ("repetition_penalty", "no_repeat_ngram_size", "encoder_repetition_penalty", "sequence_bias", "bad_words_ids")
+
+
+class TurnCache:
+    """Replaces ``model.generate`` by a version that keeps the KV cache of its last call and reuses it.
+
+    A conversation's next turn, and a tree node's children, start with everything the model has already
+    read: the previous prompt and the reply it generated. ``TurnCache`` keeps the last call's cache and
+    token ids; a new call matches each row, on token ids, against the longest prefix some earlier row
+    has in the cache, gathers those cache entries (left-padded), and lets the original ``generate`` prefill
+    only the rest of each prompt::
+
+        layout of row i:  [pad | cached prefix (m_i tokens)] [pad | rest of the prompt] -> new tokens
+                           cache region, width M              prefilled, width W
+
+    Positions come from the attention mask (cumulative sum, as ``generate`` computes them), so every
+    token keeps the position it has in a full prefill and the logits are those of a full prefill up to
+    float rounding: sampling draws from the same distribution with the same random numbers. The cache is
+    valid only for the weights it was computed with: a call after any parameter changed (an optimizer
+    step, a loaded checkpoint), or with the model in another train/eval mode or with PEFT adapters toggled,
+    starts afresh. Calls with positional arguments, ``inputs_embeds``, their own ``past_key_values``,
+    order-dependent logits processors (repetition penalties, banned n-grams) or a cache other than plain
+    ``DynamicCache`` layers go to the original ``generate`` unchanged (and drop the kept cache), as do all
+    calls while ``enabled`` is False. ``tokens_reused`` / ``tokens_prefilled`` count prompt tokens taken
+    from the cache and run through the model.
+    """
+
+    def __init__(self, model: torch.nn.Module, min_saving: float = 0.2) -> None:
+        self.model = model
+        self.original = model.generate
+        self.min_saving = min_saving
+        self.enabled = True
+        self.calls_reused = self.tokens_reused = self.tokens_prefilled = 0
+        self._state: tuple | None = None  # (token ids, attention seen when computed, cache, weights fingerprint)
+        modules = model.modules() if hasattr(model, "modules") else ()
+        self._adapter_layers = [m for m in modules if hasattr(m, "_disable_adapters")]  # PEFT layers: on or off
+        model.generate = self
+
+    def remove(self) -> None:
+        """Restore the model's original ``generate`` and drop the kept cache."""
+        self.clear()
+        if self.model.generate is self:
+            self.model.generate = self.original
+
+    def clear(self) -> None:
+        """Drop the kept cache (its memory is freed; the next call prefills in full)."""
+        self._state = None
+
+    def _fingerprint(self) -> tuple:
+        versions = tuple(p._version for p in self.model.parameters())
+        adapters = tuple((m._disable_adapters, tuple(getattr(m, "active_adapters", ()))) for m in self._adapter_layers)
+        return versions, adapters, bool(getattr(self.model, "training", False))
+
+    def _supported(self, args: tuple, kwargs: dict) -> bool:
+        ids = kwargs.get("input_ids")
+        if not self.enabled or args or ids is None or ids.dim() != 2 or ids.shape[1] < 2:
+            return False
+        if kwargs.get("past_key_values") is not None or kwargs.get("inputs_embeds") is not None:
+            return False
+        configs = [kwargs.get("generation_config"), getattr(self.model, "generation_config", None)]
+        for key in _ORDER_DEPENDENT:
+            values = [kwargs.get(key)] + [getattr(c, key, None) for c in configs if c is not None]
+            if any(v not in (None, 1.0, 0) for v in values):
+                return False
+        return True
+
+    def __call__(self, *args, **kwargs):
+        if not self._supported(args, kwargs):
+            self._state = None
+            return self.original(*args, **kwargs)
+        ids = kwargs["input_ids"]
+        mask = kwargs.get("attention_mask")
+        mask = torch.ones_like(ids) if mask is None else mask
+        fingerprint = self._fingerprint()
+        plan = self._plan(ids, mask) if self._state is not None and self._state[3] == fingerprint else None
+        self._state = None  # the cache is handed to generate, which extends it in place
+        want_dict = kwargs.get("return_dict_in_generate", False)
+        call = {**kwargs, "attention_mask": mask, "return_dict_in_generate": True, "use_cache": True}
+        if plan is not None:
+            full_ids, full_mask, cache, reused = plan
+            call.update(input_ids=full_ids, attention_mask=full_mask, past_key_values=cache)
+            self.calls_reused += 1
+            self.tokens_reused += reused
+            self.tokens_prefilled += int(mask.sum()) - reused
+        else:
+            full_ids, full_mask = ids, mask
+            self.tokens_prefilled += int(mask.sum())
+        out = self.original(**call)
+        generated = out.sequences[:, full_ids.shape[1] :]
+        cache = getattr(out, "past_key_values", None)
+        if _plain_dynamic(cache):
+            seen = torch.cat([full_mask, torch.ones_like(generated, dtype=full_mask.dtype)], dim=1)
+            self._state = (out.sequences, seen, cache, fingerprint)
+        out.sequences = torch.cat([ids, generated], dim=1)  # the caller's prompt layout
+        out.past_key_values = None  # kept here; the caller's layout does not match it
+        return out if want_dict else out.sequences
+
+    def _plan(self, ids: torch.Tensor, mask: torch.Tensor):
+        """The reuse layout for ``ids`` (left-padded, ``mask``), or None when it saves too little."""
+        seqs, seen, cache, _ = self._state
+        length = cache.get_seq_length()
+        device = ids.device
+        old_tokens, old_positions, old_count = _compact(seqs[:, :length], seen[:, :length].bool(), fill=-1)
+        new_tokens, _, new_count = _compact(ids, mask.bool(), fill=-2)
+        width = min(old_tokens.shape[1], new_tokens.shape[1])
+        same = old_tokens[None, :, :width] == new_tokens[:, None, :width]  # (new row, old row, token)
+        differs = ~same
+        everything = torch.full(differs.shape[:2], width, dtype=torch.long, device=device)
+        matched = torch.where(differs.any(-1), differs.byte().argmax(-1), everything)  # common prefix lengths
+        source = matched.argmax(1)  # the old row with the longest common prefix (first on ties)
+        reused = torch.minimum(matched.gather(1, source[:, None])[:, 0], new_count - 1)  # one token left to run
+        rest = new_count - reused
+        prefix_width, rest_width = int(reused.max()), int(rest.max())
+        if prefix_width == 0 or rest_width > (1 - self.min_saving) * ids.shape[1]:
+            return None
+        # cache region: row i holds its reused prefix right-aligned in prefix_width slots
+        slot = torch.arange(prefix_width, device=device)
+        start = prefix_width - reused
+        cached = slot[None, :] >= start[:, None]
+        index = (slot[None, :] - start[:, None]).clamp(min=0)
+        positions = old_positions[source[:, None], index]  # cache position of each reused token
+        for layer in cache.layers:
+            layer.keys = layer.keys[source[:, None], :, positions].transpose(1, 2).contiguous()
+            layer.values = layer.values[source[:, None], :, positions].transpose(1, 2).contiguous()
+        pad = ids.new_full((), _pad_id(ids, mask))
+        prefix_ids = torch.where(cached, new_tokens.gather(1, index.clamp(max=new_tokens.shape[1] - 1)), pad)
+        # prefilled region: the rest of each prompt, left-padded to rest_width
+        slot = torch.arange(rest_width, device=device)
+        start = rest_width - rest
+        live = slot[None, :] >= start[:, None]
+        take = (reused[:, None] + slot[None, :] - start[:, None]).clamp(0, new_tokens.shape[1] - 1)
+        rest_ids = torch.where(live, new_tokens.gather(1, take), pad)
+        full_ids = torch.cat([prefix_ids, rest_ids], dim=1)
+        full_mask = torch.cat([cached, live], dim=1).to(mask.dtype)
+        return full_ids, full_mask, cache, int(reused.sum())
+
+
+def _compact(tokens: torch.Tensor, keep: torch.Tensor, fill: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's kept tokens moved to the front (order kept), ``fill`` after them; their original
+    positions; and how many each row keeps."""
+    count = keep.sum(1)
+    order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
+    width = max(int(count.max()), 1)
+    positions = order[:, :width]
+    packed = tokens.gather(1, positions)
+    packed = torch.where(torch.arange(width, device=tokens.device)[None, :] < count[:, None], packed, fill)
+    return packed, positions, count
+
+
+def _pad_id(ids: torch.Tensor, mask: torch.Tensor) -> int:
+    """A token id to put at padded slots (masked out, never read): the caller's own padding if any."""
+    padded = ids[mask == 0]
+    return int(padded[0]) if padded.numel() else 0
+
+
+def _plain_dynamic(cache) -> bool:
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+def clear_turn_caches(*models) -> None:
+    """Drop the caches kept by the :class:`TurnCache` of each model that has one (frees their memory)."""
+    for model in models:
+        hook = getattr(model, "generate", None)
+        if isinstance(hook, TurnCache):
+            hook.clear()

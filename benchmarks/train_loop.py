@@ -38,7 +38,7 @@ from train_step import _bare_batch, _bare_loss
 import astrl.rewards.astprompter as astprompter
 from astrl.envs.transforms import ScoreReward, TargetTurn
 from astrl.lm_scoring import response_mask, stop_ids
-from astrl.prefill import SharedPrefill
+from astrl.prefill import SharedPrefill, TurnCache
 from astrl.training.config import load_config
 from astrl.training.trainer import Trainer
 
@@ -58,6 +58,7 @@ def _overrides(args, name: str, run_dir: str) -> list[str]:
     common = [f"tester={args.model}", f"target={args.model}", f"device={args.device}", f"dtype={args.dtype}"]
     common += [f"seed={args.seed}", f"max_new_tokens={args.new_tokens}", "total_steps=1000", f"run_dir={run_dir}"]
     common += [f"share_prefill={str(args.share_prefill).lower()}", f"share_prompt={str(not args.no_share_prompt).lower()}"]
+    common += [f"turn_cache={str(not args.no_turn_cache).lower()}"]
     if name in ("ipo", "dpo"):
         return [*common, f"algorithm={name}", f"prompts_per_step={args.trees}", f"tree_width={args.tree_width}"] + [
             f"tree_depth={args.tree_depth}"
@@ -77,6 +78,9 @@ def summarize(steps: list[dict]) -> dict:
     ratio = statistics.median
     return {
         "collect_vs_generate": ratio([s["collect_s"] / s["generate_s"] for s in steps]),
+        "policy_generate_vs_generate": ratio(
+            [(s["parts"]["generate_tester"] + s["parts"]["generate_target"]) / s["generate_s"] for s in steps]
+        ),
         "update_vs_bare": ratio([s["update_s"] / s["bare_update_s"] for s in steps]),
         "step_s": ratio([s["collect_s"] + s["update_s"] for s in steps]),
         "collect_s": ratio([s["collect_s"] for s in steps]),
@@ -116,6 +120,18 @@ class _TimedScorer:
         return getattr(self._scorer, name)
 
 
+def generate_hooks(*models) -> list:
+    """The SharedPrefill / TurnCache hooks set on the models' ``generate`` (outermost first)."""
+    hooks = []
+    for model in models:
+        generate = model.generate
+        while isinstance(generate, (SharedPrefill, TurnCache)):
+            if generate not in hooks:
+                hooks.append(generate)
+            generate = generate.original
+    return hooks
+
+
 class Instrumented:
     """A config-built trainer whose step is timed part by part, with its generate calls and minibatches recorded."""
 
@@ -131,8 +147,7 @@ class Instrumented:
         self.minibatches: list[tuple[list, list]] = []
         self._role = None
         self._depth = 0
-        generate = self.models.tester.model.generate  # config share_prefill: switched off for the replay
-        self.prefill = generate if isinstance(generate, SharedPrefill) else None
+        self.hooks = generate_hooks(self.models.tester.model, self.models.target.model)  # off for the replay
         self._instrument()
 
     # -- wrapping --------------------------------------------------------------------------
@@ -211,10 +226,14 @@ class Instrumented:
         self.minibatches.clear()
         likelihood = astprompter.probe_logprobs
         astprompter.probe_logprobs = self.timer.wrap("likelihood_term", likelihood)
+        caches = [h for h in self.hooks if isinstance(h, TurnCache)]
+        before = [(h.tokens_reused, h.tokens_prefilled) for h in caches]
         try:
             row = self.trainer.train_step()
         finally:
             astprompter.probe_logprobs = likelihood
+        reused = sum(h.tokens_reused - b[0] for h, b in zip(caches, before, strict=True))
+        prefilled = sum(h.tokens_prefilled - b[1] for h, b in zip(caches, before, strict=True))
         seconds = self.timer.seconds
         collect_s = row["collect_seconds"]
         parts = {k: seconds.get(k, 0.0) for k in PARTS[:5]}
@@ -227,6 +246,8 @@ class Instrumented:
             "generate_calls": len(self.calls),
             "generate_calls_tester": sum(c["role"] == "tester" for c in self.calls),
             "generated_tokens": sum(c["input_ids"].shape[0] * c["new"] for c in self.calls),
+            "prompt_tokens_reused": reused,
+            "prompt_tokens_prefilled": prefilled,
             "updates": len(self.minibatches),
             "update_sequences": sum(len(p) for p, _ in self.minibatches),
             "reward_mean": row.get("reward_mean"),
@@ -235,9 +256,8 @@ class Instrumented:
     def replay_generate(self) -> float:
         """The step's generate calls again, bare, on the same models (target: adapters off)."""
         pad = self.models.tester.tokenizer.pad_token_id
-        prefill = self.prefill
-        if prefill is not None:
-            prefill.enabled = False  # the replay is raw generate
+        for hook in self.hooks:
+            hook.enabled = False  # the replay is raw generate
         sync(self.device)
         start = time.perf_counter()
         with torch.no_grad():
@@ -252,8 +272,8 @@ class Instrumented:
                 )
         sync(self.device)
         seconds = time.perf_counter() - start
-        if prefill is not None:
-            prefill.enabled = True
+        for hook in self.hooks:
+            hook.enabled = True
         return seconds
 
     def bare_update(self) -> float:
@@ -297,6 +317,7 @@ def run_algorithm(args, name: str) -> dict:
         )
         | {"epochs": config.epochs, "minibatches": config.minibatches, "reward": config.reward},
         "collect_vs_generate": r(summary["collect_vs_generate"], 3),
+        "policy_generate_vs_generate": r(summary["policy_generate_vs_generate"], 3),
         "update_vs_bare": r(summary["update_vs_bare"], 3),
         **{k: r(summary[k], 3) for k in ("step_s", "collect_s", "generate_s", "update_s", "bare_update_s")},
         "breakdown_s": {k: r(v, 3) for k, v in summary["breakdown_s"].items()},
@@ -324,6 +345,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per algorithm (after one warm-up step)")
     parser.add_argument("--share-prefill", action="store_true", help="config share_prefill: identical prompt rows prefill once")
     parser.add_argument("--no-share-prompt", action="store_true", help="config share_prompt false: DPO/IPO pairs as two rows")
+    parser.add_argument("--no-turn-cache", action="store_true", help="config turn_cache false: every call prefills in full")
     args = parser.parse_args()
     info = setup(args)
     if args.backend != "transformers":

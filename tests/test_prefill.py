@@ -1,8 +1,8 @@
 import pytest
 import torch
-from conftest import loaded, make_llama, make_tokenizer
+from conftest import loaded, make_gpt2, make_llama, make_tokenizer
 
-from astrl.prefill import SharedPrefill
+from astrl.prefill import SharedPrefill, TurnCache, clear_turn_caches
 from astrl.training import TrainConfig, Trainer
 from astrl.training.setup import build_models
 
@@ -81,6 +81,7 @@ def test_a_training_step_is_the_same_with_and_without_shared_prefill(tmp_path, a
         trainer._build()
         row = trainer.train_step()
         prefill = trainer.models.tester.model.generate
+        prefill = prefill.original if isinstance(prefill, TurnCache) else prefill
         assert isinstance(prefill, SharedPrefill) == share
         if share:
             assert prefill.calls_shared > 0  # siblings / a group's first turn were prefilled once
@@ -94,3 +95,156 @@ def test_a_training_step_is_the_same_with_and_without_shared_prefill(tmp_path, a
             assert shared[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), key
     if algorithm == "ipo":
         assert plain["pairs"] > 0 and shared["pairs"] == plain["pairs"]
+
+
+# -- TurnCache: the last call's KV cache reused by the next ------------------------------------------------------
+def _turns(model, tok, prompts, seed, turns=3, branch=True):
+    """Three generate calls where each prompt extends the previous one (a conversation), plus, at the second
+    turn, a repeated row (a tree sibling) and a fresh prompt (no cached prefix); the sampled rows and logits."""
+    rows, out_rows, logits = [list(p) for p in prompts], [], []
+    torch.manual_seed(seed)
+    for turn in range(turns):
+        ids, mask = _batch(tok, [torch.tensor(r) for r in rows])
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=4,
+            do_sample=True,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=tok.pad_token_id,
+        )
+        assert torch.equal(out.sequences[:, : ids.shape[1]], ids)  # the caller's own prompt layout comes back
+        new = out.sequences[:, ids.shape[1] :]
+        out_rows.append(new)
+        logits.append(torch.stack(out.logits, 1))
+        reply = [7 + turn, 9, 11]  # the other side's turn, appended to each row
+        rows = [r + n.tolist() + reply for r, n in zip(rows, new, strict=True)]
+        if branch and turn == 0:
+            rows = [*rows, rows[0], [5, 6, 7, 8]]
+    return out_rows, logits
+
+
+@pytest.mark.parametrize("make", [make_llama, lambda tok: make_gpt2(tok, n_positions=64)], ids=["llama", "gpt2"])
+def test_turn_cache_samples_the_same_tokens_from_the_same_logits(make):
+    tok = make_tokenizer()
+    model = make(tok).eval()
+    prompts = [[12, 13, 14, 15, 16], [20, 21], [30, 31, 32, 33, 34, 35, 36, 37]]
+    plain_rows, plain_logits = _turns(model, tok, prompts, seed=0)
+    cache = TurnCache(model)
+    rows, logits = _turns(model, tok, prompts, seed=0)
+    assert cache.calls_reused == 2  # turns 2 and 3 started from the cache
+    assert cache.tokens_reused > cache.tokens_prefilled / 2
+    for a, b in zip(rows, plain_rows, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(logits, plain_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    cache.remove()
+    assert not isinstance(model.generate, TurnCache)
+
+
+def test_turn_cache_starts_afresh_when_the_weights_change():
+    tok = make_tokenizer()
+    model = make_llama(tok).eval()
+    cache = TurnCache(model)
+    prompts = [[12, 13, 14, 15, 16], [20, 21, 22]]
+    _turns(model, tok, prompts, seed=1, turns=1, branch=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.5)  # as an optimizer step does: in place
+    rows, logits = _turns(model, tok, prompts, seed=2, turns=1, branch=False)
+    assert cache.calls_reused == 0
+    cache.enabled = False
+    plain_rows, plain_logits = _turns(model, tok, prompts, seed=2, turns=1, branch=False)
+    assert torch.equal(rows[0], plain_rows[0])
+    torch.testing.assert_close(logits[0], plain_logits[0])
+    # clear() drops the kept cache: the next call prefills in full
+    cache.enabled = True
+    _turns(model, tok, prompts, seed=3, turns=1, branch=False)
+    clear_turn_caches(model)
+    _turns(model, tok, prompts, seed=3, turns=1, branch=False)
+    assert cache.calls_reused == 0
+
+
+def test_turn_cache_passes_order_dependent_settings_through():
+    tok = make_tokenizer()
+    model = make_llama(tok).eval()
+    cache = TurnCache(model)
+    ids, mask = _batch(tok, [torch.tensor([12, 13, 14, 15])])
+    first = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)
+    again = torch.cat([first, torch.tensor([[7, 8]])], dim=1)
+    second = model.generate(
+        input_ids=again, attention_mask=torch.ones_like(again), max_new_tokens=3, do_sample=False, repetition_penalty=1.3
+    )
+    assert cache.calls_reused == 0  # a repetition penalty reads the whole input: no cached layout
+    cache.enabled = False
+    plain = model.generate(
+        input_ids=again, attention_mask=torch.ones_like(again), max_new_tokens=3, do_sample=False, repetition_penalty=1.3
+    )
+    assert torch.equal(second, plain)
+
+
+def test_turn_cache_of_a_lora_tester_is_not_used_by_its_adapters_off_target():
+    from astrl.models import add_lora
+    from astrl.rewards.reference import AdaptersDisabled
+
+    tok = make_tokenizer()
+    tester = add_lora(make_llama(tok), rank=4, alpha=8, dropout=0.0, targets=["q_proj", "v_proj"]).eval()
+    with torch.no_grad():
+        for name, p in tester.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # adapters that change the output
+    target = AdaptersDisabled(tester)
+    tester_cache, target_cache = TurnCache(tester), TurnCache(target)
+    prompts = [[12, 13, 14, 15, 16], [20, 21, 22]]
+    _turns(tester, tok, prompts, seed=4, turns=1, branch=False)
+    before = (tester_cache.tokens_prefilled, tester_cache.calls_reused)
+    rows, logits = _turns(target, tok, prompts, seed=4, turns=2, branch=False)
+    assert (tester_cache.tokens_prefilled, tester_cache.calls_reused) == before  # the target never went through it
+    assert target_cache.calls_reused == 1
+    tester_cache.enabled = target_cache.enabled = False
+    with tester.disable_adapter():
+        plain_rows, plain_logits = _turns(tester, tok, prompts, seed=4, turns=2, branch=False)
+    for a, b in zip(rows, plain_rows, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(logits, plain_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("algorithm", "mode"), [("grpo", "chat"), ("grpo", "text"), ("ipo", "chat")])
+def test_a_training_step_is_the_same_with_and_without_the_turn_cache(tmp_path, algorithm, mode):
+    tok = make_tokenizer()
+    rows = {}
+    for reuse in (False, True):
+        config = TrainConfig(
+            algorithm=algorithm,
+            tester="tiny",
+            target="tiny",
+            scorer="keywords:a,e,i,o,u",
+            prompts="builtin",
+            mode=mode,
+            prompts_per_step=2,
+            group_size=2,
+            turns=3,
+            tree_width=2,
+            tree_depth=3,
+            max_new_tokens=5,
+            total_steps=2,
+            lora_targets=["q_proj", "v_proj"],
+            turn_cache=reuse,
+            run_dir=str(tmp_path / f"run_{reuse}"),
+        )
+        trainer = Trainer(config, models=build_models(config, loaded(make_llama(tok), tok, name="tiny")), progress=False)
+        trainer._build()
+        hooks = [m.generate for m in (trainer.models.tester.model, trainer.models.target.model)]
+        assert all(isinstance(h, TurnCache) for h in hooks) == reuse
+        row = trainer.train_step()
+        if reuse:
+            assert sum(h.calls_reused for h in hooks) >= 2 * (config.turns - 1) - 1  # later turns / levels reused
+            assert all(h._state is None for h in hooks)  # freed after the collection
+        rows[reuse] = (row, trainer._last_samples)
+    (plain, plain_samples), (reused, reused_samples) = rows[False], rows[True]
+    assert [s["probe"] for s in reused_samples] == [s["probe"] for s in plain_samples]
+    assert [s["response"] for s in reused_samples] == [s["response"] for s in plain_samples]
+    for key, value in plain.items():
+        if isinstance(value, float) and "seconds" not in key:
+            assert reused[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), key

@@ -400,3 +400,22 @@ def test_ast_system_default_advance_and_mean_logprob_convention():
     system.device = "cpu"
     assert system.advance("a", "b", "c") == "abc"
     assert system.probe_logprob(["x", "y"], ["p", ""]).tolist() == [-2.0, -10.0]
+
+
+def test_hf_system_turn_cache_keeps_the_tree_samples():
+    from astrl.prefill import TurnCache
+
+    nodes = {}
+    for reuse in (False, True):
+        tok = make_tokenizer()
+        tester, target = loaded(make_llama(tok, seed=0), tok), loaded(make_llama(make_tokenizer(), seed=1), make_tokenizer())
+        system = HFASTSystem(tester, target, None, KeywordScorer(KEYWORDS), max_new_tokens=5, seed=3, turn_cache=reuse)
+        sampler = ASTSampler(system, OPENERS, tree_width=2, tree_depth=3, num_trees=2, seed=1)
+        nodes[reuse] = sampler.sample()["nodes"]
+        hooks = [lm.model.generate for lm in (system.tester, system.target)]
+        assert all(isinstance(h, TurnCache) for h in hooks) == reuse
+        if reuse:
+            assert all(h.calls_reused == 2 for h in hooks)  # depths 2 and 3 start from their parents' caches
+    for key in ("context", "probe", "reply"):
+        assert nodes[True][key] == nodes[False][key]
+    torch.testing.assert_close(nodes[True]["reward"], nodes[False]["reward"])

@@ -57,6 +57,8 @@ class ConversationSpec:
         lora: :func:`astrl.models.add_lora` keywords for a tester loaded from ``tester``.
         backend / target_backend / vllm_memory: generation backends, and the GPU share all vLLM
             engines take together.
+        turn_cache: Transformers policies keep each model's KV cache between ``generate`` calls
+            (:class:`astrl.prefill.TurnCache`).
         seed: seeds the opener order (and the split, unless ``split_seed``) and the vLLM engines.
         dtype / device: of the models loaded here and the scorers.
     """
@@ -82,6 +84,7 @@ class ConversationSpec:
     backend: str = "transformers"
     target_backend: str = "transformers"
     vllm_memory: float = 0.5
+    turn_cache: bool = True
     seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"
@@ -186,7 +189,8 @@ def build_conversation(
     elif tester is None:
         raise TypeError("a passed target model needs its tester model passed too")
     memory = vllm_share(spec.vllm_memory, spec.backend, spec.target_backend)
-    engine = {"vllm_memory": memory, "vllm_options": {"seed": spec.seed + index}}  # vLLM reseeds the process at start
+    # vLLM reseeds the process at start: engines take the run's seed
+    engine = {"vllm_memory": memory, "vllm_options": {"seed": spec.seed + index}, "turn_cache": spec.turn_cache}
     mode = input_mode(spec.mode)
     tester_policy = make_policy(tester, spec.tester_generation, input_mode=mode, backend=spec.backend, **engine)
     target_policy = make_policy(target, spec.target_generation, input_mode=mode, backend=spec.target_backend, **engine)

@@ -51,8 +51,12 @@ class AdaptersDisabled(torch.nn.Module):
         return self._call(self.peft_model, *args, **kwargs)
 
     def generate(self, *args, **kwargs):
-        """Generate with the base weights (e.g. a target that shares its base with a LoRA tester)."""
-        return self._call(self.peft_model.generate, *args, **kwargs)
+        """Generate with the base weights (e.g. a target that shares its base with a LoRA tester).
+
+        Calls the PEFT model's class method, not a ``generate`` hook set on the tester's instance
+        (:class:`astrl.prefill.TurnCache` keeps KV caches computed with the adapters on); hooks for the
+        base go on this object instead."""
+        return self._call(type(self.peft_model).generate, self.peft_model, *args, **kwargs)
 
 
 class _DisabledHead(torch.nn.Module):

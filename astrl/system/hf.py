@@ -9,6 +9,7 @@ import torch
 
 from astrl.lm_scoring import stop_ids, token_logprobs
 from astrl.models import LoadedModel, load_model
+from astrl.prefill import TurnCache
 from astrl.ragged import pad_rows
 from astrl.rewards.reference import make_reference
 from astrl.system.ast import ASTSystem
@@ -30,6 +31,8 @@ class HFASTSystem(ASTSystem):
         seed: generation runs under a forked RNG seeded from ``seed`` and the call count, so
             rollouts are reproducible and the global RNG is untouched; ``None`` uses the global RNG.
         dtype: weights dtype when loading by name.
+        turn_cache: keep each model's KV cache between ``generate`` calls, so that a tree's next level
+            prefills only what its parents' calls have not read (:class:`astrl.prefill.TurnCache`).
         alpha, zeta, gamma, reward, probe_penalty, elicit_gate: the reward and its weights (see :class:`ASTSystem`).
 
     Every tokenizer pads on the left with a pad token distinct from EOS. A context longer than
@@ -59,6 +62,7 @@ class HFASTSystem(ASTSystem):
         reward: str = "astprompter",
         probe_penalty: float = 1.0,
         elicit_gate: bool = False,
+        turn_cache: bool = True,
     ) -> None:
         super().__init__(
             scorer, alpha=alpha, zeta=zeta, gamma=gamma, reward=reward, probe_penalty=probe_penalty, elicit_gate=elicit_gate
@@ -102,6 +106,10 @@ class HFASTSystem(ASTSystem):
         if self.tester.model is self.target.model:
             raise ValueError("tester and target are the same module: pass an identifier or a separate copy for the target")
         self.tester.model.eval()  # no dropout: the solvers' first ratio is exactly 1
+        if turn_cache:
+            for lm in (self.tester, self.target):
+                if not isinstance(lm.model.generate, TurnCache):
+                    TurnCache(lm.model)
         for lm in (self.tester, self.target, self.baseline):
             if lm.context_window <= self.max_new_tokens:
                 raise ValueError(

@@ -153,6 +153,10 @@ class TrainingSource(ABC):
         """Called at the start of each step, before :meth:`Algorithm.collect`."""
         return None
 
+    def after_collect(self) -> None:
+        """Called right after :meth:`Algorithm.collect`, before the updates."""
+        return None
+
     @abstractmethod
     def save(self, folder: Path) -> None:
         """Write the trained weights as users load them (``final/tester`` and each checkpoint's ``tester``)."""

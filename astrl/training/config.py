@@ -239,6 +239,13 @@ class TrainConfig:
             "help": "Identical prompt rows of a generate call (tree siblings, GRPO groups) prefill once (transformers backend)."
         },
     )
+    turn_cache: bool = field(
+        default=True,
+        metadata={
+            "help": "Keep each model's KV cache between generate calls, so that later turns and tree levels prefill only "
+            "the tokens not read yet (transformers backend; exact up to float rounding)."
+        },
+    )
     vllm_memory: float = field(default=0.5, metadata={"help": "Share of GPU memory for vLLM engines, in (0, 1]."})
     collector: str = field(default="local", metadata={"help": "Collect in this process (local) or over Ray workers (ray)."})
     num_collectors: int = field(default=1, metadata={"help": "Ray workers; each runs whole groups."})

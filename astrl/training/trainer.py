@@ -33,6 +33,7 @@ import torch
 
 from astrl.evaluation.archive import ARCHIVE_FILE, AttackArchive
 from astrl.models import LoadedModel
+from astrl.prefill import SharedPrefill, clear_turn_caches
 from astrl.training.algorithm import Algorithm, DataPath, TrainingSource
 from astrl.training.config import ConfigError, TrainConfig, load_config
 from astrl.training.setup import RunModels, build_env, build_models, build_stream, training_conversation
@@ -107,10 +108,9 @@ class ConfigSource(TrainingSource):
     def build(self, stream_state: dict | None) -> DataPath:
         config = self.config
         if config.share_prefill and config.backend == "transformers":
-            from astrl.prefill import SharedPrefill
-
-            if not isinstance(self.models.tester.model.generate, SharedPrefill):
-                SharedPrefill(self.models.tester.model)  # also serves a target that shares the tester's base
+            for model in {id(m): m for m in (self.models.tester.model, self.models.target.model)}.values():
+                if not isinstance(model.generate, SharedPrefill):
+                    SharedPrefill(model)
         if config.algorithm in ("dpo", "ipo"):
             return self._preference()
         return self._on_policy(stream_state)
@@ -141,6 +141,9 @@ class ConfigSource(TrainingSource):
 
     def before_collect(self) -> None:
         self.models.tester.model.eval()
+
+    def after_collect(self) -> None:
+        clear_turn_caches(self.models.tester.model, self.models.target.model)  # stale after the update: free them
 
     def save(self, folder: Path) -> None:
         save_tester(self.models.tester.model, self.models.tester.tokenizer, folder)
@@ -326,6 +329,9 @@ class Trainer:
         self.source.before_collect()
         batch, rollout = self.algorithm.collect()
         collect_seconds = time.perf_counter() - start
+        self.source.after_collect()
+        if self.models is not None:  # the kept KV caches go stale with the update: free them now
+            clear_turn_caches(self.models.tester.model, self.models.target.model)
         new_attacks = self.hardening.observe(rollout) if self.hardening is not None else 0
         losses: dict[str, list[float]] = {}
         grad_norms = []
