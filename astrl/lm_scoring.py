@@ -272,6 +272,55 @@ def shared_prefix_logprobs(
     return out  # type: ignore[return-value]
 
 
+def nested_token_logprobs(
+    model: torch.nn.Module,
+    prefixes: Sequence[torch.Tensor],
+    continuations: Sequence[torch.Tensor],
+    *,
+    pad_token_id: int = 0,
+    max_length: int | None = None,
+) -> list[torch.Tensor]:
+    """:func:`token_logprobs` where rows contained in longer rows are read from the longer row's forward.
+
+    The turns of a conversation are nested: turn ``t + 1``'s prompt starts with turn ``t``'s prompt and
+    response. A row whose ``prefix + continuation`` tokens begin a longer row is not run on its own:
+    each longest row is run once, from the shortest prefix among the rows it contains, and every row
+    reads its continuation's log-probs at its positions there (causal attention makes them the
+    same, up to float rounding, as a forward of the row alone). Rows longer than ``max_length`` are
+    not merged (clipping would change their context). Returns what :func:`token_logprobs` returns.
+    """
+    if len(prefixes) != len(continuations):
+        raise ValueError(f"got {len(prefixes)} prefixes but {len(continuations)} continuations")
+    if not len(prefixes):
+        return []
+    prefixes = [p.reshape(-1).long() for p in prefixes]
+    rows = [torch.cat([p, c.reshape(-1).long()]) for p, c in zip(prefixes, continuations, strict=True)]
+    whole = {i for i, row in enumerate(rows) if max_length is None or len(row) <= max_length}  # never clipped
+    roots: list[int] = []  # longest rows first; each row joins the first root it begins
+    owner = [0] * len(rows)
+    for i in sorted(range(len(rows)), key=lambda i: -len(rows[i])):
+        row = rows[i]
+        home = next((r for r in roots if r in whole and torch.equal(rows[r][: len(row)], row)), None)
+        if home is None:
+            roots.append(i)
+            home = i
+        owner[i] = home
+    start = {r: min(len(prefixes[i]) for i in range(len(rows)) if owner[i] == r) for r in roots}
+    scored = token_logprobs(
+        model,
+        [rows[r][: start[r]] for r in roots],
+        [rows[r][start[r] :] for r in roots],
+        pad_token_id=pad_token_id,
+        max_length=max_length,
+    )
+    by_root = dict(zip(roots, scored, strict=True))
+    out = []
+    for i, row in enumerate(rows):
+        offset = len(prefixes[i]) - start[owner[i]]
+        out.append(by_root[owner[i]][offset : offset + len(row) - len(prefixes[i])])
+    return out
+
+
 def response_mask(tokens: torch.Tensor, stop_token_ids: Iterable[int]) -> torch.Tensor:
     """Mask of the tokens that belong to a generated response: everything up to and including
     the first stop token (EOS); what follows it is padding. Works on ``(..., T)`` id tensors."""

@@ -6,7 +6,13 @@ import pytest
 import torch
 from conftest import make_gpt2, make_llama, make_tokenizer
 
-from astrl.lm_scoring import head_gives_logits, score_tokens, shared_prefix_logprobs, token_logprobs
+from astrl.lm_scoring import (
+    head_gives_logits,
+    nested_token_logprobs,
+    score_tokens,
+    shared_prefix_logprobs,
+    token_logprobs,
+)
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +163,31 @@ def test_shared_prefix_logprobs_equal_independent_rows(tok, arch):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True)
             for i in (0, 1, 2, 3):  # and each row that fits the window equals a plain unpadded forward
                 torch.testing.assert_close(shared[k][i], plain(model, prefixes[i], conts[i])[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_nested_rows_read_from_the_longer_row_equal_rows_scored_alone(tok, arch):
+    model = make_llama(tok) if arch == "llama" else make_gpt2(tok, n_positions=40)
+    a, b, c, d, e = ragged(tok, [6, 4, 5, 3, 7], seed=6)
+    # a conversation: turn 2 starts with turn 1's prompt + response, turn 3 with turn 2's
+    turn1, turn2, turn3 = (a, b), (torch.cat([a, b, c]), d), (torch.cat([a, b, c, d, e]), ragged(tok, [4], seed=7)[0])
+    other = (ragged(tok, [5], seed=8)[0], ragged(tok, [3], seed=9)[0])  # not nested in anything
+    empty = (torch.cat([a, b]), a[:0])  # an empty response inside turn 2's row
+    long_ = (torch.cat([a, b, c, d, e, a, b]), torch.cat([c, d, e]))  # 43 tokens: beyond max_length=36
+    inside_long = (torch.cat([a, b, c, d, e, a]), b)  # begins the long row: must not be read from its clipped forward
+    rows = [turn3, other, turn1, empty, turn2, long_, inside_long]
+    prefixes, conts = [p for p, _ in rows], [q for _, q in rows]
+    calls = []
+    original = model.forward
+    model.forward = lambda *args, **kw: calls.append(kw["input_ids"].shape) or original(*args, **kw)
+    with torch.no_grad():
+        nested = nested_token_logprobs(model, prefixes, conts, pad_token_id=tok.pad_token_id, max_length=36)
+        assert calls[-1][0] == 4  # one forward over turn 3, other, long and inside_long (turn 1, 2, empty read from turn 3)
+        alone = token_logprobs(model, prefixes, conts, pad_token_id=tok.pad_token_id, max_length=36)
+    for i, (x, y) in enumerate(zip(nested, alone, strict=True)):
+        assert x.shape == y.shape == conts[i].shape, i
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(nested[2], plain(model, a, b)[0], rtol=1e-5, atol=1e-5)
+    assert nested_token_logprobs(model, [], []) == []
+    with pytest.raises(ValueError, match="got 1 prefixes but 2 continuations"):
+        nested_token_logprobs(model, [a], [b, c])

@@ -11,7 +11,15 @@ import torch
 from tensordict import TensorDictBase
 from torchrl.envs import Transform
 
-from astrl.lm_scoring import accepts, logits_at, response_mask, shared_prefix_logprobs, stop_ids, token_logprobs
+from astrl.lm_scoring import (
+    accepts,
+    logits_at,
+    nested_token_logprobs,
+    response_mask,
+    shared_prefix_logprobs,
+    stop_ids,
+    token_logprobs,
+)
 from astrl.ragged import as_rows, nested
 
 __all__ = [
@@ -115,7 +123,9 @@ class TokenLogProbs(StepTransform):
 
     With ``frozen=True`` (a reference model) the forward runs under ``torch.inference_mode``;
     otherwise under ``torch.no_grad`` (behaviour log-probs for the loss's importance ratio).
-    Build a reference with :func:`astrl.rewards.reference.make_reference`.
+    Build a reference with :func:`astrl.rewards.reference.make_reference`. ``nested=True`` reads rows
+    that begin longer rows (earlier turns of a conversation) from the longer row's forward
+    (:func:`astrl.lm_scoring.nested_token_logprobs`; equal up to float rounding).
     """
 
     def __init__(
@@ -129,9 +139,11 @@ class TokenLogProbs(StepTransform):
         response_key: NestedKey = ("tokens", "response"),
         frozen: bool = True,
         max_length: int | None = None,
+        nested: bool = False,
     ) -> None:
         super().__init__()
         self.model = model
+        self.nested = nested
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.stop_token_ids = stop_ids(tokenizer, model)
         self.out_key, self.mask_key = out_key, mask_key
@@ -145,7 +157,8 @@ class TokenLogProbs(StepTransform):
         masks = [response_mask(r, self.stop_token_ids) for r in responses]
         context = torch.inference_mode() if self.frozen else torch.no_grad()
         with context:
-            rows = token_logprobs(self.model, prompts, responses, pad_token_id=self.pad_token_id, max_length=self.max_length)
+            score = nested_token_logprobs if self.nested else token_logprobs
+            rows = score(self.model, prompts, responses, pad_token_id=self.pad_token_id, max_length=self.max_length)
         rows = [torch.where(m.to(r.device), r, torch.zeros_like(r)).clone().cpu() for r, m in zip(rows, masks, strict=True)]
         outputs = {self.out_key: rows}
         if self.mask_key is not None:

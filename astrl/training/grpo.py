@@ -25,7 +25,7 @@ from torchrl.objectives.llm import GRPOLoss
 from astrl._compat import as_list
 from astrl.envs.transforms import ScoreReward
 from astrl.evaluation.archive import conversation_turns
-from astrl.lm_scoring import response_mask, stop_ids, token_logprobs
+from astrl.lm_scoring import nested_token_logprobs, response_mask, stop_ids, token_logprobs
 from astrl.losses.ppo import masked_mean
 from astrl.ragged import nested, pad_rows
 from astrl.rewards.novelty import load_novelty_states, novelty_transforms
@@ -401,7 +401,8 @@ class GRPOAlgorithm(OnPolicy):
                     prompts, token_logprobs(self.models.tester.model, prompts, responses, pad_token_id=pad, max_length=window)
                 )
         with torch.inference_mode():
-            ref = token_logprobs(self.models.reference, prompts, responses, pad_token_id=pad, max_length=window)
+            # a conversation's earlier turns begin its later ones: read them from the later rows' forward
+            ref = nested_token_logprobs(self.models.reference, prompts, responses, pad_token_id=pad, max_length=window)
         batch.set(("log_probs", "full"), nested([o.clone() for o in old]))
         batch.set(("ref_log_probs", "full"), nested(full_rows(prompts, [r.clone() for r in ref])))
         return batch

@@ -41,7 +41,9 @@ class PPOAlgorithm(OnPolicy):
             entropy_coef=config.entropy_coef,
             max_length=window,
         )
-        self.reference = TokenLogProbs(models.reference, self.tokenizer, out_key="ref_log_probs", frozen=True, max_length=window)
+        self.reference = TokenLogProbs(
+            models.reference, self.tokenizer, out_key="ref_log_probs", frozen=True, max_length=window, nested=True
+        )
         self.kl_reward = ClippedKLReward(
             kl_coef=config.kl_coef, kl_clip=config.kl_clip, score_clip=config.score_clip, target_kl=config.target_kl
         )
