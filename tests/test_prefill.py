@@ -55,30 +55,40 @@ def test_shared_prefill_samples_the_same_tokens_from_the_same_logits(seed):
     assert not isinstance(model.generate, SharedPrefill)
 
 
+def _tiny_trainer(tmp_path, name: str, **settings) -> Trainer:
+    """A built trainer on a tiny Llama (LoRA tester, adapters-off target) with small sizes; ``settings`` override."""
+    tok = make_tokenizer()
+    sizes = dict(prompts_per_step=2, group_size=2, turns=2, tree_width=2, tree_depth=2, max_new_tokens=5, total_steps=2)
+    config = TrainConfig(
+        tester="tiny",
+        target="tiny",
+        scorer="keywords:a,e,i,o,u",
+        prompts="builtin",
+        lora_targets=["q_proj", "v_proj"],
+        run_dir=str(tmp_path / name),
+        **{**sizes, **settings},
+    )
+    trainer = Trainer(config, models=build_models(config, loaded(make_llama(tok), tok, name="tiny")), progress=False)
+    trainer._build()
+    return trainer
+
+
+def _assert_same_step(plain: tuple, other: tuple) -> None:
+    """Two (metrics row, samples) of one step: the same texts, and metrics equal up to float rounding."""
+    (plain_row, plain_samples), (row, samples) = plain, other
+    assert [s["probe"] for s in samples] == [s["probe"] for s in plain_samples]
+    assert [s["response"] for s in samples] == [s["response"] for s in plain_samples]
+    assert row.keys() == plain_row.keys()
+    for key, value in plain_row.items():
+        if isinstance(value, float) and "seconds" not in key:
+            assert row[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), key
+
+
 @pytest.mark.parametrize("algorithm", ["ipo", "grpo"])
 def test_a_training_step_is_the_same_with_and_without_shared_prefill(tmp_path, algorithm):
-    tok = make_tokenizer()
     rows = {}
     for share in (False, True):
-        config = TrainConfig(
-            algorithm=algorithm,
-            tester="tiny",
-            target="tiny",
-            scorer="keywords:a,e,i,o,u",
-            prompts="builtin",
-            prompts_per_step=2,
-            group_size=2,
-            turns=2,
-            tree_width=2,
-            tree_depth=2,
-            max_new_tokens=5,
-            total_steps=2,
-            lora_targets=["q_proj", "v_proj"],
-            share_prefill=share,
-            run_dir=str(tmp_path / f"run_{share}"),
-        )
-        trainer = Trainer(config, models=build_models(config, loaded(make_llama(tok), tok, name="tiny")), progress=False)
-        trainer._build()
+        trainer = _tiny_trainer(tmp_path, f"run_{share}", algorithm=algorithm, share_prefill=share)
         row = trainer.train_step()
         prefill = trainer.models.tester.model.generate
         prefill = prefill.original if isinstance(prefill, TurnCache) else prefill
@@ -86,15 +96,9 @@ def test_a_training_step_is_the_same_with_and_without_shared_prefill(tmp_path, a
         if share:
             assert prefill.calls_shared > 0  # siblings / a group's first turn were prefilled once
         rows[share] = (row, trainer._last_samples)
-    (plain, plain_samples), (shared, shared_samples) = rows[False], rows[True]
-    assert [s["probe"] for s in shared_samples] == [s["probe"] for s in plain_samples]
-    assert [s["response"] for s in shared_samples] == [s["response"] for s in plain_samples]
-    assert shared.keys() == plain.keys()
-    for key, value in plain.items():
-        if isinstance(value, float) and "seconds" not in key:
-            assert shared[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), key
+    _assert_same_step(rows[False], rows[True])
     if algorithm == "ipo":
-        assert plain["pairs"] > 0 and shared["pairs"] == plain["pairs"]
+        assert rows[False][0]["pairs"] > 0 and rows[True][0]["pairs"] == rows[False][0]["pairs"]
 
 
 # -- TurnCache: the last call's KV cache reused by the next ------------------------------------------------------
@@ -212,39 +216,15 @@ def test_turn_cache_of_a_lora_tester_is_not_used_by_its_adapters_off_target():
 
 @pytest.mark.parametrize(("algorithm", "mode"), [("grpo", "chat"), ("grpo", "text"), ("ipo", "chat")])
 def test_a_training_step_is_the_same_with_and_without_the_turn_cache(tmp_path, algorithm, mode):
-    tok = make_tokenizer()
     rows = {}
     for reuse in (False, True):
-        config = TrainConfig(
-            algorithm=algorithm,
-            tester="tiny",
-            target="tiny",
-            scorer="keywords:a,e,i,o,u",
-            prompts="builtin",
-            mode=mode,
-            prompts_per_step=2,
-            group_size=2,
-            turns=3,
-            tree_width=2,
-            tree_depth=3,
-            max_new_tokens=5,
-            total_steps=2,
-            lora_targets=["q_proj", "v_proj"],
-            turn_cache=reuse,
-            run_dir=str(tmp_path / f"run_{reuse}"),
-        )
-        trainer = Trainer(config, models=build_models(config, loaded(make_llama(tok), tok, name="tiny")), progress=False)
-        trainer._build()
+        settings = dict(algorithm=algorithm, mode=mode, turns=3, tree_depth=3, turn_cache=reuse)
+        trainer = _tiny_trainer(tmp_path, f"run_{reuse}", **settings)
         hooks = [m.generate for m in (trainer.models.tester.model, trainer.models.target.model)]
         assert all(isinstance(h, TurnCache) for h in hooks) == reuse
         row = trainer.train_step()
         if reuse:
-            assert sum(h.calls_reused for h in hooks) >= 2 * (config.turns - 1) - 1  # later turns / levels reused
+            assert sum(h.calls_reused for h in hooks) >= 3  # later turns / tree levels started from the cache
             assert all(h._state is None for h in hooks)  # freed after the collection
         rows[reuse] = (row, trainer._last_samples)
-    (plain, plain_samples), (reused, reused_samples) = rows[False], rows[True]
-    assert [s["probe"] for s in reused_samples] == [s["probe"] for s in plain_samples]
-    assert [s["response"] for s in reused_samples] == [s["response"] for s in plain_samples]
-    for key, value in plain.items():
-        if isinstance(value, float) and "seconds" not in key:
-            assert reused[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), key
+    _assert_same_step(rows[False], rows[True])
