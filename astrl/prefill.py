@@ -125,7 +125,7 @@ class TurnCache:
         self._state = None
 
     def _fingerprint(self) -> tuple:
-        versions = tuple(p._version for p in self.model.parameters())
+        versions = tuple((p.data_ptr(), p._version) for p in self.model.parameters())  # in-place or swapped
         adapters = tuple((m._disable_adapters, tuple(getattr(m, "active_adapters", ()))) for m in self._adapter_layers)
         return versions, adapters, bool(getattr(self.model, "training", False))
 

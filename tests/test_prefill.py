@@ -161,6 +161,16 @@ def test_turn_cache_starts_afresh_when_the_weights_change():
     plain_rows, plain_logits = _turns(model, tok, prompts, seed=2, turns=1, branch=False)
     assert torch.equal(rows[0], plain_rows[0])
     torch.testing.assert_close(logits[0], plain_logits[0])
+    # weights swapped in rather than written in place (a weight push may do that) also start afresh
+    cache.enabled = True
+    _turns(model, tok, prompts, seed=2, turns=1, branch=False)
+    model.lm_head.weight.data = model.lm_head.weight.data * 0.5
+    swapped_rows, swapped_logits = _turns(model, tok, prompts, seed=2, turns=1, branch=False)
+    cache.enabled = False
+    plain_rows, plain_logits = _turns(model, tok, prompts, seed=2, turns=1, branch=False)
+    assert torch.equal(swapped_rows[0], plain_rows[0])
+    torch.testing.assert_close(swapped_logits[0], plain_logits[0])
+    assert cache.calls_reused == 0
     # clear() drops the kept cache: the next call prefills in full
     cache.enabled = True
     _turns(model, tok, prompts, seed=3, turns=1, branch=False)
