@@ -79,7 +79,7 @@ def summarize(steps: list[dict]) -> dict:
     return {
         "collect_vs_generate": ratio([s["collect_s"] / s["generate_s"] for s in steps]),
         "policy_generate_vs_generate": ratio(
-            [(s["parts"]["generate_tester"] + s["parts"]["generate_target"]) / s["generate_s"] for s in steps]
+            [(s["parts"].get("generate_tester", 0.0) + s["parts"].get("generate_target", 0.0)) / s["generate_s"] for s in steps]
         ),
         "update_vs_bare": ratio([s["update_s"] / s["bare_update_s"] for s in steps]),
         "step_s": ratio([s["collect_s"] + s["update_s"] for s in steps]),

@@ -13,13 +13,16 @@ import train_loop  # noqa: E402
 
 
 def test_summarize_takes_the_median_of_per_step_ratios():
+    parts = [{"update": 2.0, "generate_tester": 1.5}, {"update": 3.0, "generate_tester": 1.0, "generate_target": 3.0}]
+    parts.append({"update": 1.0, "generate_target": 1.8})
     steps = [
-        {"collect_s": 6.0, "generate_s": 3.0, "update_s": 2.0, "bare_update_s": 1.0, "parts": {"update": 2.0}},
-        {"collect_s": 4.0, "generate_s": 4.0, "update_s": 3.0, "bare_update_s": 2.0, "parts": {"update": 3.0}},
-        {"collect_s": 9.0, "generate_s": 2.0, "update_s": 1.0, "bare_update_s": 1.0, "parts": {"update": 1.0}},
+        {"collect_s": 6.0, "generate_s": 3.0, "update_s": 2.0, "bare_update_s": 1.0, "parts": parts[0]},
+        {"collect_s": 4.0, "generate_s": 4.0, "update_s": 3.0, "bare_update_s": 2.0, "parts": parts[1]},
+        {"collect_s": 9.0, "generate_s": 2.0, "update_s": 1.0, "bare_update_s": 1.0, "parts": parts[2]},
     ]
     summary = train_loop.summarize(steps)
     assert summary["collect_vs_generate"] == 2.0  # ratios 2, 1, 4.5
+    assert summary["policy_generate_vs_generate"] == 0.9  # (tester + target policy calls) / raw: 0.5, 1, 0.9
     assert summary["update_vs_bare"] == 1.5  # ratios 2, 1.5, 1 (the ratio of medians would be 2 / 1 = 2)
     assert summary["step_s"] == 8.0  # 8, 7, 10
     assert summary["breakdown_s"]["update"] == 2.0
