@@ -393,15 +393,16 @@ class GRPOAlgorithm(OnPolicy):
         prompts = batch.get(("tokens", "prompt"), as_list=True)
         responses = batch.get(("tokens", "response"), as_list=True)
         window, pad = self.models.tester.context_window, self.tokenizer.pad_token_id
-        with torch.no_grad():  # behaviour log-probs, exactly as the loss will compute them
+        with torch.no_grad():  # behaviour log-probs, computed as the loss computes them (up to float rounding)
             if self.loss_module.entropy_bonus:
                 old = self.actor(batch.select("tokens", "masks").copy()).get(("log_probs", "full"), as_list=True)
             else:
-                old = full_rows(
-                    prompts, token_logprobs(self.models.tester.model, prompts, responses, pad_token_id=pad, max_length=window)
+                # a conversation's earlier turns begin its later ones: read them from the later rows' forward
+                logprobs = nested_token_logprobs(
+                    self.models.tester.model, prompts, responses, pad_token_id=pad, max_length=window
                 )
+                old = full_rows(prompts, logprobs)
         with torch.inference_mode():
-            # a conversation's earlier turns begin its later ones: read them from the later rows' forward
             ref = nested_token_logprobs(self.models.reference, prompts, responses, pad_token_id=pad, max_length=window)
         batch.set(("log_probs", "full"), nested([o.clone() for o in old]))
         batch.set(("ref_log_probs", "full"), nested(full_rows(prompts, [r.clone() for r in ref])))
