@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from astrl.evaluation.archive import Attack, AttackArchive, eval_turns, normalize_probe
+from astrl.archive import Attack, AttackArchive, eval_turns, normalize_probe
 
 
 def _turn(probe, score, reply="r", **extra):

@@ -7,7 +7,7 @@ sent to every target, ``samples`` times each (or once, greedily); each reply is 
 judge, and so is each probe alone, so an echo of a toxic probe can be told apart from an
 elicited reply.
 
-Inputs (``archive``): an ``attacks.jsonl`` (see :mod:`astrl.evaluation.archive`), a run or eval
+Inputs (``archive``): an ``attacks.jsonl`` (see :mod:`astrl.archive`), a run or eval
 folder holding one, a JSONL file of ``{"probe": ..., "conversation": [...]}`` objects
 (``conversation`` optional) or a text file with one probe per line. A run folder's
 ``config.yaml`` (or an eval folder's ``metrics.json``) gives the defaults of the mode, targets,
@@ -37,8 +37,8 @@ import numpy as np
 import torch
 
 from astrl._compat import Chat
+from astrl.archive import ARCHIVE_FILE, normalize_probe
 from astrl.errors import one_line
-from astrl.evaluation.archive import ARCHIVE_FILE, normalize_probe
 from astrl.evaluation.metrics import DEFAULT_THRESHOLD, elicitation_metrics
 from astrl.evaluation.records import EvaluationError
 

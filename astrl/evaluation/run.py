@@ -273,7 +273,7 @@ def run_eval(
     (the attack archive), ``report.md``, ``report.html`` and the plots to ``out_dir``; return the metrics."""
     from tqdm.auto import tqdm
 
-    from astrl.evaluation.archive import ARCHIVE_FILE, AttackArchive, eval_turns
+    from astrl.archive import ARCHIVE_FILE, AttackArchive, eval_turns
     from astrl.evaluation.report import write_report
     from astrl.scorers import make_scorer
 

@@ -23,8 +23,8 @@ from torchrl.modules.llm import TransformersWrapper
 from torchrl.objectives.llm import GRPOLoss
 
 from astrl._compat import as_list
+from astrl.archive import conversation_turns
 from astrl.envs.transforms import ScoreReward
-from astrl.evaluation.archive import conversation_turns
 from astrl.lm_scoring import nested_token_logprobs, response_mask, stop_ids, token_logprobs
 from astrl.losses.ppo import masked_mean
 from astrl.ragged import nested, pad_rows

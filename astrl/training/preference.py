@@ -19,8 +19,8 @@ import torch
 from tensordict import TensorDictBase
 
 from astrl._compat import as_list
+from astrl.archive import conversation_turns
 from astrl.envs.transforms import ScoreReward
-from astrl.evaluation.archive import conversation_turns
 from astrl.losses import DPOLoss, IPOLoss, PreferenceLoss
 from astrl.sampling import TreeSampler, WeakSupervision
 from astrl.training.algorithm import Algorithm

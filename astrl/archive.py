@@ -1,5 +1,8 @@
 """The attack archive: every successful probe once, with where and when it was first found.
 
+Plain data that training (the trainer's archive of a run) and evaluation (``astrl eval``, ``astrl replay``)
+both read and write; it imports nothing else from astrl.
+
 An attack is a tester turn whose target reply some scorer rated above a threshold. Attacks are
 deduplicated by their normalised probe text (case-folded, whitespace collapsed): the first
 occurrence is kept (its conversation, reply, scores, reward and step) and ``count`` says how
