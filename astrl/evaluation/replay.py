@@ -41,6 +41,7 @@ from astrl.archive import ARCHIVE_FILE, normalize_probe
 from astrl.errors import one_line
 from astrl.evaluation.metrics import DEFAULT_THRESHOLD, elicitation_metrics
 from astrl.evaluation.records import EvaluationError
+from astrl.keys import HISTORY, TEXT, TOKENS_RESPONSE
 
 REPLIES_FILE = "replies.jsonl"
 TRANSFER_FILE = "transfer.json"
@@ -327,15 +328,15 @@ def generate_replies(
                 from torchrl.modules.llm.policies import ChatHistory
 
                 chats = fit_chats([inputs[i] for i, _ in chunk], tokenizer, budget)
-                td = TensorDict(history=ChatHistory(prompt=chats_to_history(chats), batch_size=(n,)), batch_size=(n,))
+                td = TensorDict({HISTORY: ChatHistory(prompt=chats_to_history(chats), batch_size=(n,))}, batch_size=(n,))
             else:
                 from torchrl.modules.llm.policies import Text
 
                 texts = fit_texts([inputs[i] for i, _ in chunk], tokenizer, budget)
-                td = TensorDict(text=Text(prompt=texts, batch_size=(n,)), batch_size=(n,))
+                td = TensorDict({TEXT: Text(prompt=texts, batch_size=(n,))}, batch_size=(n,))
             with torch.no_grad():
                 out = policy(td)
-            texts, _, _ = clean_responses(out.get(("tokens", "response"), as_list=True), tokenizer, max_new)
+            texts, _, _ = clean_responses(out.get(TOKENS_RESPONSE, as_list=True), tokenizer, max_new)
             for (i, s), text in zip(chunk, texts, strict=True):
                 replies[i][s] = text
             if on_rows:
