@@ -12,9 +12,10 @@ from __future__ import annotations
 # Written by TorchRL: ``DataLoadingPrimer`` puts the openers at ``QUERY`` (``ChatEnv.data_key``),
 # ``ChatEnv`` keeps the tester's state at ``HISTORY_PROMPT`` (chat) or ``TEXT_PROMPT``
 # (``ChatEnv.text_key``, text), and the LLM wrappers write ``TEXT_RESPONSE`` (``ChatEnv.response_key``),
-# the token ids at ``TOKENS_*`` and ``LOG_PROBS_FULL``; ``GRPOLoss`` reads ``TOKENS_FULL``,
-# ``LOG_PROBS_FULL``, ``ATTENTION_MASK`` and ``ADVANTAGE``. astrl's envs, samplers and trainers read
-# them, and the System adapter and the GRPO training batch write them in the same layout.
+# the token ids at ``TOKENS_*``, ``ATTENTION_MASK`` and ``LOG_PROBS_FULL``; ``GRPOLoss`` (with its
+# tokens-mode actor) reads ``TOKENS_FULL``, ``ATTENTION_MASK``, ``LOG_PROBS_FULL`` and ``ADVANTAGE``.
+# astrl's envs, samplers and trainers read them, and the System adapter and the GRPO training batch
+# write them in the same layout.
 QUERY = "query"
 HISTORY = "history"
 HISTORY_PROMPT = (HISTORY, "prompt")
