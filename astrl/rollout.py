@@ -17,9 +17,8 @@ from astrl._compat import as_list
 from astrl.backends import BACKENDS, check_collector
 from astrl.envs.recipe import ConversationSpec, build_conversation
 from astrl.envs.redteam import REWARDS, reward_options
-from astrl.envs.transforms import PROBE_KEY, RESPONSE_KEY, SCORES_KEY
+from astrl.keys import NEXT, PROBE, QUERY, REWARD, REWARD_TERMS, SCORES, TARGET_RESPONSE
 from astrl.policies import GenerationSettings
-from astrl.rewards.astprompter import REWARD_TERMS_KEY
 
 if TYPE_CHECKING:
     from astrl.distributed import WorkerSpec
@@ -93,15 +92,11 @@ class RolloutConfig:
 
 def records_from_rollout(rollout: TensorDictBase, openers: Sequence[str], first_conversation: int = 0) -> list[dict]:
     """One JSON-ready dict per tester turn from an ``env.rollout`` output of shape ``(B, T)``."""
-    nxt = rollout["next"]
-    probes, replies = as_list(nxt[PROBE_KEY]), as_list(nxt[RESPONSE_KEY])
-    rewards = nxt["reward"].squeeze(-1).tolist()
-    scores = {name: nxt[SCORES_KEY, name].tolist() for name in nxt[SCORES_KEY].keys()}
-    terms = (
-        {name: nxt[REWARD_TERMS_KEY, name].tolist() for name in nxt[REWARD_TERMS_KEY].keys()}
-        if REWARD_TERMS_KEY in nxt.keys()
-        else {}
-    )
+    nxt = rollout[NEXT]
+    probes, replies = as_list(nxt[PROBE]), as_list(nxt[TARGET_RESPONSE])
+    rewards = nxt[REWARD].squeeze(-1).tolist()
+    scores = {name: nxt[SCORES, name].tolist() for name in nxt[SCORES].keys()}
+    terms = {name: nxt[REWARD_TERMS, name].tolist() for name in nxt[REWARD_TERMS].keys()} if REWARD_TERMS in nxt.keys() else {}
     records = []
     for b, opener in enumerate(openers):
         for t in range(rollout.batch_size[1]):
@@ -172,7 +167,7 @@ def _iter_ray_rollouts(config: RolloutConfig, on_turn: Callable[[], None] | None
         done = 0
         for _ in range(math.ceil(config.num_conversations / batch)):
             rollout = conversations(collectors.next(), config.turns)
-            openers = [row[0] for row in as_list(rollout["query"])]
+            openers = [row[0] for row in as_list(rollout[QUERY])]
             records = records_from_rollout(rollout, openers, done)
             if on_turn:
                 for _ in range(config.turns):
@@ -200,7 +195,7 @@ def iter_rollouts(config: RolloutConfig, on_turn: Callable[[], None] | None = No
     for _ in range(math.ceil(config.num_conversations / batch)):
         with torch.no_grad():
             reset = env.reset()
-            openers = as_list(reset["query"])
+            openers = as_list(reset[QUERY])
             rollout = env.rollout(config.turns, tester, tensordict=reset, auto_reset=False, callback=callback)
         records = records_from_rollout(rollout, openers, done)
         keep = min(batch, config.num_conversations - done)

@@ -19,6 +19,8 @@ GROUND = (
     "astrl.embeddings",
     "astrl.ragged",
     "astrl.lm_scoring",
+    "astrl.archive",
+    "astrl.keys",
 )
 LIBRARY = ("astrl.policies", "astrl.prefill", "astrl.envs", "astrl.rewards", "astrl.losses", "astrl.sampling")
 APPLICATIONS = ("astrl.training", "astrl.rollout", "astrl.distributed", "astrl.cli", "astrl.evaluation", "astrl.system")

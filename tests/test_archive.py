@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from astrl.evaluation.archive import Attack, AttackArchive, eval_turns, normalize_probe
+from astrl.archive import Attack, AttackArchive, eval_turns, normalize_probe
 
 
 def _turn(probe, score, reply="r", **extra):
@@ -78,3 +78,12 @@ def test_eval_records_become_turns_with_the_conversation_so_far():
         and turns[1]["turn"] == 1
         and turns[0]["conversation"] == [{"role": "opener", "content": "hi"}]
     )
+
+
+def test_the_evaluation_path_names_the_same_archive():
+    import astrl.archive
+    import astrl.evaluation.archive as evaluation_archive
+
+    for name in evaluation_archive.__all__:
+        assert getattr(evaluation_archive, name) is getattr(astrl.archive, name)
+    assert set(evaluation_archive.__all__) >= {"AttackArchive", "ARCHIVE_FILE", "eval_turns", "conversation_turns"}

@@ -10,9 +10,9 @@ import torch
 from conftest import PNG_MAGIC, make_llama, make_tokenizer
 
 from astrl import similarity
+from astrl.archive import AttackArchive
 from astrl.cli import main
 from astrl.evaluation import metrics as m
-from astrl.evaluation.archive import AttackArchive
 from astrl.evaluation.records import read_records, score_arrays
 from astrl.evaluation.report import pick_curves, read_training_metrics, top_attacks
 from astrl.evaluation.run import score_probes

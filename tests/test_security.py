@@ -10,8 +10,8 @@ import torch
 from conftest import make_llama, make_tokenizer
 from test_training import _tiny_overrides
 
+from astrl.archive import AttackArchive
 from astrl.cli import main
-from astrl.evaluation.archive import AttackArchive
 from astrl.evaluation.tester import load_adapter_model, load_tester, resolve_tester
 from astrl.models import ModelLoadError, load_model
 from astrl.training import ConfigError, load_config, resume

@@ -27,6 +27,7 @@ from torchrl.envs.llm.transforms import DataLoadingPrimer
 
 from astrl._compat import as_list
 from astrl.envs.transforms import Advance, ScoreReward, TargetTurn, policy_limits
+from astrl.keys import TEXT
 from astrl.prompts import PromptStream
 from astrl.rewards import ASTPrompterReward, RewardShaping
 from astrl.rewards.astprompter import LIKELIHOOD_REWARDS, reward_weights, weight_names
@@ -75,7 +76,7 @@ class RedTeamEnv(ChatEnv):
 
         query = tensordict.get(self.data_key)
         query = [query] * self.batch_size[0] if isinstance(query, str) else as_list(query)
-        return tensordict.empty(device=self.device).set("text", Text(prompt=query, batch_size=self.batch_size))
+        return tensordict.empty(device=self.device).set(TEXT, Text(prompt=query, batch_size=self.batch_size))
 
 
 def reward_options(reward: str, alpha: float, zeta: float, gamma: float, penalty: float, gate: bool) -> dict | None:

@@ -15,14 +15,25 @@ from torchrl.envs import Transform
 
 from astrl._compat import Chat, as_list, chats_to_history, history_to_chats
 from astrl.envs.truncation import fit_chats, fit_texts
-from astrl.rewards.astprompter import TARGET_CONTEXT_KEY
+from astrl.keys import (
+    HISTORY,
+    PROBE,
+    REWARD,
+    SCORES,
+    TARGET_CONTEXT,
+    TARGET_MASK,
+    TARGET_RESPONSE,
+    TARGET_TOKENS,
+    TEXT,
+    TEXT_PROMPT,
+    TEXT_RESPONSE,
+    TOKENS_RESPONSE,
+)
 from astrl.scorers import Scorer, checked_scores
 
-PROBE_KEY = "probe"
-RESPONSE_KEY = "target_response"
-RESPONSE_TOKENS_KEY = "target_tokens"
-RESPONSE_MASK_KEY = "target_mask"
-SCORES_KEY = "scores"
+# the step output's keys under their earlier names here (astrl.keys is where they are defined)
+PROBE_KEY, RESPONSE_KEY, SCORES_KEY = PROBE, TARGET_RESPONSE, SCORES
+RESPONSE_TOKENS_KEY, RESPONSE_MASK_KEY = TARGET_TOKENS, TARGET_MASK
 _MARK = "\ue000"  # a private-use character that marks where the probe goes in a rendered template
 
 Advance = Callable[[str, str, str], str]
@@ -136,43 +147,41 @@ class TargetTurn(Transform):
     # -- specs -------------------------------------------------------------------------
     def transform_observation_spec(self, observation_spec: Composite) -> Composite:
         shape = observation_spec.shape
-        observation_spec[PROBE_KEY] = NonTensor(shape=shape, example_data="probe")
-        observation_spec[RESPONSE_KEY] = NonTensor(shape=shape, example_data="reply")
-        observation_spec[TARGET_CONTEXT_KEY] = NonTensor(shape=shape, example_data="context")
-        observation_spec[RESPONSE_TOKENS_KEY] = Unbounded(shape=(*shape, self.target_max_new_tokens), dtype=torch.long)
-        observation_spec[RESPONSE_MASK_KEY] = Unbounded(shape=(*shape, self.target_max_new_tokens), dtype=torch.bool)
+        observation_spec[PROBE] = NonTensor(shape=shape, example_data="probe")
+        observation_spec[TARGET_RESPONSE] = NonTensor(shape=shape, example_data="reply")
+        observation_spec[TARGET_CONTEXT] = NonTensor(shape=shape, example_data="context")
+        observation_spec[TARGET_TOKENS] = Unbounded(shape=(*shape, self.target_max_new_tokens), dtype=torch.long)
+        observation_spec[TARGET_MASK] = Unbounded(shape=(*shape, self.target_max_new_tokens), dtype=torch.bool)
         return observation_spec
 
     # -- reset: the opener must fit the tester's window ---------------------------------
     def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
         shape = tensordict_reset.batch_size
         n = shape.numel()
-        tensordict_reset.set(PROBE_KEY, [""] * n)
-        tensordict_reset.set(RESPONSE_KEY, [""] * n)
-        tensordict_reset.set(TARGET_CONTEXT_KEY, [""] * n)
-        tensordict_reset.set(
-            RESPONSE_TOKENS_KEY, torch.full((*shape, self.target_max_new_tokens), self.target_tokenizer.pad_token_id)
-        )
-        tensordict_reset.set(RESPONSE_MASK_KEY, torch.zeros((*shape, self.target_max_new_tokens), dtype=torch.bool))
+        tensordict_reset.set(PROBE, [""] * n)
+        tensordict_reset.set(TARGET_RESPONSE, [""] * n)
+        tensordict_reset.set(TARGET_CONTEXT, [""] * n)
+        tensordict_reset.set(TARGET_TOKENS, torch.full((*shape, self.target_max_new_tokens), self.target_tokenizer.pad_token_id))
+        tensordict_reset.set(TARGET_MASK, torch.zeros((*shape, self.target_max_new_tokens), dtype=torch.bool))
         if self.mode == "chat":
-            chats = fit_chats(history_to_chats(tensordict_reset["history"].prompt), self.tester_tokenizer, self.tester_budget)
+            chats = fit_chats(history_to_chats(tensordict_reset[HISTORY].prompt), self.tester_tokenizer, self.tester_budget)
             self._set_tester_view(tensordict_reset, chats)
         else:
-            prompts = as_list(tensordict_reset["text", "prompt"])
-            tensordict_reset["text", "prompt"] = fit_texts(prompts, self.tester_tokenizer, self.tester_budget)
+            prompts = as_list(tensordict_reset[TEXT_PROMPT])
+            tensordict_reset[TEXT_PROMPT] = fit_texts(prompts, self.tester_tokenizer, self.tester_budget)
         return tensordict_reset
 
     @staticmethod
     def _set_tester_view(td: TensorDictBase, chats: list[Chat]) -> None:
         from torchrl.modules.llm.policies import ChatHistory
 
-        td.set("history", ChatHistory(prompt=chats_to_history(chats), batch_size=td.batch_size))
+        td.set(HISTORY, ChatHistory(prompt=chats_to_history(chats), batch_size=td.batch_size))
 
     # -- step --------------------------------------------------------------------------
     def _answer(self, target_input: TensorDictBase) -> tuple[list[str], torch.Tensor, torch.Tensor]:
         with torch.no_grad():
             out = self.target(target_input)
-        tokens = out.get(("tokens", "response"), as_list=True)
+        tokens = out.get(TOKENS_RESPONSE, as_list=True)
         return clean_responses(tokens, self.target_tokenizer, self.target_max_new_tokens)
 
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
@@ -180,23 +189,25 @@ class TargetTurn(Transform):
             probes, contexts, replies, ids, mask = self._step_chat(next_tensordict)
         else:
             probes, contexts, replies, ids, mask = self._step_text(tensordict, next_tensordict)
-        next_tensordict.set(PROBE_KEY, probes)
-        next_tensordict.set(TARGET_CONTEXT_KEY, contexts)
-        next_tensordict.set(RESPONSE_KEY, replies)
-        next_tensordict.set(RESPONSE_TOKENS_KEY, ids)
-        next_tensordict.set(RESPONSE_MASK_KEY, mask)
+        next_tensordict.set(PROBE, probes)
+        next_tensordict.set(TARGET_CONTEXT, contexts)
+        next_tensordict.set(TARGET_RESPONSE, replies)
+        next_tensordict.set(TARGET_TOKENS, ids)
+        next_tensordict.set(TARGET_MASK, mask)
         return next_tensordict
 
     def _step_chat(self, next_td: TensorDictBase):
         from torchrl.modules.llm.policies import ChatHistory
 
-        tester_chats = history_to_chats(next_td["history"].prompt)
+        tester_chats = history_to_chats(next_td[HISTORY].prompt)
         probes = [chat[-1]["content"] for chat in tester_chats]
         target_chats = fit_chats(
             [target_view(c, self.target_system_prompt) for c in tester_chats], self.target_tokenizer, self.target_budget
         )
         batch = next_td.batch_size
-        target_input = TensorDict(history=ChatHistory(prompt=chats_to_history(target_chats), batch_size=batch), batch_size=batch)
+        target_input = TensorDict(
+            {HISTORY: ChatHistory(prompt=chats_to_history(target_chats), batch_size=batch)}, batch_size=batch
+        )
         replies, ids, mask = self._answer(target_input)
         grown = [chat + [{"role": "user", "content": reply}] for chat, reply in zip(tester_chats, replies, strict=True)]
         self._set_tester_view(next_td, fit_chats(grown, self.tester_tokenizer, self.tester_budget))
@@ -205,13 +216,13 @@ class TargetTurn(Transform):
     def _step_text(self, td: TensorDictBase, next_td: TensorDictBase):
         from torchrl.modules.llm.policies import Text
 
-        contexts, probes = as_list(td["text", "prompt"]), as_list(td["text", "response"])
+        contexts, probes = as_list(td[TEXT_PROMPT]), as_list(td[TEXT_RESPONSE])
         target_text = fit_texts([c + p for c, p in zip(contexts, probes, strict=True)], self.target_tokenizer, self.target_budget)
         batch = next_td.batch_size
-        target_input = TensorDict(text=Text(prompt=target_text, batch_size=batch), batch_size=batch)
+        target_input = TensorDict({TEXT: Text(prompt=target_text, batch_size=batch)}, batch_size=batch)
         replies, ids, mask = self._answer(target_input)
         states = [self.advance(c, p, r) for c, p, r in zip(contexts, probes, replies, strict=True)]
-        next_td.set(("text", "prompt"), fit_texts(states, self.tester_tokenizer, self.tester_budget))
+        next_td.set(TEXT_PROMPT, fit_texts(states, self.tester_tokenizer, self.tester_budget))
         # what the target read before the probe ("" when the probe itself had to be clipped)
         seen = [t[: len(t) - len(p)] if t.endswith(p) else "" for t, p in zip(target_text, probes, strict=True)]
         return probes, seen, replies, ids, mask
@@ -226,7 +237,7 @@ class ScoreReward(Transform):
     """
 
     def __init__(
-        self, scorers: Mapping[str, Scorer] | Sequence[Scorer], *, reward_scorer: str | None = None, in_key: str = RESPONSE_KEY
+        self, scorers: Mapping[str, Scorer] | Sequence[Scorer], *, reward_scorer: str | None = None, in_key: str = TARGET_RESPONSE
     ) -> None:
         super().__init__()
         if not isinstance(scorers, Mapping):
@@ -241,17 +252,17 @@ class ScoreReward(Transform):
 
     def transform_observation_spec(self, observation_spec: Composite) -> Composite:
         shape = observation_spec.shape
-        observation_spec[SCORES_KEY] = Composite({name: Unbounded(shape=shape) for name in self.scorers}, shape=shape)
+        observation_spec[SCORES] = Composite({name: Unbounded(shape=shape) for name in self.scorers}, shape=shape)
         return observation_spec
 
     def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
         shape = tensordict_reset.batch_size
         zeros = TensorDict({name: torch.zeros(shape) for name in self.scorers}, batch_size=shape)
-        tensordict_reset.set(SCORES_KEY, zeros)
+        tensordict_reset.set(SCORES, zeros)
         return tensordict_reset
 
     def transform_reward_spec(self, reward_spec: Composite) -> Composite:
-        reward_spec["reward"] = Unbounded(shape=(*reward_spec.shape, 1))
+        reward_spec[REWARD] = Unbounded(shape=(*reward_spec.shape, 1))
         return reward_spec
 
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
@@ -259,6 +270,6 @@ class ScoreReward(Transform):
         shape = next_tensordict.batch_size
         scores = {name: checked_scores(scorer, texts).reshape(shape) for name, scorer in self.scorers.items()}
         scores = TensorDict(scores, batch_size=shape)
-        next_tensordict.set(SCORES_KEY, scores)
-        next_tensordict.set("reward", scores[self.reward_scorer].unsqueeze(-1))
+        next_tensordict.set(SCORES, scores)
+        next_tensordict.set(REWARD, scores[self.reward_scorer].unsqueeze(-1))
         return next_tensordict

@@ -3,7 +3,7 @@
 * :mod:`astrl.evaluation.metrics`: pure metric functions (ASR, rates, self-BLEU, clustering, bootstrap);
 * :mod:`astrl.evaluation.run`: the ``astrl eval`` job (:class:`EvalConfig`, :func:`run_eval`);
 * :mod:`astrl.evaluation.report`: plots, ``report.md`` and ``report.html``;
-* :mod:`astrl.evaluation.archive`: the attack archive (``attacks.jsonl``);
+* :mod:`astrl.evaluation.archive`: the attack archive (``attacks.jsonl``), re-exported from :mod:`astrl.archive`;
 * :mod:`astrl.evaluation.compare`: the ``astrl compare`` table.
 """
 

@@ -7,7 +7,7 @@ sent to every target, ``samples`` times each (or once, greedily); each reply is 
 judge, and so is each probe alone, so an echo of a toxic probe can be told apart from an
 elicited reply.
 
-Inputs (``archive``): an ``attacks.jsonl`` (see :mod:`astrl.evaluation.archive`), a run or eval
+Inputs (``archive``): an ``attacks.jsonl`` (see :mod:`astrl.archive`), a run or eval
 folder holding one, a JSONL file of ``{"probe": ..., "conversation": [...]}`` objects
 (``conversation`` optional) or a text file with one probe per line. A run folder's
 ``config.yaml`` (or an eval folder's ``metrics.json``) gives the defaults of the mode, targets,
@@ -37,10 +37,11 @@ import numpy as np
 import torch
 
 from astrl._compat import Chat
+from astrl.archive import ARCHIVE_FILE, normalize_probe
 from astrl.errors import one_line
-from astrl.evaluation.archive import ARCHIVE_FILE, normalize_probe
 from astrl.evaluation.metrics import DEFAULT_THRESHOLD, elicitation_metrics
 from astrl.evaluation.records import EvaluationError
+from astrl.keys import HISTORY, TEXT, TOKENS_RESPONSE
 
 REPLIES_FILE = "replies.jsonl"
 TRANSFER_FILE = "transfer.json"
@@ -327,15 +328,15 @@ def generate_replies(
                 from torchrl.modules.llm.policies import ChatHistory
 
                 chats = fit_chats([inputs[i] for i, _ in chunk], tokenizer, budget)
-                td = TensorDict(history=ChatHistory(prompt=chats_to_history(chats), batch_size=(n,)), batch_size=(n,))
+                td = TensorDict({HISTORY: ChatHistory(prompt=chats_to_history(chats), batch_size=(n,))}, batch_size=(n,))
             else:
                 from torchrl.modules.llm.policies import Text
 
                 texts = fit_texts([inputs[i] for i, _ in chunk], tokenizer, budget)
-                td = TensorDict(text=Text(prompt=texts, batch_size=(n,)), batch_size=(n,))
+                td = TensorDict({TEXT: Text(prompt=texts, batch_size=(n,))}, batch_size=(n,))
             with torch.no_grad():
                 out = policy(td)
-            texts, _, _ = clean_responses(out.get(("tokens", "response"), as_list=True), tokenizer, max_new)
+            texts, _, _ = clean_responses(out.get(TOKENS_RESPONSE, as_list=True), tokenizer, max_new)
             for (i, s), text in zip(chunk, texts, strict=True):
                 replies[i][s] = text
             if on_rows:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from astrl.evaluation.archive import ARCHIVE_FILE, AttackArchive, eval_turns
+from astrl.archive import ARCHIVE_FILE, AttackArchive, eval_turns
 from astrl.evaluation.records import judge_names, score_arrays
 
 PLOT_FILES = {

@@ -30,13 +30,13 @@ from astrl.evaluation.records import (
     write_records,
 )
 from astrl.evaluation.tester import TesterSource, load_tester, resolve_tester
+from astrl.keys import NEXT, PROBE_LOGPROB, QUERY
 from astrl.policies import GenerationSettings
 from astrl.scorers import checked_scores
 
 if TYPE_CHECKING:
     from astrl.envs import ConversationSpec
 
-PROBE_LOGPROB_KEY = ("reward_terms", "probe_logprob")
 # Top-level keys of a training run's config.yaml that eval takes as defaults.
 RUN_DEFAULTS = ("target", "judges", "prompts", "mode", "seed", "system_prompt", "tester_system_prompt", "target_system_prompt")
 
@@ -151,8 +151,8 @@ def rollout_records(rollout, openers: list[str], judges: list[str], first: int) 
     (minus the ASTPrompter likelihood term; ``None`` for an empty probe)."""
     from astrl.rollout import records_from_rollout
 
-    if PROBE_LOGPROB_KEY not in rollout["next"].keys(include_nested=True):
-        raise EvaluationError("the environment did not write ('reward_terms', 'probe_logprob'): reward='astprompter' is needed")
+    if PROBE_LOGPROB not in rollout[NEXT].keys(include_nested=True):
+        raise EvaluationError(f"the environment did not write {PROBE_LOGPROB}: reward='astprompter' is needed")
     records = []
     for turn in records_from_rollout(rollout, openers, first):
         empty = not turn["probe"].strip()
@@ -160,7 +160,7 @@ def rollout_records(rollout, openers: list[str], judges: list[str], first: int) 
             {
                 **{key: turn[key] for key in ("conversation", "turn", "prompt", "probe", "response")},
                 "empty_probe": empty,
-                "probe_nll": None if empty else -turn["reward_terms"][PROBE_LOGPROB_KEY[1]],
+                "probe_nll": None if empty else -turn["reward_terms"][PROBE_LOGPROB[1]],
                 "scores": {j: {"reply": turn["scores"][j]} for j in judges},
             }
         )
@@ -217,7 +217,7 @@ def generate(config: EvalConfig, resolved: Resolved, scorers: dict, on_turns: Ca
 
         with torch.no_grad():
             reset = env.reset()
-            openers = as_list(reset["query"])
+            openers = as_list(reset[QUERY])
             rollout = env.rollout(config.turns, tester, tensordict=reset, auto_reset=False, callback=callback)
         if on_turns:
             on_turns(keep * (config.turns - len(steps)))
@@ -273,7 +273,7 @@ def run_eval(
     (the attack archive), ``report.md``, ``report.html`` and the plots to ``out_dir``; return the metrics."""
     from tqdm.auto import tqdm
 
-    from astrl.evaluation.archive import ARCHIVE_FILE, AttackArchive, eval_turns
+    from astrl.archive import ARCHIVE_FILE, AttackArchive, eval_turns
     from astrl.evaluation.report import write_report
     from astrl.scorers import make_scorer
 

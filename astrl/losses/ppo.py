@@ -27,6 +27,17 @@ from torch import nn
 from torchrl.objectives import LossModule
 from torchrl.objectives.value.functional import generalized_advantage_estimate
 
+from astrl.keys import (
+    ACTOR_LOG_PROBS,
+    ADVANTAGE,
+    REF_LOG_PROBS,
+    RESPONSE_MASK,
+    REWARD,
+    STATE_VALUE,
+    TOKENS_PROMPT,
+    TOKENS_RESPONSE,
+    VALUE_TARGET,
+)
 from astrl.lm_scoring import score_tokens
 from astrl.ragged import nested, pad_rows, sample_rows, unpad
 
@@ -116,7 +127,7 @@ def _prefix_mask(mask: torch.Tensor, key: NestedKey) -> torch.Tensor:
 
 
 # -- advantages --------------------------------------------------------------------------------------------
-def per_token_rewards(reward_rows: Sequence[torch.Tensor], mask: torch.Tensor, key: NestedKey = "reward") -> torch.Tensor:
+def per_token_rewards(reward_rows: Sequence[torch.Tensor], mask: torch.Tensor, key: NestedKey = REWARD) -> torch.Tensor:
     """``(B, T)`` rewards (zeros off the mask) from per-token rows, one per response token, or from one
     score per turn, put on the turn's last response token (as ``ClippedKLReward`` does)."""
     batch, width = mask.shape
@@ -290,15 +301,15 @@ class PPOLoss(LossModule):
     class _AcceptedKeys:
         """Entry names, changed with :meth:`set_keys`."""
 
-        prompt: NestedKey = ("tokens", "prompt")
-        response: NestedKey = ("tokens", "response")
-        response_mask: NestedKey = "response_mask"
-        sample_log_prob: NestedKey = "actor_log_probs"
-        ref_log_probs: NestedKey = "ref_log_probs"
-        reward: NestedKey = "reward"
-        advantage: NestedKey = "advantage"
-        value_target: NestedKey = "value_target"
-        value: NestedKey = "state_value"
+        prompt: NestedKey = TOKENS_PROMPT
+        response: NestedKey = TOKENS_RESPONSE
+        response_mask: NestedKey = RESPONSE_MASK
+        sample_log_prob: NestedKey = ACTOR_LOG_PROBS
+        ref_log_probs: NestedKey = REF_LOG_PROBS
+        reward: NestedKey = REWARD
+        advantage: NestedKey = ADVANTAGE
+        value_target: NestedKey = VALUE_TARGET
+        value: NestedKey = STATE_VALUE
 
     default_keys = _AcceptedKeys
 

@@ -23,6 +23,18 @@ from tensordict import NestedKey, TensorDict, TensorDictBase
 from torchrl.objectives import LossModule
 
 from astrl._compat import as_list
+from astrl.keys import (
+    CHOSEN_MASK,
+    CHOSEN_PROBE,
+    CHOSEN_TOKENS,
+    CONTEXT,
+    PROMPT_TOKENS,
+    REF_CHOSEN_LOGPROB,
+    REF_REJECTED_LOGPROB,
+    REJECTED_MASK,
+    REJECTED_PROBE,
+    REJECTED_TOKENS,
+)
 from astrl.lm_scoring import response_mask, shared_prefix_logprobs, stop_ids, token_logprobs
 from astrl.ragged import as_rows
 from astrl.rewards.reference import make_reference
@@ -82,16 +94,16 @@ class PreferenceLoss(LossModule):
             ref_chosen_logprob, ref_rejected_logprob: summed reference log-probs; optional.
         """
 
-        prompt: NestedKey = "prompt_tokens"
-        chosen: NestedKey = "chosen_tokens"
-        rejected: NestedKey = "rejected_tokens"
-        chosen_mask: NestedKey = "chosen_mask"
-        rejected_mask: NestedKey = "rejected_mask"
-        ref_chosen_logprob: NestedKey = "ref_chosen_logprob"
-        ref_rejected_logprob: NestedKey = "ref_rejected_logprob"
-        context: NestedKey = "context"
-        chosen_text: NestedKey = "chosen_probe"
-        rejected_text: NestedKey = "rejected_probe"
+        prompt: NestedKey = PROMPT_TOKENS
+        chosen: NestedKey = CHOSEN_TOKENS
+        rejected: NestedKey = REJECTED_TOKENS
+        chosen_mask: NestedKey = CHOSEN_MASK
+        rejected_mask: NestedKey = REJECTED_MASK
+        ref_chosen_logprob: NestedKey = REF_CHOSEN_LOGPROB
+        ref_rejected_logprob: NestedKey = REF_REJECTED_LOGPROB
+        context: NestedKey = CONTEXT
+        chosen_text: NestedKey = CHOSEN_PROBE
+        rejected_text: NestedKey = REJECTED_PROBE
 
     default_keys = _AcceptedKeys
     tensor_keys: _AcceptedKeys

@@ -23,12 +23,12 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.data import Composite, Unbounded
 
 from astrl._compat import as_list
+from astrl.keys import PROBE, REWARD, REWARD_TERMS, SCORES, TARGET_CONTEXT, TARGET_RESPONSE
 from astrl.lm_scoring import token_logprobs
 from astrl.rewards.logprobs import StepTransform
 from astrl.scorers import Scorer, checked_scores
 
-TARGET_CONTEXT_KEY = "target_context"
-REWARD_TERMS_KEY = "reward_terms"
+# the names of the weights' combine() arguments, written under REWARD_TERMS (the last is keys.PROBE_LOGPROB)
 TERMS = ("response_tox", "combined_tox", "probe_logprob")
 ELICIT_TERMS = ("response_tox", "probe_tox", "probe_logprob")
 
@@ -156,9 +156,9 @@ class ASTPrompterReward(StepTransform):
         join: str | None = None,
         empty_probe_logprob: float = -10.0,
         max_length: int | None = None,
-        probe_key: str = "probe",
-        response_key: str = "target_response",
-        context_key: str = TARGET_CONTEXT_KEY,
+        probe_key: str = PROBE,
+        response_key: str = TARGET_RESPONSE,
+        context_key: str = TARGET_CONTEXT,
     ) -> None:
         super().__init__()
         if mode not in ("chat", "text"):
@@ -191,7 +191,7 @@ class ASTPrompterReward(StepTransform):
         probes, replies = as_list(nxt.get(self.probe_key)), as_list(nxt.get(self.response_key))
         contexts = as_list(nxt.get(self.context_key))
         shape = nxt.batch_size
-        terms = self.toxicity_terms(probes, replies, nxt.get(("scores", self.scorer.name), None))
+        terms = self.toxicity_terms(probes, replies, nxt.get((SCORES, self.scorer.name), None))
         with torch.inference_mode():
             logprob = probe_logprobs(
                 self.target_model,
@@ -206,20 +206,20 @@ class ASTPrompterReward(StepTransform):
         terms["probe_logprob"] = logprob
         terms = {k: terms[k].reshape(shape) for k in self.terms}
         reward = self.weights.combine(**terms).unsqueeze(-1)
-        return {REWARD_TERMS_KEY: TensorDict(terms, batch_size=shape), "reward": reward}
+        return {REWARD_TERMS: TensorDict(terms, batch_size=shape), REWARD: reward}
 
     def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
         shape = tensordict_reset.batch_size
-        tensordict_reset.set(REWARD_TERMS_KEY, TensorDict({k: torch.zeros(shape) for k in self.terms}, batch_size=shape))
+        tensordict_reset.set(REWARD_TERMS, TensorDict({k: torch.zeros(shape) for k in self.terms}, batch_size=shape))
         return tensordict_reset
 
     def transform_observation_spec(self, observation_spec: Composite) -> Composite:
         shape = observation_spec.shape
-        observation_spec[REWARD_TERMS_KEY] = Composite({k: Unbounded(shape=shape) for k in self.terms}, shape=shape)
+        observation_spec[REWARD_TERMS] = Composite({k: Unbounded(shape=shape) for k in self.terms}, shape=shape)
         return observation_spec
 
     def transform_reward_spec(self, reward_spec: Composite) -> Composite:
-        reward_spec["reward"] = Unbounded(shape=(*reward_spec.shape, 1))
+        reward_spec[REWARD] = Unbounded(shape=(*reward_spec.shape, 1))
         return reward_spec
 
 

@@ -18,6 +18,7 @@ from torchrl.data.llm import AdaptiveKLController, ConstantKLController
 from torchrl.data.llm.utils import KLControllerBase
 from torchrl.envs import Compose
 
+from astrl.keys import ACTOR_LOG_PROBS, REF_LOG_PROBS, RESPONSE_MASK, REWARD, REWARD_KL, REWARD_RAW
 from astrl.ragged import as_rows, pad_rows, unpad
 from astrl.rewards.logprobs import NestedKey, StepTransform, TokenLogProbs, _get
 from astrl.rewards.reference import make_reference
@@ -95,10 +96,10 @@ class ClippedKLReward(StepTransform):
         reduction: str = "token",
         target_kl: float | None = None,
         horizon: int = 10_000,
-        log_prob_key: NestedKey = "actor_log_probs",
-        ref_log_prob_key: NestedKey = "ref_log_probs",
-        mask_key: NestedKey = "response_mask",
-        score_key: NestedKey = "reward",
+        log_prob_key: NestedKey = ACTOR_LOG_PROBS,
+        ref_log_prob_key: NestedKey = REF_LOG_PROBS,
+        mask_key: NestedKey = RESPONSE_MASK,
+        score_key: NestedKey = REWARD,
     ) -> None:
         super().__init__()
         if reduction not in REDUCTIONS:
@@ -145,7 +146,7 @@ class ClippedKLReward(StepTransform):
             out_reward = total.reshape(*nxt.batch_size, 1)
         else:
             out_reward = [r[:, None] for r in unpad(reward, lengths)]
-        return {"reward": out_reward, "reward_raw": score.reshape(*nxt.batch_size, 1), "reward_kl": kl_rows}
+        return {REWARD: out_reward, REWARD_RAW: score.reshape(*nxt.batch_size, 1), REWARD_KL: kl_rows}
 
     def mean_kl(self) -> float | None:
         """Mean per-turn KL estimate (sum of token log-ratios) since the last :meth:`update_kl_coef`."""
@@ -168,13 +169,13 @@ class ClippedKLReward(StepTransform):
 
     def transform_observation_spec(self, observation_spec: Composite) -> Composite:
         shape = observation_spec.shape
-        observation_spec["reward_raw"] = Unbounded(shape=(*shape, 1))
-        observation_spec["reward_kl"] = Unbounded(shape=(*shape, -1))
+        observation_spec[REWARD_RAW] = Unbounded(shape=(*shape, 1))
+        observation_spec[REWARD_KL] = Unbounded(shape=(*shape, -1))
         return observation_spec
 
     def transform_reward_spec(self, reward_spec: Composite) -> Composite:
         shape = reward_spec.shape
-        reward_spec["reward"] = Unbounded(shape=(*shape, -1, 1) if self.reduction == "token" else (*shape, 1))
+        reward_spec[REWARD] = Unbounded(shape=(*shape, -1, 1) if self.reduction == "token" else (*shape, 1))
         return reward_spec
 
 
@@ -191,9 +192,7 @@ def kl_reward(
     now), and :class:`ClippedKLReward` (``kwargs``)."""
     reference = reference if reference is not None else make_reference(tester)
     return Compose(
-        TokenLogProbs(
-            tester, tokenizer, out_key="actor_log_probs", mask_key="response_mask", frozen=False, max_length=max_length
-        ),
-        TokenLogProbs(reference, tokenizer, out_key="ref_log_probs", mask_key=None, frozen=True, max_length=max_length),
+        TokenLogProbs(tester, tokenizer, out_key=ACTOR_LOG_PROBS, mask_key=RESPONSE_MASK, frozen=False, max_length=max_length),
+        TokenLogProbs(reference, tokenizer, out_key=REF_LOG_PROBS, mask_key=None, frozen=True, max_length=max_length),
         ClippedKLReward(**kwargs),
     )

@@ -11,6 +11,7 @@ import torch
 from tensordict import TensorDictBase
 from torchrl.envs import Transform
 
+from astrl.keys import NEXT, REF_LOG_PROBS, RESPONSE_MASK, TOKENS_PROMPT, TOKENS_RESPONSE
 from astrl.lm_scoring import (
     accepts,
     logits_at,
@@ -73,8 +74,8 @@ class StepTransform(Transform):
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         if tensordict.batch_dims == 1:
-            if "next" in tensordict.keys():
-                tensordict.set("next", self.apply(tensordict, tensordict.get("next")))
+            if NEXT in tensordict.keys():
+                tensordict.set(NEXT, self.apply(tensordict, tensordict.get(NEXT)))
                 return tensordict
             return self.apply(tensordict, tensordict)
         if tensordict.batch_dims != 2 or not _is_lazy(tensordict):
@@ -83,15 +84,15 @@ class StepTransform(Transform):
                 f"{type(tensordict).__name__} with batch_size {tuple(tensordict.batch_size)}; flatten it first"
             )
         flat = tensordict.reshape(-1)  # row-major: sample (i, j) is row i * T + j
-        has_next = "next" in flat.keys()
-        outputs = self.compute(flat, flat.get("next") if has_next else flat)
+        has_next = NEXT in flat.keys()
+        outputs = self.compute(flat, flat.get(NEXT) if has_next else flat)
         n_rows, n_cols = tensordict.batch_size
         for k, member in enumerate(tensordict.tensordicts):
             rows = range(k * n_cols, (k + 1) * n_cols) if tensordict.stack_dim == 0 else range(k, n_rows * n_cols, n_cols)
-            target = member.get("next") if has_next else member
+            target = member.get(NEXT) if has_next else member
             _write(target, {key: _take(value, rows) for key, value in outputs.items()})
             if has_next:
-                member.set("next", target)
+                member.set(NEXT, target)
         return tensordict
 
     def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
@@ -133,10 +134,10 @@ class TokenLogProbs(StepTransform):
         model: torch.nn.Module,
         tokenizer,
         *,
-        out_key: NestedKey = "ref_log_probs",
-        mask_key: NestedKey | None = "response_mask",
-        prompt_key: NestedKey = ("tokens", "prompt"),
-        response_key: NestedKey = ("tokens", "response"),
+        out_key: NestedKey = REF_LOG_PROBS,
+        mask_key: NestedKey | None = RESPONSE_MASK,
+        prompt_key: NestedKey = TOKENS_PROMPT,
+        response_key: NestedKey = TOKENS_RESPONSE,
         frozen: bool = True,
         max_length: int | None = None,
         nested: bool = False,

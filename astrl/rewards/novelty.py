@@ -33,10 +33,10 @@ from tensordict import TensorDictBase
 from torchrl.data import Composite, Unbounded
 
 from astrl._compat import as_list
+from astrl.keys import PROBE, REWARD, REWARD_TERMS
 from astrl.rewards.logprobs import NestedKey, StepTransform, _get
 from astrl.similarity import bleu_against_counts, bleu_tokens, ngram_counts
 
-REWARD_TERMS_KEY = "reward_terms"
 DEFAULT_HISTORY = 1000
 DEFAULT_ORDERS = (2, 3, 4, 5)
 REDUCTIONS = ("max", "mean")
@@ -55,8 +55,8 @@ class NoveltyReward(StepTransform):
         coef: float = 1.0,
         *,
         history_size: int = DEFAULT_HISTORY,
-        probe_key: NestedKey = "probe",
-        reward_key: NestedKey = "reward",
+        probe_key: NestedKey = PROBE,
+        reward_key: NestedKey = REWARD,
     ) -> None:
         super().__init__()
         if not isinstance(coef, (int, float)) or isinstance(coef, bool) or not np.isfinite(coef) or coef < 0:
@@ -96,18 +96,18 @@ class NoveltyReward(StepTransform):
         values = self.score(probes).reshape(nxt.batch_size)
         return {
             self.reward_key: reward + self.coef * values.to(reward.device, reward.dtype).reshape(reward.shape),
-            (REWARD_TERMS_KEY, self.term): values,
+            (REWARD_TERMS, self.term): values,
         }
 
     def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
-        tensordict_reset.set((REWARD_TERMS_KEY, self.term), torch.zeros(tensordict_reset.batch_size))
+        tensordict_reset.set((REWARD_TERMS, self.term), torch.zeros(tensordict_reset.batch_size))
         return tensordict_reset
 
     def transform_observation_spec(self, observation_spec: Composite) -> Composite:
         shape = observation_spec.shape
-        if REWARD_TERMS_KEY not in observation_spec.keys():
-            observation_spec[REWARD_TERMS_KEY] = Composite(shape=shape)
-        observation_spec[REWARD_TERMS_KEY][self.term] = Unbounded(shape=shape)
+        if REWARD_TERMS not in observation_spec.keys():
+            observation_spec[REWARD_TERMS] = Composite(shape=shape)
+        observation_spec[REWARD_TERMS][self.term] = Unbounded(shape=shape)
         return observation_spec
 
 

@@ -12,6 +12,7 @@ import torch
 from tensordict import TensorDictBase
 from torchrl.data import Composite, Unbounded
 
+from astrl.keys import REWARD, REWARD_UNSHAPED
 from astrl.rewards.logprobs import NestedKey, StepTransform
 
 NORMALIZATIONS = (None, "batch", "running")
@@ -35,8 +36,8 @@ class RewardShaping(StepTransform):
         clip: float | None = None,
         normalize: str | None = None,
         eps: float = 1e-6,
-        in_key: NestedKey = "reward",
-        keep_raw_key: NestedKey | None = "reward_unshaped",
+        in_key: NestedKey = REWARD,
+        keep_raw_key: NestedKey | None = REWARD_UNSHAPED,
     ) -> None:
         super().__init__()
         if normalize not in NORMALIZATIONS:

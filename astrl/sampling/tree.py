@@ -23,30 +23,72 @@ from astrl._compat import Chat, as_list, chats_to_history, history_to_chats
 from astrl.envs.recipe import Conversation, opener_stream
 from astrl.envs.redteam import DEFAULT_TESTER_SYSTEM_PROMPT, make_redteam_env
 from astrl.envs.transforms import Advance, TargetTurn
+from astrl.keys import (
+    BEST,
+    CHOSEN_MASK,
+    CHOSEN_NODE,
+    CHOSEN_PROBE,
+    CHOSEN_REWARD,
+    CHOSEN_TOKENS,
+    CONTEXT,
+    DEPTH,
+    GROUP,
+    GROUPS,
+    HISTORY,
+    NODES,
+    NUM_GROUPS,
+    NUM_PAIRS,
+    NUM_SKIPPED,
+    OPENERS,
+    PAIRS,
+    PARENT,
+    PROBE,
+    PROMPT_TOKENS,
+    QUERY,
+    REJECTED_MASK,
+    REJECTED_NODE,
+    REJECTED_PROBE,
+    REJECTED_REWARD,
+    REJECTED_TOKENS,
+    REPLY,
+    RESPONSE_MASK,
+    RESPONSE_TOKENS,
+    REWARD,
+    REWARD_GAP,
+    REWARD_TERMS,
+    SCORES,
+    TARGET_CONTEXT,
+    TARGET_RESPONSE,
+    TEXT,
+    TEXT_PROMPT,
+    TOKENS_PROMPT,
+    TOKENS_RESPONSE,
+    TREE,
+    WORST,
+)
 from astrl.lm_scoring import response_mask, stop_ids
 from astrl.prompts import PromptStream
 from astrl.ragged import as_rows
-from astrl.rewards.astprompter import TARGET_CONTEXT_KEY
 from astrl.rewards.novelty import load_novelty_states, novelty_transforms
 from astrl.scorers import Scorer
 
-_NODE_ROWS = ("target_context", "prompt_tokens", "response_tokens", "response_mask", "context")
+_NODE_ROWS = (TARGET_CONTEXT, PROMPT_TOKENS, RESPONSE_TOKENS, RESPONSE_MASK, CONTEXT)
 PAIR_KEYS = (
-    "prompt_tokens",
-    "chosen_tokens",
-    "rejected_tokens",
-    "chosen_mask",
-    "rejected_mask",
-    "chosen_reward",
-    "rejected_reward",
-    "reward_gap",
-    "chosen_probe",
-    "rejected_probe",
-    "depth",
-    "tree",
-    "group",
-    "chosen_node",
-    "rejected_node",
+    PROMPT_TOKENS,
+    CHOSEN_TOKENS,
+    REJECTED_TOKENS,
+    CHOSEN_MASK,
+    REJECTED_MASK,
+    CHOSEN_REWARD,
+    REJECTED_REWARD,
+    REWARD_GAP,
+    CHOSEN_PROBE,
+    REJECTED_PROBE,
+    DEPTH,
+    TREE,
+    GROUP,
+    CHOSEN_NODE,
+    REJECTED_NODE,
 )
 
 
@@ -201,7 +243,7 @@ class TreeSampler:
             levels = []
             for depth in range(1, self.tree_depth + 1):
                 level, states = self._expand(states)
-                level["depth"] = depth
+                level[DEPTH] = depth
                 levels.append(level)
         self.calls += 1
         return self._collect(openers, levels)
@@ -249,23 +291,23 @@ class TreeSampler:
     def _roots(self, openers: list[str]) -> list:
         """The tester's view of each opener (system prompt, window fitting), as the env's reset builds it."""
         base = self.env.base_env
-        query = TensorDict(query=openers, batch_size=[len(openers)])
+        query = TensorDict({QUERY: openers}, batch_size=[len(openers)])
         reset = base._reset(query)
         reset = self.target_turn._reset(query, reset)
         return self._states(reset)
 
     def _states(self, td: TensorDictBase) -> list:
         if self.mode == "chat":
-            return history_to_chats(td["history"].prompt)
-        return as_list(td["text", "prompt"])
+            return history_to_chats(td[HISTORY].prompt)
+        return as_list(td[TEXT_PROMPT])
 
     def _tester_input(self, states: list) -> TensorDict:
         from torchrl.modules.llm.policies import ChatHistory, Text
 
         n = len(states)
         if self.mode == "chat":
-            return TensorDict(history=ChatHistory(prompt=chats_to_history(states), batch_size=(n,)), batch_size=(n,))
-        return TensorDict(text=Text(prompt=states, batch_size=(n,)), batch_size=(n,))
+            return TensorDict({HISTORY: ChatHistory(prompt=chats_to_history(states), batch_size=(n,))}, batch_size=(n,))
+        return TensorDict({TEXT: Text(prompt=states, batch_size=(n,))}, batch_size=(n,))
 
     def _expand(self, states: list[Chat] | list[str]) -> tuple[dict, list]:
         """One level: ``tree_width`` probes from every state, the target's replies, the rewards."""
@@ -274,18 +316,18 @@ class TreeSampler:
         nxt = self.env.base_env._step(out)  # the tester's view now ends with its probe
         for transform in self.transforms:  # target reply, scores, reward: the env's own step, level-wide
             nxt = transform._step(out, nxt)
-        prompts = [t.reshape(-1).cpu() for t in as_rows(out.get(("tokens", "prompt"), as_list=True))]
-        responses = [t.reshape(-1).cpu() for t in as_rows(out.get(("tokens", "response"), as_list=True))]
+        prompts = [t.reshape(-1).cpu() for t in as_rows(out.get(TOKENS_PROMPT, as_list=True))]
+        responses = [t.reshape(-1).cpu() for t in as_rows(out.get(TOKENS_RESPONSE, as_list=True))]
         level = {
-            "prompt_tokens": prompts,
-            "response_tokens": responses,
-            "response_mask": [response_mask(r, self.stop_token_ids) for r in responses],
-            "probe": as_list(nxt["probe"]),
-            "reply": as_list(nxt["target_response"]),
-            "target_context": as_list(nxt[TARGET_CONTEXT_KEY]),  # what the target read before the probe
-            "reward": nxt["reward"].reshape(-1).float().cpu(),
-            "scores": nxt["scores"].cpu(),
-            "reward_terms": nxt.get("reward_terms", None),
+            PROMPT_TOKENS: prompts,
+            RESPONSE_TOKENS: responses,
+            RESPONSE_MASK: [response_mask(r, self.stop_token_ids) for r in responses],
+            PROBE: as_list(nxt[PROBE]),
+            REPLY: as_list(nxt[TARGET_RESPONSE]),
+            TARGET_CONTEXT: as_list(nxt[TARGET_CONTEXT]),  # what the target read before the probe
+            REWARD: nxt[REWARD].reshape(-1).float().cpu(),
+            SCORES: nxt[SCORES].cpu(),
+            REWARD_TERMS: nxt.get(REWARD_TERMS, None),
         }
         return level, self._states(nxt)
 
@@ -296,42 +338,44 @@ class TreeSampler:
         node_offset = group_offset = 0
         parent_offset = -1  # global index of the first node of the previous level (-1: openers)
         for level in levels:
-            depth, n = level["depth"], len(level["probe"])
+            depth, n = level[DEPTH], len(level[PROBE])
             index = torch.arange(n)
             tree = index // width**depth
             parent = index // width + parent_offset if parent_offset >= 0 else torch.full((n,), -1)
             group = index // width + group_offset
-            rewards = level["reward"].reshape(-1, width)
+            rewards = level[REWARD].reshape(-1, width)
             best, worst = rewards.argmax(1), rewards.argmin(1)
             gap = rewards.max(1).values - rewards.min(1).values
             kept = (gap > 0) & (gap >= self.min_reward_gap)
             first = torch.arange(0, n, width)
             group_rows.append(
                 {
-                    "tree": tree[first],
-                    "depth": torch.full((n // width,), depth),
-                    "parent": parent[first],
+                    TREE: tree[first],
+                    DEPTH: torch.full((n // width,), depth),
+                    PARENT: parent[first],
                     "nodes": (node_offset + index).reshape(-1, width),
                     "rewards": rewards,
-                    "best": node_offset + first + best,
-                    "worst": node_offset + first + worst,
+                    BEST: node_offset + first + best,
+                    WORST: node_offset + first + worst,
                     "gap": gap,
                     "kept": kept,
                 }
             )
             dense = TensorDict(
-                tree=tree,
-                depth=torch.full((n,), depth),
-                parent=parent,
-                group=group,
-                reward=level["reward"],
-                scores=level["scores"],
+                {
+                    TREE: tree,
+                    DEPTH: torch.full((n,), depth),
+                    PARENT: parent,
+                    GROUP: group,
+                    REWARD: level[REWARD],
+                    SCORES: level[SCORES],
+                },
                 batch_size=[n],
             )
-            if level["reward_terms"] is not None:
-                dense["reward_terms"] = level["reward_terms"].cpu()
+            if level[REWARD_TERMS] is not None:
+                dense[REWARD_TERMS] = level[REWARD_TERMS].cpu()
             for i, node in enumerate(dense.unbind(0)):
-                node["probe"], node["reply"] = level["probe"][i], level["reply"][i]
+                node[PROBE], node[REPLY] = level[PROBE][i], level[REPLY][i]
                 for key in _NODE_ROWS:
                     if key in level:
                         node[key] = level[key][i]
@@ -346,37 +390,43 @@ class TreeSampler:
         num_pairs = len(pair_tds)
         pairs = lazy_stack(pair_tds) if pair_tds else TensorDict(batch_size=[0])
         return TensorDict(
-            pairs=pairs,
-            groups=groups,
-            nodes=lazy_stack(node_tds),
-            openers=openers,
-            num_pairs=torch.tensor(num_pairs),
-            num_skipped=torch.tensor(group_offset - num_pairs),
-            num_groups=torch.tensor(group_offset),
+            {
+                PAIRS: pairs,
+                GROUPS: groups,
+                NODES: lazy_stack(node_tds),
+                OPENERS: openers,
+                NUM_PAIRS: torch.tensor(num_pairs),
+                NUM_SKIPPED: torch.tensor(group_offset - num_pairs),
+                NUM_GROUPS: torch.tensor(group_offset),
+            },
             batch_size=[],
         )
 
     @staticmethod
     def _pair(level: dict, chosen: int, rejected: int, depth: int, tree: int, group: int, offset: int) -> TensorDict:
+        rewards, probes = level[REWARD], level[PROBE]
         pair = TensorDict(
-            chosen_reward=level["reward"][chosen],
-            rejected_reward=level["reward"][rejected],
-            reward_gap=level["reward"][chosen] - level["reward"][rejected],
-            chosen_probe=level["probe"][chosen],
-            rejected_probe=level["probe"][rejected],
-            depth=torch.tensor(depth),
-            tree=torch.tensor(tree),
-            group=torch.tensor(group),
-            chosen_node=torch.tensor(offset + chosen),
-            rejected_node=torch.tensor(offset + rejected),
+            {
+                CHOSEN_REWARD: rewards[chosen],
+                REJECTED_REWARD: rewards[rejected],
+                REWARD_GAP: rewards[chosen] - rewards[rejected],
+                CHOSEN_PROBE: probes[chosen],
+                REJECTED_PROBE: probes[rejected],
+                DEPTH: torch.tensor(depth),
+                TREE: torch.tensor(tree),
+                GROUP: torch.tensor(group),
+                CHOSEN_NODE: torch.tensor(offset + chosen),
+                REJECTED_NODE: torch.tensor(offset + rejected),
+            },
             batch_size=[],
         )
-        if "prompt_tokens" in level:  # the tester's exact ids (policies with tokens)
-            pair["prompt_tokens"] = level["prompt_tokens"][chosen]
-            pair["chosen_tokens"], pair["rejected_tokens"] = level["response_tokens"][chosen], level["response_tokens"][rejected]
-            pair["chosen_mask"], pair["rejected_mask"] = level["response_mask"][chosen], level["response_mask"][rejected]
-        if "context" in level:  # the text state the probes followed (text-only policies, e.g. a System)
-            pair["context"] = level["context"][chosen]
+        if PROMPT_TOKENS in level:  # the tester's exact ids (policies with tokens)
+            responses, masks = level[RESPONSE_TOKENS], level[RESPONSE_MASK]
+            pair[PROMPT_TOKENS] = level[PROMPT_TOKENS][chosen]
+            pair[CHOSEN_TOKENS], pair[REJECTED_TOKENS] = responses[chosen], responses[rejected]
+            pair[CHOSEN_MASK], pair[REJECTED_MASK] = masks[chosen], masks[rejected]
+        if CONTEXT in level:  # the text state the probes followed (text-only policies, e.g. a System)
+            pair[CONTEXT] = level[CONTEXT][chosen]
         return pair
 
 

@@ -24,11 +24,36 @@ import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 
 from astrl._compat import as_list
+from astrl.keys import (
+    CHOSEN_MASK,
+    CHOSEN_NODE,
+    CHOSEN_PROBE,
+    CHOSEN_REWARD,
+    CHOSEN_TOKENS,
+    DEPTH,
+    FORCED,
+    GROUP,
+    GROUPS,
+    NODES,
+    NUM_GROUPS,
+    PAIRS,
+    PROBE,
+    PROMPT_TOKENS,
+    REJECTED_MASK,
+    REJECTED_NODE,
+    REJECTED_PROBE,
+    REJECTED_REWARD,
+    REJECTED_TOKENS,
+    RESPONSE_MASK,
+    RESPONSE_TOKENS,
+    REWARD,
+    REWARD_GAP,
+    TREE,
+    WORST,
+)
 from astrl.prompts import load_prompts
 from astrl.ragged import as_rows
 from astrl.scorers import Scorer
-
-FORCED_KEY = "forced"
 
 
 class WeakSupervision:
@@ -90,43 +115,45 @@ class WeakSupervision:
         self.batches += 1
         forced = bool(torch.rand((), generator=self.generator) < self.probability)
         if not forced:
-            return result["pairs"], 0
+            return result[PAIRS], 0
         self.forced_batches += 1
-        return self.forced_pairs(result), int(result["num_groups"])
+        return self.forced_pairs(result), int(result[NUM_GROUPS])
 
     def forced_pairs(self, result: TensorDictBase) -> TensorDictBase:
         """One pair per sibling group: a drawn harmful text (chosen) against the group's worst probe (rejected)."""
-        groups, nodes = result["groups"], result["nodes"]
-        worst = groups["worst"].reshape(-1).tolist()
+        groups, nodes = result[GROUPS], result[NODES]
+        worst = groups[WORST].reshape(-1).tolist()
         picks = torch.randint(len(self.texts), (len(worst),), generator=self.generator).tolist()
         texts = [self.texts[i] for i in picks]
         chosen = self.tokenize(texts)
-        prompts = as_rows(nodes.get("prompt_tokens", as_list=True))
-        responses = as_rows(nodes.get("response_tokens", as_list=True))
-        masks = as_rows(nodes.get("response_mask", as_list=True))
-        probes = as_list(nodes["probe"])
-        rewards = nodes["reward"].reshape(-1)
+        prompts = as_rows(nodes.get(PROMPT_TOKENS, as_list=True))
+        responses = as_rows(nodes.get(RESPONSE_TOKENS, as_list=True))
+        masks = as_rows(nodes.get(RESPONSE_MASK, as_list=True))
+        probes = as_list(nodes[PROBE])
+        rewards = nodes[REWARD].reshape(-1)
         nan = torch.tensor(float("nan"))
         pairs = []
         for g, (node, text, tokens) in enumerate(zip(worst, texts, chosen, strict=True)):
             pairs.append(
                 TensorDict(
-                    prompt_tokens=prompts[node],
-                    chosen_tokens=tokens,
-                    rejected_tokens=responses[node],
-                    chosen_mask=torch.ones(tokens.numel(), dtype=torch.bool),
-                    rejected_mask=masks[node],
-                    chosen_reward=nan.clone(),
-                    rejected_reward=rewards[node],
-                    reward_gap=nan.clone(),
-                    chosen_probe=text,
-                    rejected_probe=probes[node],
-                    depth=groups["depth"][g],
-                    tree=groups["tree"][g],
-                    group=torch.tensor(g),
-                    chosen_node=torch.tensor(-1),
-                    rejected_node=torch.tensor(node),
-                    forced=torch.tensor(True),
+                    {
+                        PROMPT_TOKENS: prompts[node],
+                        CHOSEN_TOKENS: tokens,
+                        REJECTED_TOKENS: responses[node],
+                        CHOSEN_MASK: torch.ones(tokens.numel(), dtype=torch.bool),
+                        REJECTED_MASK: masks[node],
+                        CHOSEN_REWARD: nan.clone(),
+                        REJECTED_REWARD: rewards[node],
+                        REWARD_GAP: nan.clone(),
+                        CHOSEN_PROBE: text,
+                        REJECTED_PROBE: probes[node],
+                        DEPTH: groups[DEPTH][g],
+                        TREE: groups[TREE][g],
+                        GROUP: torch.tensor(g),
+                        CHOSEN_NODE: torch.tensor(-1),
+                        REJECTED_NODE: torch.tensor(node),
+                        FORCED: torch.tensor(True),
+                    },
                     batch_size=[],
                 )
             )

@@ -25,6 +25,7 @@ from torchrl.data import Bounded, Composite, NonTensor, Unbounded
 from torchrl.envs import EnvBase
 
 from astrl._compat import as_list
+from astrl.keys import CONTEXT, DONE, PROBE, QUERY, REWARD, TARGET_RESPONSE, TERMINATED, TEXT, TEXT_PROMPT, TEXT_RESPONSE
 from astrl.system.base import System
 
 
@@ -36,13 +37,13 @@ class SystemPolicy(TensorDictModuleBase):
         if not isinstance(system, System):
             raise TypeError(f"SystemPolicy needs an astrl.System, got {type(system).__name__}")
         self.system = system
-        self.in_keys = [("text", "prompt")]
-        self.out_keys = [("text", "response")]
+        self.in_keys = [TEXT_PROMPT]
+        self.out_keys = [TEXT_RESPONSE]
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        states = as_list(tensordict.get(("text", "prompt")))
+        states = as_list(tensordict.get(TEXT_PROMPT))
         probes = self.system._rollout_prompt_with_tester_and_validate(states)
-        tensordict.set(("text", "response"), probes)
+        tensordict.set(TEXT_RESPONSE, probes)
         return tensordict
 
 
@@ -66,52 +67,56 @@ class SystemEnv(EnvBase):
         self.system, self.max_turns = system, int(max_turns)
         shape = self.batch_size
         self.observation_spec = Composite(
-            text=Composite(prompt=NonTensor(shape=shape, example_data="state"), shape=shape),
-            probe=NonTensor(shape=shape, example_data="probe"),
-            target_response=NonTensor(shape=shape, example_data="reply"),
-            context=NonTensor(shape=shape, example_data="state"),
-            turn=Bounded(0, max_turns, shape=(*shape, 1), dtype=torch.long),
+            {
+                TEXT: Composite(prompt=NonTensor(shape=shape, example_data="state"), shape=shape),
+                PROBE: NonTensor(shape=shape, example_data="probe"),
+                TARGET_RESPONSE: NonTensor(shape=shape, example_data="reply"),
+                CONTEXT: NonTensor(shape=shape, example_data="state"),
+                "turn": Bounded(0, max_turns, shape=(*shape, 1), dtype=torch.long),
+            },
             shape=shape,
         )
         self.action_spec = Composite(
-            text=Composite(response=NonTensor(shape=shape, example_data="probe"), shape=shape), shape=shape
+            {TEXT: Composite(response=NonTensor(shape=shape, example_data="probe"), shape=shape)}, shape=shape
         )
         self.reward_spec = Unbounded(shape=(*shape, 1))
 
     def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDictBase:
-        if tensordict is None or "query" not in tensordict.keys():
+        if tensordict is None or QUERY not in tensordict.keys():
             raise KeyError("SystemEnv.reset needs the openers: env.reset(TensorDict(query=[...], batch_size=[B]))")
-        openers = as_list(tensordict["query"])
+        openers = as_list(tensordict[QUERY])
         return self._observation(
             openers, [""] * len(openers), [""] * len(openers), [""] * len(openers), torch.zeros(len(openers), 1, dtype=torch.long)
         )
 
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
-        states = as_list(tensordict.get(("text", "prompt")))
-        probes = as_list(tensordict.get(("text", "response")))
+        states = as_list(tensordict.get(TEXT_PROMPT))
+        probes = as_list(tensordict.get(TEXT_RESPONSE))
         target_prompts = self.system._advance_and_validate(states, probes, [""] * len(states))
         replies = self.system._rollout_prompt_with_target_and_validate(target_prompts)
         rewards = self.system._reward_and_validate(states, probes, replies)
         following = self.system._advance_and_validate(states, probes, replies)
         turn = tensordict.get("turn", torch.zeros(len(states), 1, dtype=torch.long)) + 1
         out = self._observation(following, probes, replies, states, turn)
-        out.set("reward", rewards.reshape(-1, 1))
+        out.set(REWARD, rewards.reshape(-1, 1))
         done = turn >= self.max_turns
-        out.set("done", done)
-        out.set("terminated", done.clone())
+        out.set(DONE, done)
+        out.set(TERMINATED, done.clone())
         return out
 
     @staticmethod
     def _observation(states: Sequence[str], probes, replies, contexts, turn: torch.Tensor) -> TensorDict:
         n = len(states)
         return TensorDict(
-            text=TensorDict(prompt=list(states), batch_size=[n]),
-            probe=list(probes),
-            target_response=list(replies),
-            context=list(contexts),
-            turn=turn,
-            done=torch.zeros(n, 1, dtype=torch.bool),
-            terminated=torch.zeros(n, 1, dtype=torch.bool),
+            {
+                TEXT_PROMPT: list(states),
+                PROBE: list(probes),
+                TARGET_RESPONSE: list(replies),
+                CONTEXT: list(contexts),
+                "turn": turn,
+                DONE: torch.zeros(n, 1, dtype=torch.bool),
+                TERMINATED: torch.zeros(n, 1, dtype=torch.bool),
+            },
             batch_size=[n],
         )
 

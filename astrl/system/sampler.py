@@ -9,6 +9,7 @@ import torch
 from tensordict import TensorDict
 
 from astrl._compat import as_list
+from astrl.keys import CONTEXT, PROBE, QUERY, REPLY, REWARD, REWARD_TERMS, SCORES, TARGET_RESPONSE, TEXT_PROMPT
 from astrl.prompts import PromptStream
 from astrl.sampling.tree import TreeSampler, check_tree_shape
 from astrl.system.adapter import SystemEnv, SystemPolicy
@@ -91,22 +92,22 @@ class ASTSampler(TreeSampler):
         return torch.device(device) if device is not None else torch.device("cpu")
 
     def _roots(self, openers: list[str]) -> list[str]:
-        return as_list(self.env.reset(TensorDict(query=openers, batch_size=[len(openers)]))["text", "prompt"])
+        return as_list(self.env.reset(TensorDict({QUERY: openers}, batch_size=[len(openers)]))[TEXT_PROMPT])
 
     def _expand(self, states: list[str]) -> tuple[dict, list[str]]:
         children = [s for s in states for _ in range(self.tree_width)]
         n = len(children)
-        out = self.tester(TensorDict(text=TensorDict(prompt=children, batch_size=[n]), batch_size=[n]))
+        out = self.tester(TensorDict({TEXT_PROMPT: children}, batch_size=[n]))
         nxt = self.env._step(out)  # level-wide: one target call, one reward call
         level = {
-            "context": children,
-            "probe": as_list(nxt["probe"]),
-            "reply": as_list(nxt["target_response"]),
-            "reward": nxt["reward"].reshape(-1).float().cpu(),
-            "scores": TensorDict(batch_size=[n]),
-            "reward_terms": None,
+            CONTEXT: children,
+            PROBE: as_list(nxt[PROBE]),
+            REPLY: as_list(nxt[TARGET_RESPONSE]),
+            REWARD: nxt[REWARD].reshape(-1).float().cpu(),
+            SCORES: TensorDict(batch_size=[n]),
+            REWARD_TERMS: None,
         }
-        return level, as_list(nxt["text", "prompt"])
+        return level, as_list(nxt[TEXT_PROMPT])
 
     def state_dict(self) -> dict:
         """The tree sampler's state plus the System's generation call count (when it keeps one)."""

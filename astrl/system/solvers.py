@@ -25,6 +25,7 @@ from tensordict import NestedKey, TensorDict, TensorDictBase
 from torchrl.objectives import LossModule
 
 from astrl._compat import as_list
+from astrl.keys import ADVANTAGE, CONTEXT, GROUP, NODES, PROBE, REWARD, SAMPLE_LOG_PROB, VALUE_TARGET
 from astrl.losses import DPOLoss, IPOLoss
 from astrl.losses.ppo import clipped_surrogate
 from astrl.system.base import System, SystemValidationError
@@ -121,11 +122,11 @@ class SequencePPOLoss(LossModule):
 
     @dataclass
     class _AcceptedKeys:
-        context: NestedKey = "context"
-        probe: NestedKey = "probe"
-        sample_log_prob: NestedKey = "sample_log_prob"
-        advantage: NestedKey = "advantage"
-        value_target: NestedKey = "value_target"
+        context: NestedKey = CONTEXT
+        probe: NestedKey = PROBE
+        sample_log_prob: NestedKey = SAMPLE_LOG_PROB
+        advantage: NestedKey = ADVANTAGE
+        value_target: NestedKey = VALUE_TARGET
 
     default_keys = _AcceptedKeys
 
@@ -191,25 +192,25 @@ class SystemPPO(TreeAlgorithm):
 
     def collect(self) -> tuple[TensorDictBase, TensorDictBase]:
         result = self.sampler.sample()
-        nodes = result["nodes"]
-        contexts, probes = as_list(nodes["context"]), as_list(nodes["probe"])
-        rewards = nodes["reward"].reshape(-1).float()
+        nodes = result[NODES]
+        contexts, probes = as_list(nodes[CONTEXT]), as_list(nodes[PROBE])
+        rewards = nodes[REWARD].reshape(-1).float()
         n = rewards.numel()
-        batch = TensorDict(context=contexts, probe=probes, reward=rewards, batch_size=[n])
-        batch["sample_log_prob"] = self.loss_module.sequence_logprobs(contexts, probes, grad=False).detach().float().cpu()
+        batch = TensorDict({CONTEXT: contexts, PROBE: probes, REWARD: rewards}, batch_size=[n])
+        batch[SAMPLE_LOG_PROB] = self.loss_module.sequence_logprobs(contexts, probes, grad=False).detach().float().cpu()
         if self.loss_module.has_value:
             with torch.no_grad():
                 baseline = self.loss_module.state_values(contexts, probes).detach().float().cpu()
-            batch["value_target"] = rewards
+            batch[VALUE_TARGET] = rewards
         else:  # the siblings (probes from the same state) share a group id
-            groups = nodes["group"].reshape(-1)
+            groups = nodes[GROUP].reshape(-1)
             sums = torch.zeros(int(groups.max()) + 1).index_add_(0, groups, rewards)
             counts = torch.zeros_like(sums).index_add_(0, groups, torch.ones_like(rewards))
             baseline = (sums / counts)[groups]
         advantage = rewards - baseline
         if n > 1:
             advantage = (advantage - advantage.mean()) / (advantage.std() + 1e-8)
-        batch["advantage"] = advantage
+        batch[ADVANTAGE] = advantage
         return batch, result
 
     def loss(self, minibatch: TensorDictBase) -> TensorDictBase:

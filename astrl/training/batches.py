@@ -7,6 +7,8 @@ from collections.abc import Iterator
 import torch
 from tensordict import TensorDictBase
 
+from astrl.keys import REWARD, REWARD_TERMS, SCORES
+
 
 def shuffled_minibatches(
     batch: TensorDictBase, generator: torch.Generator, *, epochs: int, count: int, size: int | None = None
@@ -25,13 +27,13 @@ def shuffled_minibatches(
 def turn_metrics(turns: TensorDictBase) -> dict:
     """Logged means of collected turns (env ``"next"`` data or tree nodes): ``reward_mean`` / ``reward_max``,
     ``turns``, per scorer ``score_NAME`` and ``harmful_rate_NAME`` (score > 0.5), per reward term ``term_NAME``."""
-    rewards = turns["reward"].reshape(-1).float()
+    rewards = turns[REWARD].reshape(-1).float()
     row = {"reward_mean": float(rewards.mean()), "reward_max": float(rewards.max()), "turns": rewards.numel()}
-    for name in turns["scores"].keys():
-        scores = turns["scores", name].reshape(-1).float()
+    for name in turns[SCORES].keys():
+        scores = turns[SCORES, name].reshape(-1).float()
         row[f"score_{name}"] = float(scores.mean())
         row[f"harmful_rate_{name}"] = float((scores > 0.5).float().mean())
-    if "reward_terms" in turns.keys():
-        for name in turns["reward_terms"].keys():
-            row[f"term_{name}"] = float(turns["reward_terms", name].reshape(-1).float().mean())
+    if REWARD_TERMS in turns.keys():
+        for name in turns[REWARD_TERMS].keys():
+            row[f"term_{name}"] = float(turns[REWARD_TERMS, name].reshape(-1).float().mean())
     return row

@@ -19,6 +19,7 @@ import torch
 
 from astrl._compat import as_list
 from astrl.envs import ConversationSpec
+from astrl.keys import NEXT, QUERY, REWARD
 from astrl.rewards.reference import AdaptersDisabled
 from astrl.training.config import ConfigError, TrainConfig, read_yaml_mapping, renamed_keys
 from astrl.training.setup import conversation_spec
@@ -113,9 +114,9 @@ def compare_testers(
             for start in range(0, conversations, batch):
                 reset = env.reset()
                 rollout = env.rollout(config.turns, tester, tensordict=reset, auto_reset=False)
-                chunk = rollout_records(rollout, as_list(reset["query"]), list(scorers), start)
+                chunk = rollout_records(rollout, as_list(reset[QUERY]), list(scorers), start)
                 kept = [i for i, r in enumerate(chunk) if r["conversation"] < conversations]  # a last, partial batch
-                step_rewards = rollout["next", "reward"].reshape(-1).tolist()  # same (conversation, turn) order
+                step_rewards = rollout[NEXT, REWARD].reshape(-1).tolist()  # same (conversation, turn) order
                 records += [chunk[i] for i in kept]
                 rewards += [step_rewards[i] for i in kept]
         score_probes(records, scorers)

@@ -23,8 +23,28 @@ from torchrl.modules.llm import TransformersWrapper
 from torchrl.objectives.llm import GRPOLoss
 
 from astrl._compat import as_list
+from astrl.archive import conversation_turns
 from astrl.envs.transforms import ScoreReward
-from astrl.evaluation.archive import conversation_turns
+from astrl.keys import (
+    ADVANTAGE,
+    ATTENTION_MASK,
+    DONE,
+    LOG_PROBS_FULL,
+    MASKS,
+    NEXT,
+    POLICY_VERSION,
+    PROBE,
+    QUERY,
+    REF_LOG_PROBS_FULL,
+    REWARD,
+    SCORES,
+    STEP_COUNT,
+    TARGET_RESPONSE,
+    TOKENS,
+    TOKENS_FULL,
+    TOKENS_PROMPT,
+    TOKENS_RESPONSE,
+)
 from astrl.lm_scoring import nested_token_logprobs, response_mask, stop_ids, token_logprobs
 from astrl.losses.ppo import masked_mean
 from astrl.ragged import nested, pad_rows
@@ -174,8 +194,8 @@ class ResponseGRPOLoss(GRPOLoss):
     def _get_cur_log_prob(self, tensordict: TensorDictBase):
         if self.entropy_bonus:
             return super()._get_cur_log_prob(tensordict)
-        prompts = tensordict.get(("tokens", "prompt"), as_list=True)
-        responses = tensordict.get(("tokens", "response"), as_list=True)
+        prompts = tensordict.get(TOKENS_PROMPT, as_list=True)
+        responses = tensordict.get(TOKENS_RESPONSE, as_list=True)
         rows = token_logprobs(self._scored_model, prompts, responses, pad_token_id=self.pad_token_id, max_length=self.max_length)
         width = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
         log_prob = pad_rows(rows, side="left", width=width)  # left padding: each response ends the row
@@ -266,7 +286,7 @@ class OnPolicy(Algorithm):
     def data_policy_version(self, data: TensorDictBase) -> int | None:
         """The oldest policy version (updates since this collector started) that generated a turn of
         ``data`` (None if untracked)."""
-        key = ("next", "policy_version")
+        key = (NEXT, POLICY_VERSION)
         return int(data.get(key).min()) - self._version_offset if key in data.keys(True) else None
 
     def shutdown(self) -> None:
@@ -283,14 +303,14 @@ class OnPolicy(Algorithm):
     @staticmethod
     def metrics(data: TensorDictBase) -> dict:
         """:func:`~astrl.training.batches.turn_metrics` of a flat rollout's turns."""
-        return turn_metrics(data["next"])
+        return turn_metrics(data[NEXT])
 
     @staticmethod
     def samples(data: TensorDictBase) -> list[dict]:
         """Per-turn records of a flat rollout, for the sample table and logs."""
-        probes, replies = as_list(data["next", "probe"]), as_list(data["next", "target_response"])
-        openers, rewards = as_list(data["query"]), data["next", "reward"].reshape(-1).tolist()
-        turns = data["step_count"].reshape(-1).tolist()
+        probes, replies = as_list(data[NEXT, PROBE]), as_list(data[NEXT, TARGET_RESPONSE])
+        openers, rewards = as_list(data[QUERY]), data[NEXT, REWARD].reshape(-1).tolist()
+        turns = data[STEP_COUNT].reshape(-1).tolist()
         return [
             {"opener": o, "turn": t, "probe": p, "response": r, "reward": w}
             for o, t, p, r, w in zip(openers, turns, probes, replies, rewards, strict=True)
@@ -307,10 +327,10 @@ class OnPolicy(Algorithm):
     def turn_records(data: TensorDictBase) -> list[dict]:
         """One record per tester turn of a flat, trajectory-contiguous rollout, for the attack archive:
         ``probe``, ``reply``, ``conversation`` (what was said before the probe), ``scores``, ``reward``, ``turn``."""
-        probes, replies = as_list(data["next", "probe"]), as_list(data["next", "target_response"])
-        openers, rewards = as_list(data["query"]), data["next", "reward"].reshape(-1).tolist()
-        done = data["next", "done"].reshape(-1).tolist()
-        scores = {name: data["next", "scores", name].reshape(-1).tolist() for name in data["next", "scores"].keys()}
+        probes, replies = as_list(data[NEXT, PROBE]), as_list(data[NEXT, TARGET_RESPONSE])
+        openers, rewards = as_list(data[QUERY]), data[NEXT, REWARD].reshape(-1).tolist()
+        done = data[NEXT, DONE].reshape(-1).tolist()
+        scores = {name: data[NEXT, SCORES, name].reshape(-1).tolist() for name in data[NEXT, SCORES].keys()}
         records, earlier = [], []
         for i, (probe, reply) in enumerate(zip(probes, replies, strict=True)):
             records.append(
@@ -359,7 +379,7 @@ class GRPOAlgorithm(OnPolicy):
             kl_coef=config.kl_coef,
             masking_strategy="sft",
         )
-        self.loss_module.set_keys(ref_log_probs=("ref_log_probs", "full"))
+        self.loss_module.set_keys(ref_log_probs=REF_LOG_PROBS_FULL)
 
     # -- collection ------------------------------------------------------------------
     def collect(self) -> tuple[TensorDictBase, TensorDictBase]:
@@ -369,33 +389,30 @@ class GRPOAlgorithm(OnPolicy):
 
     def advantages(self, data: TensorDictBase) -> torch.Tensor:
         """:func:`turn_group_advantages` of a flat, trajectory-contiguous rollout's returns."""
-        rewards = data["next", "reward"].reshape(-1).float()
+        rewards = data[NEXT, REWARD].reshape(-1).float()
         if self.config.returns == "to_go":
-            rewards = returns_to_go(rewards, data["next", "done"].reshape(-1))
-        return turn_group_advantages(rewards, as_list(data["query"]), data["step_count"], self.config.group_size)
+            rewards = returns_to_go(rewards, data[NEXT, DONE].reshape(-1))
+        return turn_group_advantages(rewards, as_list(data[QUERY]), data[STEP_COUNT], self.config.group_size)
 
     def training_batch(self, data: TensorDictBase, advantages: torch.Tensor) -> TensorDictBase:
         """Exact tokens (prompt + response up to EOS), behaviour and reference log-probs, advantage."""
-        prompts = data.get(("tokens", "prompt"), as_list=True)
-        responses = data.get(("tokens", "response"), as_list=True)
+        prompts = data.get(TOKENS_PROMPT, as_list=True)
+        responses = data.get(TOKENS_RESPONSE, as_list=True)
         items = []
         for prompt, response, advantage in zip(prompts, responses, advantages, strict=True):
             response = response[: int(response_mask(response, self.stops).sum())]
             full = torch.cat([prompt, response])
-            items.append(
-                TensorDict(
-                    tokens=TensorDict(prompt=prompt, response=response, full=full),
-                    masks=TensorDict(all_attention_mask=torch.ones(full.numel(), dtype=torch.bool)),
-                    advantage=advantage.reshape(1, 1),
-                )
-            )
+            item = TensorDict()
+            item.set(TOKENS_PROMPT, prompt).set(TOKENS_RESPONSE, response).set(TOKENS_FULL, full)
+            item.set(ATTENTION_MASK, torch.ones(full.numel(), dtype=torch.bool)).set(ADVANTAGE, advantage.reshape(1, 1))
+            items.append(item)
         batch = lazy_stack(items)
-        prompts = batch.get(("tokens", "prompt"), as_list=True)
-        responses = batch.get(("tokens", "response"), as_list=True)
+        prompts = batch.get(TOKENS_PROMPT, as_list=True)
+        responses = batch.get(TOKENS_RESPONSE, as_list=True)
         window, pad = self.models.tester.context_window, self.tokenizer.pad_token_id
         with torch.no_grad():  # behaviour log-probs, computed as the loss computes them (up to float rounding)
             if self.loss_module.entropy_bonus:
-                old = self.actor(batch.select("tokens", "masks").copy()).get(("log_probs", "full"), as_list=True)
+                old = self.actor(batch.select(TOKENS, MASKS).copy()).get(LOG_PROBS_FULL, as_list=True)
             else:
                 # a conversation's earlier turns begin its later ones: read them from the later rows' forward
                 logprobs = nested_token_logprobs(
@@ -404,8 +421,8 @@ class GRPOAlgorithm(OnPolicy):
                 old = full_rows(prompts, logprobs)
         with torch.inference_mode():
             ref = nested_token_logprobs(self.models.reference, prompts, responses, pad_token_id=pad, max_length=window)
-        batch.set(("log_probs", "full"), nested([o.clone() for o in old]))
-        batch.set(("ref_log_probs", "full"), nested(full_rows(prompts, [r.clone() for r in ref])))
+        batch.set(LOG_PROBS_FULL, nested([o.clone() for o in old]))
+        batch.set(REF_LOG_PROBS_FULL, nested(full_rows(prompts, [r.clone() for r in ref])))
         return batch
 
     def loss(self, minibatch: TensorDictBase) -> TensorDictBase:

@@ -27,6 +27,7 @@ import torch
 from tensordict import TensorDictBase
 
 from astrl._compat import as_list
+from astrl.keys import NEXT, NODES, PROBE, SCORES, TARGET_CONTEXT
 from astrl.lm_scoring import token_logprobs
 from astrl.ragged import pad_ids
 from astrl.scorers import Scorer
@@ -57,11 +58,11 @@ def attacks_from(data: TensorDictBase, scorer_name: str) -> tuple[list[str], lis
 
     Reads a flat on-policy rollout (``("next", "target_context")``, ...) or a
     :meth:`~astrl.sampling.TreeSampler.sample` result (its ``nodes``)."""
-    turns = data["nodes"] if "nodes" in data.keys() else data["next"]
-    scores = turns["scores"]
+    turns = data[NODES] if NODES in data.keys() else data[NEXT]
+    scores = turns[SCORES]
     if scorer_name not in scores.keys():
         raise KeyError(f"no scores of {scorer_name!r} in the data; it has {sorted(scores.keys())}")
-    return as_list(turns["target_context"]), as_list(turns["probe"]), scores[scorer_name].reshape(-1).float().cpu()
+    return as_list(turns[TARGET_CONTEXT]), as_list(turns[PROBE]), scores[scorer_name].reshape(-1).float().cpu()
 
 
 class TargetHardener:

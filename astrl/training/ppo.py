@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 
+from astrl.keys import NEXT, REF_LOG_PROBS, REWARD, TOKENS_PROMPT, TOKENS_RESPONSE
 from astrl.losses import PPOLoss, ValueHead, compute_advantages
 from astrl.rewards import ClippedKLReward, TokenLogProbs
 from astrl.training.config import TrainConfig
@@ -42,7 +43,7 @@ class PPOAlgorithm(OnPolicy):
             max_length=window,
         )
         self.reference = TokenLogProbs(
-            models.reference, self.tokenizer, out_key="ref_log_probs", frozen=True, max_length=window, nested=True
+            models.reference, self.tokenizer, out_key=REF_LOG_PROBS, frozen=True, max_length=window, nested=True
         )
         self.kl_reward = ClippedKLReward(
             kl_coef=config.kl_coef, kl_clip=config.kl_clip, score_clip=config.score_clip, target_kl=config.target_kl
@@ -59,12 +60,12 @@ class PPOAlgorithm(OnPolicy):
 
     def training_batch(self, data: TensorDictBase) -> TensorDictBase:
         """Per-turn samples of a flat rollout with old values, log-probs, per-token rewards and advantages."""
-        prompts = data.get(("tokens", "prompt"), as_list=True)
-        responses = data.get(("tokens", "response"), as_list=True)
-        scores = data["next", "reward"].reshape(-1, 1).float()
+        prompts = data.get(TOKENS_PROMPT, as_list=True)
+        responses = data.get(TOKENS_RESPONSE, as_list=True)
+        scores = data[NEXT, REWARD].reshape(-1, 1).float()
         batch = lazy_stack(
             [
-                TensorDict(tokens=TensorDict(prompt=p, response=r), reward=s)
+                TensorDict().set(TOKENS_PROMPT, p).set(TOKENS_RESPONSE, r).set(REWARD, s)
                 for p, r, s in zip(prompts, responses, scores, strict=True)
             ]
         )

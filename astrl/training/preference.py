@@ -19,8 +19,23 @@ import torch
 from tensordict import TensorDictBase
 
 from astrl._compat import as_list
+from astrl.archive import conversation_turns
 from astrl.envs.transforms import ScoreReward
-from astrl.evaluation.archive import conversation_turns
+from astrl.keys import (
+    DEPTH,
+    NODES,
+    NUM_FORCED,
+    NUM_PAIRS,
+    NUM_SKIPPED,
+    OPENERS,
+    PAIRS,
+    PARENT,
+    PROBE,
+    REPLY,
+    REWARD,
+    SCORES,
+    TREE,
+)
 from astrl.losses import DPOLoss, IPOLoss, PreferenceLoss
 from astrl.sampling import TreeSampler, WeakSupervision
 from astrl.training.algorithm import Algorithm
@@ -65,15 +80,15 @@ class TreeAlgorithm(Algorithm):
 
     @staticmethod
     def metrics(result: TensorDictBase) -> dict:
-        return turn_metrics(result["nodes"])
+        return turn_metrics(result[NODES])
 
     @staticmethod
     def samples(result: TensorDictBase) -> list[dict]:
-        nodes = result["nodes"]
-        probes, replies = as_list(nodes["probe"]), as_list(nodes["reply"])
-        rewards, depths = nodes["reward"].reshape(-1).tolist(), nodes["depth"].reshape(-1).tolist()
-        openers = as_list(result["openers"])
-        trees = nodes["tree"].reshape(-1).tolist()
+        nodes = result[NODES]
+        probes, replies = as_list(nodes[PROBE]), as_list(nodes[REPLY])
+        rewards, depths = nodes[REWARD].reshape(-1).tolist(), nodes[DEPTH].reshape(-1).tolist()
+        openers = as_list(result[OPENERS])
+        trees = nodes[TREE].reshape(-1).tolist()
         return [
             {"opener": openers[t], "turn": d - 1, "probe": p, "response": r, "reward": w}
             for t, d, p, r, w in zip(trees, depths, probes, replies, rewards, strict=True)
@@ -87,11 +102,11 @@ class TreeAlgorithm(Algorithm):
     @staticmethod
     def turn_records(result: TensorDictBase) -> list[dict]:
         """One record per tree node for the attack archive; its conversation is the path from the opener."""
-        nodes = result["nodes"]
-        probes, replies = as_list(nodes["probe"]), as_list(nodes["reply"])
-        parents, trees = nodes["parent"].reshape(-1).tolist(), nodes["tree"].reshape(-1).tolist()
-        rewards, openers = nodes["reward"].reshape(-1).tolist(), as_list(result["openers"])
-        scores = {name: nodes["scores", name].reshape(-1).tolist() for name in nodes["scores"].keys()}
+        nodes = result[NODES]
+        probes, replies = as_list(nodes[PROBE]), as_list(nodes[REPLY])
+        parents, trees = nodes[PARENT].reshape(-1).tolist(), nodes[TREE].reshape(-1).tolist()
+        rewards, openers = nodes[REWARD].reshape(-1).tolist(), as_list(result[OPENERS])
+        scores = {name: nodes[SCORES, name].reshape(-1).tolist() for name in nodes[SCORES].keys()}
         records = []
         for i, (probe, reply) in enumerate(zip(probes, replies, strict=True)):
             path, node = [], parents[i]
@@ -163,10 +178,10 @@ class PreferenceAlgorithm(TreeAlgorithm):
 
     def collect(self) -> tuple[TensorDictBase, TensorDictBase]:
         result = self.sampler.sample()
-        pairs = result["pairs"]
+        pairs = result[PAIRS]
         if self.weak is not None:
             pairs, forced = self.weak(result)
-            result["pairs"], result["num_forced"] = pairs, torch.tensor(forced)
+            result[PAIRS], result[NUM_FORCED] = pairs, torch.tensor(forced)
         if pairs.batch_size[0] > 0:
             self.loss_module.reference_logprobs(pairs)
         return pairs, result
@@ -177,10 +192,10 @@ class PreferenceAlgorithm(TreeAlgorithm):
     @staticmethod
     def metrics(result: TensorDictBase) -> dict:
         row = TreeAlgorithm.metrics(result)
-        row["pairs"] = int(result["num_pairs"])
-        row["pairs_skipped"] = int(result["num_skipped"])
-        if "num_forced" in result.keys():
-            row["pairs_forced"] = int(result["num_forced"])
+        row["pairs"] = int(result[NUM_PAIRS])
+        row["pairs_skipped"] = int(result[NUM_SKIPPED])
+        if NUM_FORCED in result.keys():
+            row["pairs_forced"] = int(result[NUM_FORCED])
         return row
 
     def state_dict(self) -> dict:

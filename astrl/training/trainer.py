@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from astrl.evaluation.archive import ARCHIVE_FILE, AttackArchive
+from astrl.archive import ARCHIVE_FILE, AttackArchive
 from astrl.models import LoadedModel
 from astrl.prefill import SharedPrefill, clear_turn_caches
 from astrl.training.algorithm import Algorithm, DataPath, TrainingSource
