@@ -152,7 +152,8 @@ class TurnCache:
         fingerprint = self._fingerprint()
         plan = self._plan(ids, mask) if self._state is not None and self._state[3] == fingerprint else None
         self._state = None  # the cache is handed to generate, which extends it in place
-        want_dict = kwargs.get("return_dict_in_generate", False)
+        config = kwargs.get("generation_config") or getattr(self.model, "generation_config", None)
+        want_dict = kwargs.get("return_dict_in_generate", getattr(config, "return_dict_in_generate", False))
         call = {**kwargs, "attention_mask": mask, "return_dict_in_generate": True, "use_cache": True}
         if plan is not None:
             full_ids, full_mask, cache, reused = plan

@@ -195,6 +195,13 @@ def test_turn_cache_passes_order_dependent_settings_through():
         input_ids=again, attention_mask=torch.ones_like(again), max_new_tokens=3, do_sample=False, repetition_penalty=1.3
     )
     assert torch.equal(second, plain)
+    # the output type follows the caller's settings, also when they come in a generation config
+    from transformers import GenerationConfig
+
+    cache.enabled = True
+    settings = GenerationConfig(max_new_tokens=2, do_sample=False, return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=settings)
+    assert torch.equal(out.sequences[:, : ids.shape[1]], ids) and out.past_key_values is None
 
 
 def test_turn_cache_of_a_lora_tester_is_not_used_by_its_adapters_off_target():
