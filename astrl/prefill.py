@@ -99,8 +99,9 @@ class TurnCache:
     starts afresh. Calls with positional arguments, ``inputs_embeds``, their own ``past_key_values``,
     order-dependent logits processors (repetition penalties, banned n-grams) or a cache other than plain
     ``DynamicCache`` layers go to the original ``generate`` unchanged (and drop the kept cache), as do all
-    calls while ``enabled`` is False. ``tokens_reused`` / ``tokens_prefilled`` count prompt tokens taken
-    from the cache and run through the model.
+    calls while ``enabled`` is False. Identical rows of a call (tree siblings) prefill their uncached
+    tokens once. ``tokens_reused`` / ``tokens_prefilled`` count prompt tokens taken from the cache and
+    given to the model; ``rows_shared`` counts rows whose uncached tokens another row read for them.
     """
 
     def __init__(self, model: torch.nn.Module, min_saving: float = 0.2) -> None:
@@ -108,7 +109,7 @@ class TurnCache:
         self.original = model.generate
         self.min_saving = min_saving
         self.enabled = True
-        self.calls_reused = self.tokens_reused = self.tokens_prefilled = 0
+        self.calls_reused = self.tokens_reused = self.tokens_prefilled = self.rows_shared = 0
         self._state: tuple | None = None  # (token ids, attention seen when computed, cache, weights fingerprint)
         modules = model.modules() if hasattr(model, "modules") else ()
         self._adapter_layers = [m for m in modules if hasattr(m, "_disable_adapters")]  # PEFT layers: on or off
@@ -157,6 +158,7 @@ class TurnCache:
         call = {**kwargs, "attention_mask": mask, "return_dict_in_generate": True, "use_cache": True}
         if plan is not None:
             full_ids, full_mask, cache, reused = plan
+            cache = self._prefill_distinct(full_ids, full_mask, cache)
             call.update(input_ids=full_ids, attention_mask=full_mask, past_key_values=cache)
             self.calls_reused += 1
             self.tokens_reused += reused
@@ -173,6 +175,40 @@ class TurnCache:
         out.sequences = torch.cat([ids, generated], dim=1)  # the caller's prompt layout
         out.past_key_values = None  # kept here; the caller's layout does not match it
         return out if want_dict else out.sequences
+
+    def _prefill_distinct(self, ids: torch.Tensor, mask: torch.Tensor, cache):
+        """Identical rows of a planned layout (tree siblings: one parent, one prompt) prefill their rest once.
+
+        Runs the model over each distinct row's uncached tokens but the last, extends the cache with
+        them and gathers it back to every row, so that ``generate`` reads only the last prompt token
+        (as :class:`SharedPrefill` does for calls without a cache). Returns ``cache`` unchanged when
+        every row is distinct or only one token is left to read.
+        """
+        start = cache.get_seq_length()
+        if ids.shape[1] - start < 2:
+            return cache
+        distinct, inverse = torch.unique(torch.cat([ids, mask.to(ids.dtype)], dim=1), dim=0, return_inverse=True)
+        if len(distinct) == len(ids):
+            return cache
+        first = torch.full((len(distinct),), len(ids), dtype=torch.long, device=ids.device)
+        first.scatter_reduce_(0, inverse, torch.arange(len(ids), device=ids.device), reduce="amin")
+        cache.batch_select_indices(first)  # one row of each distinct layout
+        u_ids, u_mask = ids[first], mask[first]
+        positions = (u_mask.long().cumsum(-1) - 1).clamp(min=0)
+        extra = {"logits_to_keep": 1} if accepts(self.model, "logits_to_keep") else {}
+        with torch.no_grad():
+            out = self.model(
+                input_ids=u_ids[:, start:-1],
+                attention_mask=u_mask[:, :-1],
+                position_ids=positions[:, start:-1],
+                past_key_values=cache,
+                use_cache=True,
+                **extra,
+            )
+        cache = out.past_key_values
+        cache.batch_select_indices(inverse)  # every row gets the cache of its distinct layout
+        self.rows_shared += len(ids) - len(distinct)
+        return cache
 
     def _plan(self, ids: torch.Tensor, mask: torch.Tensor):
         """The reuse layout for ``ids`` (left-padded, ``mask``), or None when it saves too little."""

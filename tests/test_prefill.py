@@ -138,6 +138,7 @@ def test_turn_cache_samples_the_same_tokens_from_the_same_logits(make):
     cache = TurnCache(model)
     rows, logits = _turns(model, tok, prompts, seed=0)
     assert cache.calls_reused == 2  # turns 2 and 3 started from the cache
+    assert cache.rows_shared == 1  # the repeated row at turn 2 read its uncached tokens once (then it diverged)
     assert cache.tokens_reused > cache.tokens_prefilled / 2
     for a, b in zip(rows, plain_rows, strict=True):
         assert torch.equal(a, b)
