@@ -53,26 +53,51 @@ class SharedPrefill:
         mask = kwargs.get("attention_mask")
         if mask is None:
             mask = torch.ones_like(ids)
-        width = ids.shape[1]
-        distinct, inverse = torch.unique(torch.cat([ids, mask.to(ids.dtype)], dim=1), dim=0, return_inverse=True)
-        if len(distinct) == len(ids):
+        shared = prefill_distinct(self.model, ids, mask)
+        if shared is None:
             return self.original(*args, **kwargs)
-        u_ids, u_mask = distinct[:, :width], distinct[:, width:].to(mask.dtype)
-        positions = (u_mask.long().cumsum(-1) - 1).clamp(min=0)  # left padding: positions count real tokens
-        extra = {"logits_to_keep": 1} if accepts(self.model, "logits_to_keep") else {}
-        with torch.no_grad():
-            out = self.model(
-                input_ids=u_ids[:, :-1],
-                attention_mask=u_mask[:, :-1],
-                position_ids=positions[:, :-1],
-                use_cache=True,
-                **extra,
-            )
-        cache = out.past_key_values
-        cache.batch_select_indices(inverse.to(ids.device))  # row i gets the cache of its distinct prompt
+        cache, saved = shared
         self.calls_shared += 1
-        self.rows_saved += len(ids) - len(distinct)
+        self.rows_saved += saved
         return self.original(**{**kwargs, "attention_mask": mask, "past_key_values": cache})
+
+
+def prefill_distinct(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, cache=None):
+    """Run each distinct row of a left-padded generate input once over its uncached tokens but the last.
+
+    ``cache`` (optional) holds the first ``cache.get_seq_length()`` positions of every row. The model
+    reads each distinct (ids, mask) row's tokens from there up to its last token, and the extended
+    cache is gathered back to every row, so that ``generate`` then reads only the last prompt token.
+    Positions count real tokens (left padding and masked slots are skipped), as ``generate`` counts
+    them. Returns ``(cache, rows saved)``, or None when every row is distinct or fewer than two
+    tokens are left to read.
+    """
+    start = 0 if cache is None else cache.get_seq_length()
+    if ids.shape[1] - start < 2:
+        return None
+    distinct, inverse = torch.unique(torch.cat([ids, mask.to(ids.dtype)], dim=1), dim=0, return_inverse=True)
+    if len(distinct) == len(ids):
+        return None
+    inverse = inverse.to(ids.device)
+    first = torch.full((len(distinct),), len(ids), dtype=torch.long, device=ids.device)
+    first.scatter_reduce_(0, inverse, torch.arange(len(ids), device=ids.device), reduce="amin")  # a row of each
+    if cache is not None:
+        cache.batch_select_indices(first)
+    u_ids, u_mask = ids[first], mask[first]
+    positions = (u_mask.long().cumsum(-1) - 1).clamp(min=0)
+    extra = {"logits_to_keep": 1} if accepts(model, "logits_to_keep") else {}
+    with torch.no_grad():
+        out = model(
+            input_ids=u_ids[:, start:-1],
+            attention_mask=u_mask[:, :-1],
+            position_ids=positions[:, start:-1],
+            past_key_values=cache,
+            use_cache=True,
+            **extra,
+        )
+    cache = out.past_key_values
+    cache.batch_select_indices(inverse)  # every row gets the cache of its distinct row
+    return cache, len(ids) - len(distinct)
 
 
 # -- reuse of the last call's KV cache -------------------------------------------------------------------------
@@ -158,7 +183,10 @@ class TurnCache:
         call = {**kwargs, "attention_mask": mask, "return_dict_in_generate": True, "use_cache": True}
         if plan is not None:
             full_ids, full_mask, cache, reused = plan
-            cache = self._prefill_distinct(full_ids, full_mask, cache)
+            shared = prefill_distinct(self.model, full_ids, full_mask, cache)  # tree siblings: identical rows
+            if shared is not None:
+                cache, saved = shared
+                self.rows_shared += saved
             call.update(input_ids=full_ids, attention_mask=full_mask, past_key_values=cache)
             self.calls_reused += 1
             self.tokens_reused += reused
@@ -175,40 +203,6 @@ class TurnCache:
         out.sequences = torch.cat([ids, generated], dim=1)  # the caller's prompt layout
         out.past_key_values = None  # kept here; the caller's layout does not match it
         return out if want_dict else out.sequences
-
-    def _prefill_distinct(self, ids: torch.Tensor, mask: torch.Tensor, cache):
-        """Identical rows of a planned layout (tree siblings: one parent, one prompt) prefill their rest once.
-
-        Runs the model over each distinct row's uncached tokens but the last, extends the cache with
-        them and gathers it back to every row, so that ``generate`` reads only the last prompt token
-        (as :class:`SharedPrefill` does for calls without a cache). Returns ``cache`` unchanged when
-        every row is distinct or only one token is left to read.
-        """
-        start = cache.get_seq_length()
-        if ids.shape[1] - start < 2:
-            return cache
-        distinct, inverse = torch.unique(torch.cat([ids, mask.to(ids.dtype)], dim=1), dim=0, return_inverse=True)
-        if len(distinct) == len(ids):
-            return cache
-        first = torch.full((len(distinct),), len(ids), dtype=torch.long, device=ids.device)
-        first.scatter_reduce_(0, inverse, torch.arange(len(ids), device=ids.device), reduce="amin")
-        cache.batch_select_indices(first)  # one row of each distinct layout
-        u_ids, u_mask = ids[first], mask[first]
-        positions = (u_mask.long().cumsum(-1) - 1).clamp(min=0)
-        extra = {"logits_to_keep": 1} if accepts(self.model, "logits_to_keep") else {}
-        with torch.no_grad():
-            out = self.model(
-                input_ids=u_ids[:, start:-1],
-                attention_mask=u_mask[:, :-1],
-                position_ids=positions[:, start:-1],
-                past_key_values=cache,
-                use_cache=True,
-                **extra,
-            )
-        cache = out.past_key_values
-        cache.batch_select_indices(inverse)  # every row gets the cache of its distinct layout
-        self.rows_shared += len(ids) - len(distinct)
-        return cache
 
     def _plan(self, ids: torch.Tensor, mask: torch.Tensor):
         """The reuse layout for ``ids`` (left-padded, ``mask``), or None when it saves too little."""
