@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -185,13 +185,30 @@ def token_logprobs(
     """:func:`score_tokens`' log-probs as one 1-D float tensor per sample, of the continuation's length.
 
     A prefix may be empty only if its continuation's first token is then not scored: in that case
-    the returned row starts with ``nan`` for that token.
+    the returned row starts with ``nan`` for that token. Rows the model has just read as a prompt
+    (:class:`PromptStates`, kept by a ``TurnCache``) are read from the kept hidden states, without
+    gradients, instead of running the model again.
     """
     if len(prefixes) != len(continuations):
         raise ValueError(f"got {len(prefixes)} prefixes but {len(continuations)} continuations")
     if not len(prefixes):
         return []
-    return score_tokens(model, prefixes, continuations, pad_token_id=pad_token_id, max_length=max_length).rows()
+    prefixes = [p.reshape(-1).long() for p in prefixes]
+    continuations = [c.reshape(-1).long() for c in continuations]
+    rows = [torch.cat([p, c.to(p.device)]) for p, c in zip(prefixes, continuations, strict=True)]
+    out = _served_from_states(model, rows, [p.numel() for p in prefixes], max_length)
+    missing = [i for i, row in enumerate(out) if row is None]
+    if missing:
+        scored = score_tokens(
+            model,
+            [prefixes[i] for i in missing],
+            [continuations[i] for i in missing],
+            pad_token_id=pad_token_id,
+            max_length=max_length,
+        ).rows()
+        for i, row in zip(missing, scored, strict=True):
+            out[i] = row
+    return out  # type: ignore[return-value]
 
 
 def shared_prefix_logprobs(
@@ -305,6 +322,7 @@ def nested_token_logprobs(
             roots.append(i)
             home = i
         owner[i] = home
+    roots.sort()  # scored in the callers' order: with nothing nested, exactly token_logprobs
     start = {r: min(len(prefixes[i]) for i in range(len(rows)) if owner[i] == r) for r in roots}
     scored = token_logprobs(
         model,
@@ -319,6 +337,98 @@ def nested_token_logprobs(
         offset = len(prefixes[i]) - start[owner[i]]
         out.append(by_root[owner[i]][offset : offset + len(row) - len(prefixes[i])])
     return out
+
+
+# -- hidden states a model kept from reading a prompt ---------------------------------------------------------
+_PROMPT_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class PromptStates:
+    """The last hidden state at the prompt positions a model read in its last ``generate`` call.
+
+    Kept by :class:`astrl.prefill.TurnCache` (``keep_states``) so that log-probs of tokens the model
+    has just read as a prompt (the ASTPrompter likelihood term scores the probe the target read;
+    the reference scores what the target read when it is the target) come from one LM-head
+    application instead of another forward. Row ``i`` holds ``lengths[i]`` real prompt tokens
+    (``tokens[i, :lengths[i]]``, padding removed); the hidden state at its token position ``p``
+    (the one that predicts token ``p + 1``) is ``hidden[i, p - first[i] + offset[i]]`` for
+    ``first[i] <= p < first[i] + count[i]``, positions before ``first[i]`` having been read from a
+    KV cache. ``is_current()`` says whether the model's weights (and mode) are still those the states
+    were computed with.
+    """
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    first: torch.Tensor
+    count: torch.Tensor
+    hidden: torch.Tensor
+    is_current: Callable[[], bool]
+    rows_served: int = 0  # rows whose log-probs were read from these states
+
+    @property
+    def offset(self) -> torch.Tensor:
+        return self.hidden.shape[1] - self.count  # each row's states are right-aligned
+
+
+def keep_prompt_states(model: torch.nn.Module, states: PromptStates | None) -> None:
+    """Record (or, with None, forget) the prompt states ``model`` kept from its last read."""
+    if states is None:
+        _PROMPT_STATES.pop(model, None)
+    else:
+        _PROMPT_STATES[model] = states
+
+
+def note_head_check(model: torch.nn.Module, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+    """Record, if not known yet, whether ``model``'s LM head on ``hidden`` (its last hidden states) gave ``logits``."""
+    if head_gives_logits(model) is None:
+        head = model.get_output_embeddings()
+        with torch.no_grad():
+            _HEAD_GIVES_LOGITS[model] = torch.allclose(head(hidden).float(), logits.float(), rtol=1e-4, atol=1e-4)
+
+
+def _served_from_states(
+    model: torch.nn.Module, rows: list[torch.Tensor], starts: list[int], max_length: int | None
+) -> list[torch.Tensor | None]:
+    """Log-probs of ``rows[i][starts[i]:]`` read from the model's kept :class:`PromptStates`, None where not kept.
+
+    A row is served when it begins a kept prompt, is not clipped by ``max_length``, and the states
+    of every position predicting its continuation were kept; only without gradients, and only when
+    the model's head on its hidden states gives its logits."""
+    served: list[torch.Tensor | None] = [None] * len(rows)
+    states = _PROMPT_STATES.get(model)
+    if states is None or torch.is_grad_enabled() or head_gives_logits(model) is not True or not states.is_current():
+        return served
+    device = states.tokens.device
+    picks, columns, targets, sizes = [], [], [], []
+    for i, (row, start) in enumerate(zip(rows, starts, strict=True)):
+        length = row.numel()
+        if start < 1 or length <= start or (max_length is not None and length > max_length):
+            continue
+        if length > states.tokens.shape[1]:
+            continue
+        row = row.to(device)
+        begins = (states.tokens[:, :length] == row).all(1) & (states.lengths >= length)
+        # every position start - 1 .. length - 2 must hold a kept state
+        kept = begins & (states.first <= start - 1) & (states.first + states.count >= length - 1)
+        if not bool(kept.any()):
+            continue
+        j = int(kept.nonzero()[0, 0])
+        positions = torch.arange(start - 1, length - 1, device=device)
+        picks.append(torch.full_like(positions, j))
+        columns.append(positions - states.first[j] + states.offset[j])
+        targets.append(row[start:])
+        sizes.append((i, length - start))
+    if not picks:
+        return served
+    with torch.no_grad():
+        hidden = states.hidden[torch.cat(picks), torch.cat(columns)]
+        log_probs = torch.log_softmax(model.get_output_embeddings()(hidden).float(), dim=-1)
+        values = log_probs.gather(-1, torch.cat(targets)[:, None]).squeeze(-1)
+    for (i, _), part in zip(sizes, values.split([n for _, n in sizes]), strict=True):
+        served[i] = part
+    states.rows_served += len(sizes)
+    return served
 
 
 def response_mask(tokens: torch.Tensor, stop_token_ids: Iterable[int]) -> torch.Tensor:

@@ -69,6 +69,7 @@ def make_policy(
     vllm_memory: float = 0.5,
     vllm_options: dict | None = None,
     turn_cache: bool = True,
+    keep_prompt_states: bool = False,
 ):
     """Wrap a loaded model as a generating TorchRL LLM policy.
 
@@ -84,6 +85,9 @@ def make_policy(
         turn_cache: keep the KV cache of the model's last ``generate`` call and prefill only the tokens
             it has not read (a conversation's next turn, a tree node's children); see
             :class:`astrl.prefill.TurnCache`. Transformers backend only (vLLM has its own prefix cache).
+        keep_prompt_states: with ``turn_cache``, also keep the last hidden state of every prompt position
+            the model reads, so that log-probs of what it has just read (the likelihood term of a target)
+            cost one LM-head application instead of a forward (:class:`astrl.lm_scoring.PromptStates`).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
@@ -109,7 +113,9 @@ def make_policy(
         from torchrl.modules.llm import TransformersWrapper
 
         if turn_cache and not isinstance(loaded.model.generate, TurnCache):
-            TurnCache(loaded.model)
+            TurnCache(loaded.model, keep_states=keep_prompt_states)
+        elif turn_cache and keep_prompt_states:
+            loaded.model.generate.keep_states = True
         policy = TransformersWrapper(loaded.model, **wrapper_options)
     policy.context_window = loaded.context_window
     policy.generation = generation

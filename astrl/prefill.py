@@ -12,9 +12,12 @@ the same random numbers.
 
 from __future__ import annotations
 
+import weakref
+from typing import NamedTuple
+
 import torch
 
-from astrl.lm_scoring import accepts
+from astrl.lm_scoring import PromptStates, accepts, keep_prompt_states, note_head_check
 
 
 class SharedPrefill:
@@ -56,48 +59,69 @@ class SharedPrefill:
         shared = prefill_distinct(self.model, ids, mask)
         if shared is None:
             return self.original(*args, **kwargs)
-        cache, saved = shared
         self.calls_shared += 1
-        self.rows_saved += saved
-        return self.original(**{**kwargs, "attention_mask": mask, "past_key_values": cache})
+        self.rows_saved += shared.saved
+        return self.original(**{**kwargs, "attention_mask": mask, "past_key_values": shared.cache})
 
 
-def prefill_distinct(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, cache=None):
+class Prefilled(NamedTuple):
+    """What :func:`prefill_distinct` read: the extended cache (gathered back to every row), how many rows
+    another identical row read for, and (when asked) the last hidden state at every position it read."""
+
+    cache: object
+    saved: int
+    hidden: torch.Tensor | None
+
+
+def prefill_distinct(
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, cache=None, *, always: bool = False, hidden: bool = False
+) -> Prefilled | None:
     """Run each distinct row of a left-padded generate input once over its uncached tokens but the last.
 
     ``cache`` (optional) holds the first ``cache.get_seq_length()`` positions of every row. The model
     reads each distinct (ids, mask) row's tokens from there up to its last token, and the extended
     cache is gathered back to every row, so that ``generate`` then reads only the last prompt token.
     Positions count real tokens (left padding and masked slots are skipped), as ``generate`` counts
-    them. Returns ``(cache, rows saved)``, or None when every row is distinct or fewer than two
-    tokens are left to read.
+    them. With ``hidden``, the model's last hidden state at every position read is returned too,
+    ``(rows, read width, hidden size)``. Returns None when fewer than two tokens are left to read,
+    or when every row is distinct and not ``always``.
     """
     start = 0 if cache is None else cache.get_seq_length()
     if ids.shape[1] - start < 2:
         return None
     distinct, inverse = torch.unique(torch.cat([ids, mask.to(ids.dtype)], dim=1), dim=0, return_inverse=True)
-    if len(distinct) == len(ids):
+    saved = len(ids) - len(distinct)
+    shared = saved > 0
+    if not shared and not always:
         return None
-    inverse = inverse.to(ids.device)
-    first = torch.full((len(distinct),), len(ids), dtype=torch.long, device=ids.device)
-    first.scatter_reduce_(0, inverse, torch.arange(len(ids), device=ids.device), reduce="amin")  # a row of each
-    if cache is not None:
-        cache.batch_select_indices(first)
-    u_ids, u_mask = ids[first], mask[first]
-    positions = (u_mask.long().cumsum(-1) - 1).clamp(min=0)
+    if shared:
+        inverse = inverse.to(ids.device)
+        first = torch.full((len(distinct),), len(ids), dtype=torch.long, device=ids.device)
+        first.scatter_reduce_(0, inverse, torch.arange(len(ids), device=ids.device), reduce="amin")  # a row of each
+        if cache is not None:
+            cache.batch_select_indices(first)
+        ids, mask = ids[first], mask[first]
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
     extra = {"logits_to_keep": 1} if accepts(model, "logits_to_keep") else {}
     with torch.no_grad():
         out = model(
-            input_ids=u_ids[:, start:-1],
-            attention_mask=u_mask[:, :-1],
+            input_ids=ids[:, start:-1],
+            attention_mask=mask[:, :-1],
             position_ids=positions[:, start:-1],
             past_key_values=cache,
             use_cache=True,
+            output_hidden_states=hidden,
             **extra,
         )
-    cache = out.past_key_values
-    cache.batch_select_indices(inverse)  # every row gets the cache of its distinct row
-    return cache, len(ids) - len(distinct)
+    cache, states = out.past_key_values, None
+    if hidden and getattr(out, "hidden_states", None):
+        states = out.hidden_states[-1]
+        note_head_check(model, states[:, -1:], out.logits[:, -1:])
+    del out
+    if shared:
+        cache.batch_select_indices(inverse)  # every row gets the cache of its distinct row
+        states = None if states is None else states[inverse]
+    return Prefilled(cache, saved, states)
 
 
 # -- reuse of the last call's KV cache -------------------------------------------------------------------------
@@ -124,18 +148,25 @@ class TurnCache:
     starts afresh. Calls with positional arguments, ``inputs_embeds``, their own ``past_key_values``,
     order-dependent logits processors (repetition penalties, banned n-grams) or a cache other than plain
     ``DynamicCache`` layers go to the original ``generate`` unchanged (and drop the kept cache), as do all
-    calls while ``enabled`` is False. Identical rows of a call (tree siblings) prefill their uncached
-    tokens once. ``tokens_reused`` / ``tokens_prefilled`` count prompt tokens taken from the cache and
-    given to the model; ``rows_shared`` counts rows whose uncached tokens another row read for them.
+    calls while ``enabled`` is False. Identical rows of a call (tree siblings, a GRPO group's first turn)
+    prefill their uncached tokens once. With ``keep_states`` the prompt is always prefilled here and the
+    last hidden state at each position read is kept (:class:`astrl.lm_scoring.PromptStates`), so that
+    :func:`astrl.lm_scoring.token_logprobs` reads the log-probs of tokens this model has just read (the
+    probe a target read, for the likelihood term) with one LM-head application instead of a forward.
+    ``tokens_reused`` / ``tokens_prefilled`` count prompt tokens taken from the cache and given to the
+    model; ``rows_shared`` counts rows whose uncached tokens another row read for them.
     """
 
-    def __init__(self, model: torch.nn.Module, min_saving: float = 0.2) -> None:
+    def __init__(self, model: torch.nn.Module, min_saving: float = 0.2, keep_states: bool = False) -> None:
         self.model = model
         self.original = model.generate
         self.min_saving = min_saving
+        self.keep_states = keep_states
         self.enabled = True
         self.calls_reused = self.tokens_reused = self.tokens_prefilled = self.rows_shared = 0
         self._state: tuple | None = None  # (token ids, attention seen when computed, cache, weights fingerprint)
+        self._states: PromptStates | None = None  # what the last call read (keep_states)
+        self._served = 0
         modules = model.modules() if hasattr(model, "modules") else ()
         self._adapter_layers = [m for m in modules if hasattr(m, "_disable_adapters")]  # PEFT layers: on or off
         model.generate = self
@@ -147,11 +178,36 @@ class TurnCache:
             self.model.generate = self.original
 
     def clear(self) -> None:
-        """Drop the kept cache (its memory is freed; the next call prefills in full)."""
+        """Drop the kept cache and prompt states (their memory is freed; the next call prefills in full)."""
         self._state = None
+        self._keep(None)
+
+    @property
+    def rows_from_states(self) -> int:
+        """Rows whose log-probs :func:`astrl.lm_scoring.token_logprobs` read from the prompt states kept here."""
+        return self._served + (self._states.rows_served if self._states is not None else 0)
+
+    def _keep(self, states: PromptStates | None) -> None:
+        if self._states is not None:
+            self._served += self._states.rows_served
+        self._states = states
+        keep_prompt_states(self.model, states)
+
+    def _prompt_states(
+        self, ids: torch.Tensor, mask: torch.Tensor, reused: torch.Tensor, hidden: torch.Tensor, fingerprint: tuple
+    ) -> PromptStates:
+        """The states of what this call read: row i's tokens ``reused[i]`` .. its last but one."""
+        tokens, _, count = _compact(ids, mask.bool(), fill=-1)
+        hook = weakref.ref(self)  # the model's registry must not keep this hook (and the model) alive
+
+        def is_current() -> bool:
+            alive = hook()
+            return alive is not None and alive._fingerprint() == fingerprint
+
+        return PromptStates(tokens, count, reused, count - reused - 1, hidden, is_current)
 
     def _fingerprint(self) -> tuple:
-        versions = tuple((p.data_ptr(), p._version) for p in self.model.parameters())  # in-place or swapped
+        versions = weights_fingerprint(self.model)
         adapters = tuple((m._disable_adapters, tuple(getattr(m, "active_adapters", ()))) for m in self._adapter_layers)
         return versions, adapters, bool(getattr(self.model, "training", False))
 
@@ -170,7 +226,7 @@ class TurnCache:
 
     def __call__(self, *args, **kwargs):
         if not self._supported(args, kwargs):
-            self._state = None
+            self.clear()
             return self.original(*args, **kwargs)
         ids = kwargs["input_ids"]
         mask = kwargs.get("attention_mask")
@@ -183,17 +239,21 @@ class TurnCache:
         call = {**kwargs, "attention_mask": mask, "return_dict_in_generate": True, "use_cache": True}
         if plan is not None:
             full_ids, full_mask, cache, reused = plan
-            shared = prefill_distinct(self.model, full_ids, full_mask, cache)  # tree siblings: identical rows
-            if shared is not None:
-                cache, saved = shared
-                self.rows_shared += saved
-            call.update(input_ids=full_ids, attention_mask=full_mask, past_key_values=cache)
             self.calls_reused += 1
-            self.tokens_reused += reused
-            self.tokens_prefilled += int(mask.sum()) - reused
         else:
-            full_ids, full_mask = ids, mask
-            self.tokens_prefilled += int(mask.sum())
+            full_ids, full_mask, cache = ids, mask, None
+            reused = torch.zeros(len(ids), dtype=torch.long, device=ids.device)
+        self.tokens_reused += int(reused.sum())
+        self.tokens_prefilled += int(mask.sum()) - int(reused.sum())
+        # identical rows (tree siblings, a GRPO group's first turn) read once; with keep_states, always read here
+        read = prefill_distinct(self.model, full_ids, full_mask, cache, always=self.keep_states, hidden=self.keep_states)
+        if read is not None:
+            cache = read.cache
+            self.rows_shared += read.saved
+        if cache is not None:
+            call.update(input_ids=full_ids, attention_mask=full_mask, past_key_values=cache)
+        hidden = None if read is None else read.hidden
+        self._keep(None if hidden is None else self._prompt_states(ids, mask, reused, hidden, fingerprint))
         out = self.original(**call)
         generated = out.sequences[:, full_ids.shape[1] :]
         cache = getattr(out, "past_key_values", None)
@@ -241,7 +301,7 @@ class TurnCache:
         rest_ids = torch.where(live, new_tokens.gather(1, take), pad)
         full_ids = torch.cat([prefix_ids, rest_ids], dim=1)
         full_mask = torch.cat([cached, live], dim=1).to(mask.dtype)
-        return full_ids, full_mask, cache, int(reused.sum())
+        return full_ids, full_mask, cache, reused
 
 
 def _compact(tokens: torch.Tensor, keep: torch.Tensor, fill: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -267,6 +327,12 @@ def _plain_dynamic(cache) -> bool:
 
     layers = getattr(cache, "layers", None)
     return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+def weights_fingerprint(model: torch.nn.Module) -> tuple:
+    """Each parameter's storage and version counter: it changes when any weight is written in place (an
+    optimizer step, a loaded checkpoint) or swapped for another tensor."""
+    return tuple((p.data_ptr(), p._version) for p in model.parameters())
 
 
 def clear_turn_caches(*models) -> None:

@@ -2,6 +2,7 @@ import pytest
 import torch
 from conftest import loaded, make_gpt2, make_llama, make_tokenizer
 
+from astrl import lm_scoring
 from astrl.prefill import SharedPrefill, TurnCache, clear_turn_caches
 from astrl.training import TrainConfig, Trainer
 from astrl.training.setup import build_models
@@ -88,10 +89,10 @@ def _assert_same_step(plain: tuple, other: tuple) -> None:
 def test_a_training_step_is_the_same_with_and_without_shared_prefill(tmp_path, algorithm):
     rows = {}
     for share in (False, True):
-        trainer = _tiny_trainer(tmp_path, f"run_{share}", algorithm=algorithm, share_prefill=share)
+        # without the turn cache (which reads identical rows once itself)
+        trainer = _tiny_trainer(tmp_path, f"run_{share}", algorithm=algorithm, share_prefill=share, turn_cache=False)
         row = trainer.train_step()
         prefill = trainer.models.tester.model.generate
-        prefill = prefill.original if isinstance(prefill, TurnCache) else prefill
         assert isinstance(prefill, SharedPrefill) == share
         if share:
             assert prefill.calls_shared > 0  # siblings / a group's first turn were prefilled once
@@ -246,3 +247,100 @@ def test_a_training_step_is_the_same_with_and_without_the_turn_cache(tmp_path, a
             assert all(h._state is None for h in hooks)  # freed after the collection
         rows[reuse] = (row, trainer._last_samples)
     _assert_same_step(rows[False], rows[True])
+
+
+# -- prompt states: log-probs of what a model has just read ---------------------------------------------------
+def _direct(model, rows, starts, tok):
+    with torch.no_grad():
+        return lm_scoring.score_tokens(
+            model,
+            [r[:s] for r, s in zip(rows, starts, strict=True)],
+            [r[s:] for r, s in zip(rows, starts, strict=True)],
+            pad_token_id=tok.pad_token_id,
+        ).rows()
+
+
+def _read(model, rows, starts, tok):
+    with torch.no_grad():
+        return lm_scoring.token_logprobs(
+            model,
+            [r[:s] for r, s in zip(rows, starts, strict=True)],
+            [r[s:] for r, s in zip(rows, starts, strict=True)],
+            pad_token_id=tok.pad_token_id,
+        )
+
+
+def _close(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_kept_prompt_states_give_the_log_probs_of_a_forward():
+    tok = make_tokenizer()
+    model = make_llama(tok).eval()
+    cache = TurnCache(model, keep_states=True)
+    prompts = [torch.tensor(p) for p in ([12, 13, 14, 15, 16, 17], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 37])]
+    ids, mask = _batch(tok, prompts)
+    first = _generate(model, ids, mask, tok, seed=0)
+    # any split of a prompt just read: its continuation comes from the kept states, equal to a forward
+    rows = [prompts[0], prompts[0][:4], prompts[1], prompts[2], prompts[2]]
+    starts = [3, 1, 2, 6, 1]
+    _close(_read(model, rows, starts, tok), _direct(model, rows, starts, tok))
+    assert cache.rows_from_states == 5
+    # a row that is not a prompt read (it goes past one, or differs) is computed by a forward
+    other = [torch.cat([prompts[1], torch.tensor([9])]), torch.tensor([12, 13, 99])]
+    _close(_read(model, other, [2, 1], tok), _direct(model, other, [2, 1], tok))
+    assert cache.rows_from_states == 5
+    # the next turn starts from the cache: states exist for what this call read, not for the cached prefix
+    grown = [torch.cat([p, first.sequences[i, ids.shape[1] :], torch.tensor([7, 9, 11])]) for i, p in enumerate(prompts)]
+    ids2, mask2 = _batch(tok, grown)
+    _generate(model, ids2, mask2, tok, seed=1)
+    assert cache.calls_reused == 1
+    cached = [len(p) + 10 for p in prompts]  # prompt + generated tokens came from the cache
+    rows, starts = grown, [c + 1 for c in cached]  # continuations inside the newly read part
+    _close(_read(model, rows, starts, tok), _direct(model, rows, starts, tok))
+    assert cache.rows_from_states == 8
+    early = [3, 2, 4]  # continuations that begin in the cached prefix: a forward
+    _close(_read(model, rows, early, tok), _direct(model, rows, early, tok))
+    assert cache.rows_from_states == 8
+    # with gradients, or after the weights changed, nothing is read from the states
+    with torch.enable_grad():
+        _ = [
+            r.sum()
+            for r in lm_scoring.token_logprobs(
+                model, [r[:s] for r, s in zip(rows, starts, strict=True)], [r[s:] for r, s in zip(rows, starts, strict=True)]
+            )
+        ]
+    assert cache.rows_from_states == 8
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.5)
+    _close(_read(model, rows, starts, tok), _direct(model, rows, starts, tok))
+    assert cache.rows_from_states == 8
+    clear_turn_caches(model)
+    assert lm_scoring._PROMPT_STATES.get(model) is None
+
+
+def test_prompt_states_of_a_target_with_adapters_off_are_the_base_model_s():
+    from astrl.models import add_lora
+    from astrl.rewards.reference import AdaptersDisabled
+
+    tok = make_tokenizer()
+    tester = add_lora(make_llama(tok), rank=2, alpha=4, targets=["q_proj", "v_proj"]).eval()
+    with torch.no_grad():
+        for name, p in tester.named_parameters():
+            if "lora_B" in name:
+                p.normal_()  # adapters that change the outputs
+    target = AdaptersDisabled(tester)
+    cache = TurnCache(target, keep_states=True)
+    prompts = [torch.tensor(p) for p in ([12, 13, 14, 15, 16, 17], [20, 21, 22, 23])]
+    ids, mask = _batch(tok, prompts)
+    _generate(target, ids, mask, tok, seed=0)
+    read = _read(target, prompts, [2, 1], tok)
+    assert cache.rows_from_states == 2
+    _close(read, _direct(target, prompts, [2, 1], tok))
+    with tester.disable_adapter():
+        _close(read, _direct(tester, prompts, [2, 1], tok))
+    adapted = _direct(tester, prompts, [2, 1], tok)
+    assert not torch.allclose(adapted[0], read[0], atol=1e-3)  # the tester's own log-probs are other
+    assert lm_scoring._PROMPT_STATES.get(tester) is None  # nothing kept for the adapters-on model

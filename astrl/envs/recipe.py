@@ -24,7 +24,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from astrl.backends import BACKENDS, check_backend
-from astrl.envs.redteam import DEFAULT_TESTER_SYSTEM_PROMPT, MODES, REWARDS, check_reward_options, make_redteam_env
+from astrl.envs.redteam import (
+    DEFAULT_TESTER_SYSTEM_PROMPT,
+    LIKELIHOOD_REWARDS,
+    MODES,
+    REWARDS,
+    check_reward_options,
+    make_redteam_env,
+)
 from astrl.models import LoadedModel, add_lora, load_model
 from astrl.policies import GenerationSettings, input_mode, make_policy, vllm_share
 from astrl.prompts import SPLITS, PromptStream, load_prompts, split_prompts
@@ -193,7 +200,11 @@ def build_conversation(
     engine = {"vllm_memory": memory, "vllm_options": {"seed": spec.seed + index}, "turn_cache": spec.turn_cache}
     mode = input_mode(spec.mode)
     tester_policy = make_policy(tester, spec.tester_generation, input_mode=mode, backend=spec.backend, **engine)
-    target_policy = make_policy(target, spec.target_generation, input_mode=mode, backend=spec.target_backend, **engine)
+    # the likelihood term scores the probe the target has just read: from the states its prefill keeps
+    reads_probe = spec.reward in LIKELIHOOD_REWARDS
+    target_policy = make_policy(
+        target, spec.target_generation, input_mode=mode, backend=spec.target_backend, keep_prompt_states=reads_probe, **engine
+    )
     scorers = dict(scorers) if scorers is not None else make_scorers(spec.scorers, device=spec.device)
     if not env:
         return Conversation(spec, tester_policy, target_policy, scorers, stream, None)

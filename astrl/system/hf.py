@@ -110,6 +110,7 @@ class HFASTSystem(ASTSystem):
             for lm in (self.tester, self.target):
                 if not isinstance(lm.model.generate, TurnCache):
                     TurnCache(lm.model)
+            self.target.model.generate.keep_states = True  # the likelihood term scores the probe the target read
         for lm in (self.tester, self.target, self.baseline):
             if lm.context_window <= self.max_new_tokens:
                 raise ValueError(

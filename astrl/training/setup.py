@@ -61,9 +61,7 @@ def build_models(config: TrainConfig, tester_lm: LoadedModel | None = None) -> R
         target_model = add_lora(target_lm.model, **lora_settings(config)).eval()
         target = LoadedModel(target_lm.name, target_model, target_lm.tokenizer, target_lm.context_window)
         return RunModels(tester, reference, target, shared_base=False, original_target=AdaptersDisabled(target_model))
-    if same_base and config.lora:
-        target = LoadedModel(tester_lm.name, AdaptersDisabled(model), tester_lm.tokenizer, tester_lm.context_window)
-    elif same_base:
+    if same_base:  # one adapters-off view: what the target reads is what the reference would score
         target = LoadedModel(tester_lm.name, reference, tester_lm.tokenizer, tester_lm.context_window)
     else:
         target = load_model(config.target, dtype=config.dtype, device=config.device)
