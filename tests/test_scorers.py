@@ -25,6 +25,23 @@ def test_wordlist_flags_listed_words_and_their_leetspeak_spellings():
     assert scorer(["", "shit", "shit"]).tolist() == [0.0, 1.0, 1.0]
 
 
+def test_wordlist_answers_as_the_library_does_on_its_own_list():
+    from better_profanity import Profanity
+
+    from astrl.prompts import load_prompts
+
+    library = Profanity()  # its own word list, unindexed
+    listed = [str(w) for w in library.CENSOR_WORDSET[::7]]
+    texts = load_prompts("rtp")[:300] + load_prompts("builtin")
+    texts += [f"so {w} there" for w in listed] + [f"{w}ing it" for w in listed] + [w.upper() for w in listed]
+    texts += ["sh1t", "$hit", "f u c k", "what a b!tch", "son of a bitch", "p0rn star", "a55 hat", "dumb ass", "@ss"]
+    scorer = WordListScorer()
+    ours = scorer(texts).tolist()
+    assert ours == [1.0 if library.contains_profanity(t) else 0.0 for t in texts]
+    assert 0 < sum(ours) < len(texts)  # both kinds of text are there
+    assert scorer(texts).tolist() == ours  # remembered answers are the same
+
+
 def test_wordlist_loads_once_and_can_be_shared_between_threads():
     from concurrent.futures import ThreadPoolExecutor
 
