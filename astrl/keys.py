@@ -63,7 +63,8 @@ REWARD_UNSHAPED = "reward_unshaped"
 # tester, ``REF_LOG_PROBS`` for the reference) and ``RESPONSE_MASK``; ``ClippedKLReward`` writes
 # ``REWARD_RAW`` and ``REWARD_KL``; ``compute_advantages`` writes ``STATE_VALUE``, ``ADVANTAGE`` and
 # ``VALUE_TARGET``; ``PPOLoss`` reads them all. GRPO's batch holds ``REF_LOG_PROBS_FULL`` (over prompt +
-# response, as ``GRPOLoss`` reads it); the System's sequence-level PPO reads ``SAMPLE_LOG_PROB``.
+# response, as ``GRPOLoss`` reads it) and each turn's ``CONVERSATION`` (its minibatches keep a
+# conversation's turns together); the System's sequence-level PPO reads ``SAMPLE_LOG_PROB``.
 ACTOR_LOG_PROBS = "actor_log_probs"
 REF_LOG_PROBS = "ref_log_probs"
 REF_LOG_PROBS_FULL = (REF_LOG_PROBS, "full")
@@ -74,6 +75,7 @@ STATE_VALUE = "state_value"
 ADVANTAGE = "advantage"
 VALUE_TARGET = "value_target"
 SAMPLE_LOG_PROB = "sample_log_prob"
+CONVERSATION = "conversation"
 
 # -- The tree sampler's result -----------------------------------------------------------------------------
 # ``TreeSampler.sample`` writes ``PAIRS``, ``GROUPS``, ``NODES``, ``OPENERS`` and the counts;

@@ -157,3 +157,136 @@ def test_trainer_logs_kl_and_diagnostics_per_response_token(tmp_path):
     for row in (first, second):
         assert row["loss_kl_to_ref"] == pytest.approx(0.1 * row["kl_to_ref"], rel=1e-5, abs=1e-12)
         assert row["loss"] == pytest.approx(row["loss_objective"] + row["loss_kl_to_ref"], rel=1e-5, abs=1e-7)
+
+
+# -- behaviour log-probs: read before the first update, the first minibatch's from its own forward --------------
+def _behaviour_now(trainer, batch) -> list[torch.Tensor]:
+    from astrl.lm_scoring import token_logprobs
+
+    models, tokenizer = trainer.models, trainer.models.tester.tokenizer
+    prompts, responses = batch.get(("tokens", "prompt"), as_list=True), batch.get(("tokens", "response"), as_list=True)
+    with torch.no_grad():
+        return token_logprobs(
+            models.tester.model, prompts, responses, pad_token_id=tokenizer.pad_token_id, max_length=models.tester.context_window
+        )
+
+
+def _stored_behaviour(batch) -> list[torch.Tensor]:
+    prompts = batch.get(("tokens", "prompt"), as_list=True)
+    return [row[len(p) :] for row, p in zip(batch.get(("log_probs", "full"), as_list=True), prompts, strict=True)]
+
+
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_behaviour_log_probs_are_those_of_the_policy_that_collected(tmp_path, minibatches):
+    config = _config(tmp_path, prompts_per_step=2, group_size=2, turns=2, minibatches=minibatches, epochs=2, lr=0.05)
+    trainer = _trainer(config)
+    trainer._build()
+    algorithm = trainer.algorithm
+    batch, _ = algorithm.collect()
+    n = batch.batch_size[0]
+    batch.set("advantage", torch.linspace(-1.0, 1.0, n).reshape(n, 1, 1))  # tied rewards would not move the tester
+    collected = _behaviour_now(trainer, batch)  # the tester as it collected
+    assert all(torch.isnan(row).all() for row in _stored_behaviour(batch))  # not read yet
+    parts = list(algorithm.minibatches(batch, torch.Generator().manual_seed(0)))
+    assert len(parts) == 2 * minibatches
+    first = {id(td) for td in parts[0].tensordicts}
+    for td, row, want in zip(batch.tensordicts, _stored_behaviour(batch), collected, strict=True):
+        if id(td) in first:  # left to the first minibatch's own forward
+            assert torch.isnan(row).all()
+        else:  # read in minibatches(), before any update
+            torch.testing.assert_close(row, want, rtol=1e-5, atol=1e-5)
+    optimizer = torch.optim.Adam([p for p in algorithm.models.tester.model.parameters() if p.requires_grad], lr=0.05)
+    for i, part in enumerate(parts):
+        out = algorithm.loss(part)
+        if i == 0:  # the behaviour policy is the current one: the ratio is exactly 1
+            assert out["kl_approx"].item() == 0.0 and out["clip_fraction"].item() == 0.0
+        sum(out[k] for k in out.keys() if k.startswith("loss_")).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for row, want in zip(_stored_behaviour(batch), collected, strict=True):  # every row: the collecting policy's
+        torch.testing.assert_close(row, want, rtol=1e-5, atol=1e-5)
+    moved = _behaviour_now(trainer, batch)
+    assert max(float((a - b).abs().max()) for a, b in zip(moved, collected, strict=True)) > 1e-3  # the updates did move it
+
+
+def test_behaviour_log_probs_not_read_before_an_update_are_an_error(tmp_path):
+    trainer = _trainer(_config(tmp_path, prompts_per_step=2, group_size=2, minibatches=2))
+    trainer._build()
+    algorithm = trainer.algorithm
+    batch, _ = algorithm.collect()
+    with torch.no_grad():
+        next(p for p in algorithm.models.tester.model.parameters() if p.requires_grad).add_(0.1)  # an update
+    with pytest.raises(RuntimeError, match="tester changed before the behaviour log-probs"):
+        algorithm.loss(batch)
+
+
+# -- minibatches of whole conversations, one loss forward per conversation ---------------------------------------
+def test_grouped_minibatches_keep_groups_whole_and_reduce_to_shuffled_ones():
+    from tensordict import TensorDict
+
+    from astrl.training.batches import grouped_minibatches, shuffled_minibatches
+
+    batch = TensorDict(i=torch.arange(12), batch_size=[12])
+    for options in (dict(count=3), dict(count=5), dict(count=1, size=4)):
+        plain = [mb["i"].tolist() for mb in shuffled_minibatches(batch, torch.Generator().manual_seed(3), epochs=2, **options)]
+        alone = grouped_minibatches(batch, torch.arange(12), torch.Generator().manual_seed(3), epochs=2, **options)
+        assert [mb["i"].tolist() for mb in alone] == plain  # one item per group: the same minibatches
+    groups = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3])
+    parts = [mb["i"].tolist() for mb in grouped_minibatches(batch, groups, torch.Generator().manual_seed(3), epochs=2, count=2)]
+    assert len(parts) == 4
+    for epoch in (parts[:2], parts[2:]):
+        assert sorted(i for part in epoch for i in part) == list(range(12))  # every item once an epoch
+    for part in parts:
+        assert len(part) == 6 and len(set(groups[part].tolist())) == 2
+        for i in part:  # a group's items together, in batch order
+            members = [j for j in part if groups[j] == groups[i]]
+            assert members == sorted(members) and len(members) == 3
+
+
+def test_a_conversation_s_turns_share_one_loss_forward_with_the_same_gradient(tmp_path, monkeypatch):
+    import astrl.training.grpo as grpo_module
+    from astrl import lm_scoring
+    from astrl.lm_scoring import token_logprobs
+
+    config = _config(tmp_path, prompts_per_step=2, group_size=2, turns=3, minibatches=2)
+    trainer = _trainer(config)
+    trainer._build()
+    algorithm = trainer.algorithm
+    batch, _ = algorithm.collect()
+    n = batch.batch_size[0]
+    batch.set("advantage", torch.linspace(-1.0, 1.0, n).reshape(n, 1, 1))
+    parts = list(algorithm.minibatches(batch, torch.Generator().manual_seed(0)))
+    conversations = batch.get("conversation").reshape(-1)
+    assert conversations.tolist() == [i // 3 for i in range(n)]  # trajectory-contiguous: 3 turns each
+    for part in parts:  # whole conversations only
+        ids = part.get("conversation").reshape(-1)
+        assert all(int((ids == c).sum()) == 3 for c in ids.unique())
+    params = [p for p in algorithm.models.tester.model.parameters() if p.requires_grad]
+    forwards = []
+    original = grpo_module.nested_token_logprobs
+
+    def counted(model, prompts, responses, **options):
+        forwards.append(len(prompts))
+        return original(model, prompts, responses, **options)
+
+    scored = []
+    score_tokens = lm_scoring.score_tokens
+    monkeypatch.setattr(
+        lm_scoring,
+        "score_tokens",
+        lambda model, prefixes, *a, **k: scored.append(len(prefixes)) or score_tokens(model, prefixes, *a, **k),
+    )
+
+    monkeypatch.setattr(grpo_module, "nested_token_logprobs", counted)
+    out = algorithm.loss(parts[0])
+    grads = torch.autograd.grad(out["loss_objective"], params, allow_unused=True)
+    monkeypatch.setattr(grpo_module, "nested_token_logprobs", token_logprobs)  # every turn its own row
+    plain = algorithm.loss(parts[0])
+    plain_grads = torch.autograd.grad(plain["loss_objective"], params, allow_unused=True)
+    torch.testing.assert_close(out["loss_objective"], plain["loss_objective"], rtol=1e-5, atol=1e-6)
+    assert any(g is not None and g.abs().max() > 0 for g in grads)
+    for g, h in zip(grads, plain_grads, strict=True):
+        if g is not None or h is not None:
+            torch.testing.assert_close(g, h, rtol=1e-4, atol=1e-6)
+    assert forwards and forwards[0] == parts[0].batch_size[0]
+    assert scored[0] < parts[0].batch_size[0]  # turns contained in later ones were not run again

@@ -51,6 +51,7 @@ VALUES = {
     "STATE_VALUE": "state_value",
     "ADVANTAGE": "advantage",
     "VALUE_TARGET": "value_target",
+    "CONVERSATION": "conversation",
     "SAMPLE_LOG_PROB": "sample_log_prob",
     "PAIRS": "pairs",
     "GROUPS": "groups",

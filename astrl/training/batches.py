@@ -24,6 +24,32 @@ def shuffled_minibatches(
             yield batch[chunk]
 
 
+def grouped_minibatches(
+    batch: TensorDictBase,
+    groups: torch.Tensor,
+    generator: torch.Generator,
+    *,
+    epochs: int,
+    count: int,
+    size: int | None = None,
+) -> Iterator[TensorDictBase]:
+    """:func:`shuffled_minibatches` over groups of items (``groups[i]``: item ``i``'s group, e.g. its
+    conversation) that stay whole: ``epochs`` shuffled passes over the groups, in ``count`` chunks (or
+    chunks of about ``size`` items), each holding its groups' items in batch order. With one item per
+    group, the same minibatches as :func:`shuffled_minibatches` with the same generator."""
+    names, members = torch.unique(groups, return_inverse=True)
+    rows = [torch.nonzero(members == g).flatten() for g in range(len(names))]
+    n = len(rows)
+    if n == 0:
+        return
+    per_chunk = max(1, round(size * n / batch.batch_size[0])) if size else None  # groups of about `size` items
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=generator)
+        chunks = order.split(per_chunk) if per_chunk else order.chunk(min(count, n))
+        for chunk in chunks:
+            yield batch[torch.cat([rows[g] for g in chunk.tolist()])]
+
+
 def turn_metrics(turns: TensorDictBase) -> dict:
     """Logged means of collected turns (env ``"next"`` data or tree nodes): ``reward_mean`` / ``reward_max``,
     ``turns``, per scorer ``score_NAME`` and ``harmful_rate_NAME`` (score > 0.5), per reward term ``term_NAME``."""

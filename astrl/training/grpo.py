@@ -6,9 +6,10 @@ Each tester turn is one training sample. A step runs ``prompts_per_step`` opener
 :func:`turn_group_advantages` normalises it among the turns at the same position of the
 conversations that share its opener, so that an advantage never carries the turn index.
 
-Behaviour and reference log-probs are recomputed on the exact token ids with the same
-tokens-mode wrapper the loss uses, so the importance ratio is exactly 1 before the first update
-(the generate-time log-probs set the first token to 0.0).
+Behaviour and reference log-probs are recomputed on the exact token ids (the generate-time
+log-probs set the first token to 0.0). The behaviour log-probs of the first minibatch are its
+loss forward's own (detached: no update has happened since the collection, so the importance
+ratio is exactly 1 there); the other rows' are read before the first update, in ``minibatches``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from astrl.envs.transforms import ScoreReward
 from astrl.keys import (
     ADVANTAGE,
     ATTENTION_MASK,
+    CONVERSATION,
     DONE,
     LOG_PROBS_FULL,
     MASKS,
@@ -45,12 +47,13 @@ from astrl.keys import (
     TOKENS_PROMPT,
     TOKENS_RESPONSE,
 )
-from astrl.lm_scoring import nested_token_logprobs, response_mask, stop_ids, token_logprobs
+from astrl.lm_scoring import nested_token_logprobs, response_mask, stop_ids
 from astrl.losses.ppo import masked_mean
+from astrl.prefill import weights_fingerprint
 from astrl.ragged import nested, pad_rows
 from astrl.rewards.novelty import load_novelty_states, novelty_transforms
 from astrl.training.algorithm import Algorithm
-from astrl.training.batches import shuffled_minibatches, turn_metrics
+from astrl.training.batches import grouped_minibatches, shuffled_minibatches, turn_metrics
 from astrl.training.config import TrainConfig
 from astrl.training.setup import RunModels
 
@@ -111,6 +114,15 @@ def full_rows(prompts: list[torch.Tensor], response_logprobs: list[torch.Tensor]
     return [torch.cat([torch.zeros(len(p)), lp.float().cpu()]) for p, lp in zip(prompts, response_logprobs, strict=True)]
 
 
+class BehaviourDue:
+    """A collected batch whose behaviour log-probs are still to be read, with the tester's weights
+    fingerprint at collection: they are read before the first update (GRPO's minibatches and loss)."""
+
+    def __init__(self, batch: TensorDictBase, fingerprint: tuple) -> None:
+        self.batch, self.fingerprint = batch, fingerprint
+        self.pending = {id(td) for td in batch.tensordicts}
+
+
 def k3(log_ratio: torch.Tensor) -> torch.Tensor:
     """``exp(x) - x - 1`` for ``x = log q(a) - log p(a)``, ``a ~ p``: the k3 estimate of KL(p || q) (>= 0)."""
     return torch.expm1(log_ratio) - log_ratio
@@ -162,6 +174,10 @@ class ResponseGRPOLoss(GRPOLoss):
         object.__setattr__(self, "_scored_model", model)  # already registered through actor_network
         self.pad_token_id, self.max_length = pad_token_id, max_length
         self.kl_coef = kl_coef
+        # set by the caller for a minibatch seen before any update since its collection: its behaviour
+        # log-probs are the current ones (ratio exactly 1), taken from this forward into last_behaviour
+        self.behaviour_from_current = False
+        self.last_behaviour: torch.Tensor | None = None
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         tensordict = tensordict.copy()
@@ -196,7 +212,13 @@ class ResponseGRPOLoss(GRPOLoss):
             return super()._get_cur_log_prob(tensordict)
         prompts = tensordict.get(TOKENS_PROMPT, as_list=True)
         responses = tensordict.get(TOKENS_RESPONSE, as_list=True)
-        rows = token_logprobs(self._scored_model, prompts, responses, pad_token_id=self.pad_token_id, max_length=self.max_length)
+        # a conversation's earlier turns begin its later ones: one forward (and backward) for them all
+        rows = nested_token_logprobs(
+            self._scored_model, prompts, responses, pad_token_id=self.pad_token_id, max_length=self.max_length
+        )
+        if self.behaviour_from_current:  # no update since collection: the behaviour policy is this one
+            self.last_behaviour = nested(full_rows(prompts, [r.detach() for r in rows]))
+            tensordict.set(self.tensor_keys.sample_log_prob, self.last_behaviour.to(rows[0].device))
         width = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
         log_prob = pad_rows(rows, side="left", width=width)  # left padding: each response ends the row
         mask = pad_rows([torch.ones(len(r), dtype=torch.bool) for r in rows], side="left", width=width, device=log_prob.device)
@@ -361,6 +383,7 @@ class GRPOAlgorithm(OnPolicy):
 
     def __init__(self, config: TrainConfig, models: RunModels, env, policy, stream=None) -> None:
         super().__init__(config, models, env, policy, stream)
+        self._behaviour_due: BehaviourDue | None = None
 
         def scorer(model):  # parameters for the loss module; entropy bonus path
             return TransformersWrapper(
@@ -395,35 +418,81 @@ class GRPOAlgorithm(OnPolicy):
         return turn_group_advantages(rewards, as_list(data[QUERY]), data[STEP_COUNT], self.config.group_size)
 
     def training_batch(self, data: TensorDictBase, advantages: torch.Tensor) -> TensorDictBase:
-        """Exact tokens (prompt + response up to EOS), behaviour and reference log-probs, advantage."""
+        """Exact tokens (prompt + response up to EOS), reference log-probs, advantage, conversation index;
+        the behaviour log-probs are read later, before the first update (see :meth:`minibatches`)."""
         prompts = data.get(TOKENS_PROMPT, as_list=True)
         responses = data.get(TOKENS_RESPONSE, as_list=True)
+        done = data[NEXT, DONE].reshape(-1).long()
+        conversations = done.cumsum(0) - done  # the rollout is flat and trajectory-contiguous
         items = []
-        for prompt, response, advantage in zip(prompts, responses, advantages, strict=True):
+        for prompt, response, advantage, conversation in zip(prompts, responses, advantages, conversations, strict=True):
             response = response[: int(response_mask(response, self.stops).sum())]
             full = torch.cat([prompt, response])
             item = TensorDict()
             item.set(TOKENS_PROMPT, prompt).set(TOKENS_RESPONSE, response).set(TOKENS_FULL, full)
             item.set(ATTENTION_MASK, torch.ones(full.numel(), dtype=torch.bool)).set(ADVANTAGE, advantage.reshape(1, 1))
+            item.set(CONVERSATION, conversation)
             items.append(item)
         batch = lazy_stack(items)
         prompts = batch.get(TOKENS_PROMPT, as_list=True)
         responses = batch.get(TOKENS_RESPONSE, as_list=True)
         window, pad = self.models.tester.context_window, self.tokenizer.pad_token_id
-        with torch.no_grad():  # behaviour log-probs, computed as the loss computes them (up to float rounding)
-            if self.loss_module.entropy_bonus:
+        if self.loss_module.entropy_bonus:  # behaviour log-probs, computed as the loss computes them
+            with torch.no_grad():
                 old = self.actor(batch.select(TOKENS, MASKS).copy()).get(LOG_PROBS_FULL, as_list=True)
-            else:
-                # a conversation's earlier turns begin its later ones: read them from the later rows' forward
-                logprobs = nested_token_logprobs(
-                    self.models.tester.model, prompts, responses, pad_token_id=pad, max_length=window
-                )
-                old = full_rows(prompts, logprobs)
+            batch.set(LOG_PROBS_FULL, nested([o.clone() for o in old]))
+            self._behaviour_due = None
+        else:  # read later, before the first update: see minibatches() and loss()
+            batch.set(LOG_PROBS_FULL, nested(full_rows(prompts, [torch.full((len(r),), float("nan")) for r in responses])))
+            self._behaviour_due = BehaviourDue(batch, weights_fingerprint(self.models.tester.model))
         with torch.inference_mode():
             ref = nested_token_logprobs(self.models.reference, prompts, responses, pad_token_id=pad, max_length=window)
-        batch.set(LOG_PROBS_FULL, nested([o.clone() for o in old]))
         batch.set(REF_LOG_PROBS_FULL, nested(full_rows(prompts, [r.clone() for r in ref])))
         return batch
 
+    def minibatches(self, batch: TensorDictBase, generator: torch.Generator) -> Iterator[TensorDictBase]:
+        """Shuffled minibatches of whole conversations (:func:`~astrl.training.batches.grouped_minibatches`);
+        the behaviour log-probs of every row outside the first minibatch are computed here (before any
+        update), those of the first come from its own loss forward."""
+        config = self.config
+        if CONVERSATION in batch.keys():  # a conversation's turns in one minibatch: its loss forward is shared
+            conversations = batch.get(CONVERSATION).reshape(-1)
+            options = dict(epochs=config.epochs, count=config.minibatches, size=config.minibatch_size)
+            parts = list(grouped_minibatches(batch, conversations, generator, **options))
+        else:
+            parts = list(super().minibatches(batch, generator))
+        due = self._behaviour_due
+        if due is not None and due.batch is batch and parts:
+            first = {id(td) for td in parts[0].tensordicts}
+            rest = [i for i, td in enumerate(batch.tensordicts) if id(td) not in first]
+            if rest:
+                self._read_behaviour(batch[torch.tensor(rest)], due)
+        return iter(parts)
+
+    def _read_behaviour(self, rows: TensorDictBase, due: BehaviourDue) -> None:
+        """Behaviour log-probs of ``rows`` (no update may have happened since their collection)."""
+        if weights_fingerprint(self.models.tester.model) != due.fingerprint:
+            raise RuntimeError("the tester changed before the behaviour log-probs of its batch were read")
+        prompts, responses = rows.get(TOKENS_PROMPT, as_list=True), rows.get(TOKENS_RESPONSE, as_list=True)
+        window, pad = self.models.tester.context_window, self.tokenizer.pad_token_id
+        with torch.no_grad():
+            # a conversation's earlier turns begin its later ones: read them from the later rows' forward
+            logprobs = nested_token_logprobs(self.models.tester.model, prompts, responses, pad_token_id=pad, max_length=window)
+        rows.set(LOG_PROBS_FULL, nested(full_rows(prompts, logprobs)))  # into the batch's rows
+        due.pending -= {id(td) for td in rows.tensordicts}
+
     def loss(self, minibatch: TensorDictBase) -> TensorDictBase:
-        return self.loss_module(minibatch.to(self.models.tester.model.device)).to_tensordict()
+        due = self._behaviour_due
+        rows = getattr(minibatch, "tensordicts", ())
+        if due is None or not any(id(td) in due.pending for td in rows):
+            return self.loss_module(minibatch.to(self.models.tester.model.device)).to_tensordict()
+        if weights_fingerprint(self.models.tester.model) != due.fingerprint:
+            raise RuntimeError("the tester changed before the behaviour log-probs of its batch were read")
+        self.loss_module.behaviour_from_current = True
+        try:
+            out = self.loss_module(minibatch.to(self.models.tester.model.device)).to_tensordict()
+        finally:
+            self.loss_module.behaviour_from_current = False
+        minibatch.set(LOG_PROBS_FULL, self.loss_module.last_behaviour)  # into the batch's rows, for later epochs
+        due.pending -= {id(td) for td in rows}
+        return out
