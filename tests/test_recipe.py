@@ -21,6 +21,7 @@ from astrl.envs import (
 )
 from astrl.envs.recipe import load_models, opener_stream
 from astrl.policies import GenerationSettings, input_mode, make_policy
+from astrl.prefill import clear_turn_caches
 from astrl.rewards import ASTPrompterReward
 from astrl.rewards.novelty import NoveltyReward
 from astrl.rewards.reference import AdaptersDisabled
@@ -151,9 +152,10 @@ def test_demo_comparison_spec_runs_dev_openers_without_novelty():
 
     config = demo_config()
     spec = comparison_spec(config, conversations=40, seed=1234, judge="wordlist")
-    assert (spec.split, spec.split_seed, spec.seed, spec.batch_size, spec.group_size) == ("dev", 0, 1234, 16, 1)
+    assert (spec.split, spec.split_seed, spec.seed, spec.batch_size, spec.group_size) == ("dev", 0, 1234, 40, 1)
     assert (spec.reward, spec.reward_options, spec.novelty) == ("elicit", config.reward_options(), None)
     assert spec.scorers == ["profanity", "wordlist"] and spec.mode == "text" and spec.turns == config.turns
+    assert comparison_spec(config, conversations=100, seed=1234, judge="wordlist").batch_size == 64  # at most 64 at once
     plain = comparison_spec(demo_config({"reward": "score", "scorer": "wordlist"}), conversations=3, seed=1, judge="wordlist")
     assert (plain.reward, plain.scorers, plain.batch_size) == ("astprompter", ["wordlist"], 3)
 
@@ -210,7 +212,9 @@ def test_tree_sampler_from_a_conversation_samples_what_a_direct_one_does():
         reward_options=config.reward_options(),
         seed=4,
     )
-    ours, theirs = sampler.sample(), direct.sample()
+    ours = sampler.sample()
+    clear_turn_caches(models.tester.model, models.target.model)  # both start from nothing read
+    theirs = direct.sample()
     assert as_list(ours["nodes", "probe"]) == as_list(theirs["nodes", "probe"])
     assert torch.equal(ours["nodes", "reward"], theirs["nodes", "reward"])
 

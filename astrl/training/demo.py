@@ -73,7 +73,7 @@ def comparison_spec(config: TrainConfig, *, conversations: int, seed: int, judge
         scorers=list(dict.fromkeys([config.scorer, judge])),
         split="dev",
         split_seed=config.seed,
-        batch_size=min(conversations, 16),
+        batch_size=min(conversations, 64),
         group_size=1,
         turns=config.turns,
         reward="astprompter" if config.reward == "score" else config.reward,
