@@ -50,3 +50,20 @@ def chats_to_history(chats: Sequence[Chat]):
             "TorchRL 0.14.1 TransformersWrapper cannot generate from a ragged History batch"
         )
     return History.from_chats([list(c) for c in chats])
+
+
+def render_chats(tokenizer, chats: Sequence[Chat], *, add_generation_prompt: bool = True) -> list[str]:
+    """Each chat as TorchRL's LLM wrappers render it for ``tokenizer``'s model (``History.apply_chat_template``).
+
+    The wrappers choose the template by model family: their own ``chatml_format`` (no default system
+    message) unless the model's template marks generations, so a tokenizer's own template can differ
+    from what the model reads (SmolLM2's adds a default system prompt). Counting a prompt's tokens or
+    locating a probe in it must use this rendering."""
+    from torchrl.data.llm import History
+
+    return [
+        History.from_chats([list(c)]).apply_chat_template(
+            tokenizer=tokenizer, add_generation_prompt=add_generation_prompt, tokenize=False
+        )[0]
+        for c in chats
+    ]

@@ -223,3 +223,42 @@ def test_bad_env_arguments(kwargs, message):
     tester, target = _policies()
     with pytest.raises(ValueError, match=message):
         make_redteam_env(tester, target, [KeywordScorer(["x"])], OPENERS, **kwargs)
+
+
+def test_the_probe_context_is_what_the_target_policy_read_even_when_the_template_adds_a_system_message():
+    from tensordict import TensorDict
+    from torchrl.modules.llm.policies import ChatHistory
+
+    from astrl._compat import chats_to_history
+    from astrl.envs.transforms import contexts_before_last
+    from astrl.envs.truncation import count_chat_tokens
+    from astrl.keys import TOKENS_PROMPT
+
+    tok = make_tokenizer()
+    # a template that adds a default system message when none is given (as SmolLM2's does); TorchRL's
+    # wrappers render with their own chatml template instead, and that is what the model reads
+    tok.chat_template = (
+        "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+        + "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        + "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    target = make_policy(loaded(make_llama(tok), tok), GenerationSettings(max_new_tokens=3), input_mode="history")
+    chats = [
+        [{"role": "user", "content": "the cat sat"}],
+        [
+            {"role": "user", "content": "a dog"},
+            {"role": "assistant", "content": "ran far"},
+            {"role": "user", "content": "why so"},
+        ],
+    ]
+    read = []
+    for chat in chats:  # one conversation a call: the wrapper needs equal message counts in a batch
+        td = TensorDict({"history": ChatHistory(prompt=chats_to_history([chat]), batch_size=(1,))}, batch_size=(1,))
+        with torch.no_grad():
+            read.append(target(td).get(TOKENS_PROMPT, as_list=True)[0].tolist())
+    contexts = contexts_before_last(tok, chats)
+    assert not any("helpful assistant" in c for c in contexts)  # the model never read the template's default
+    for context, chat, ids in zip(contexts, chats, read, strict=True):
+        seen = tok(context + chat[-1]["content"], add_special_tokens=False)["input_ids"]
+        assert ids[: len(seen)] == seen  # context + probe begin what the target read, token for token
+    assert count_chat_tokens(tok, chats) == [len(ids) for ids in read]

@@ -13,7 +13,7 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.data import Composite, NonTensor, Unbounded
 from torchrl.envs import Transform
 
-from astrl._compat import Chat, as_list, chats_to_history, history_to_chats
+from astrl._compat import Chat, as_list, chats_to_history, history_to_chats, render_chats
 from astrl.envs.truncation import fit_chats, fit_texts
 from astrl.keys import (
     HISTORY,
@@ -64,10 +64,11 @@ def target_view(tester_chat: Chat, system_prompt: str | None) -> Chat:
 
 
 def contexts_before_last(tokenizer, chats: Sequence[Chat]) -> list[str]:
-    """Each chat rendered by ``tokenizer``'s template (with the generation prompt), cut just
-    before the last message's content: the text a model read before that message."""
+    """Each chat rendered as the policy renders it for ``tokenizer``'s model (with the generation
+    prompt; :func:`astrl._compat.render_chats`), cut just before the last message's content: the
+    text a model read before that message."""
     marked = [c[:-1] + [{"role": c[-1]["role"], "content": _MARK}] for c in chats]
-    texts = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
+    texts = render_chats(tokenizer, marked)
     cut = [t.rfind(_MARK) for t in texts]
     if min(cut) < 0:
         raise ValueError("the target's chat template does not render message content verbatim; cannot locate the probe")

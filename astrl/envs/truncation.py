@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from astrl._compat import Chat
+from astrl._compat import Chat, render_chats
 
 
 def count_chat_tokens(tokenizer, chats: Sequence[Chat], *, add_generation_prompt: bool = True) -> list[int]:
-    """Token count of each conversation once the tokenizer's chat template is applied."""
-    texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt) for c in chats]
+    """Token count of each conversation as the policy renders it (:func:`astrl._compat.render_chats`)."""
+    texts = render_chats(tokenizer, chats, add_generation_prompt=add_generation_prompt)
     return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 

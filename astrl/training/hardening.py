@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from tensordict import TensorDictBase
 
-from astrl._compat import as_list
+from astrl._compat import as_list, render_chats
 from astrl.keys import NEXT, NODES, PROBE, SCORES, TARGET_CONTEXT
 from astrl.lm_scoring import token_logprobs
 from astrl.ragged import pad_ids
@@ -48,7 +48,7 @@ def target_inputs(tokenizer, contexts: Sequence[str], probes: Sequence[str], mod
         raise ValueError(f"got {len(contexts)} contexts but {len(probes)} probes")
     suffix = ""
     if mode == "chat":
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], tokenize=False, add_generation_prompt=True)
+        rendered = render_chats(tokenizer, [[{"role": "user", "content": _MARK}]])[0]
         suffix = rendered[rendered.rfind(_MARK) + 1 :]
     return [c + p + suffix for c, p in zip(contexts, probes, strict=True)]
 
