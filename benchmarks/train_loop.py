@@ -16,7 +16,9 @@ Two comparisons per timed step, interleaved with the steps:
   with ``n`` the number of tokens the call generated, on the same model (target: adapters off);
 - update vs a bare forward + masked log-prob loss + backward + AdamW (``train_step.py``'s bare
   step, lr 0 so the run's weights do not move) on the same minibatches of the same tokens (IPO/DPO:
-  prompt + chosen and prompt + rejected of each pair).
+  prompt + chosen and prompt + rejected of each pair), one row per turn. GRPO's update also holds
+  the behaviour log-probs of the rows outside its first minibatch (``behaviour_in_update``), and
+  its loss reads a conversation's turns from one forward (the bare step runs every turn's row).
 
 The last JSON line holds, per algorithm, the medians over the timed steps of both time ratios
 (``collect_vs_generate``, ``update_vs_bare``; 1.0 = the bare cost) and of the breakdown.
@@ -51,6 +53,7 @@ PARTS = (
     "behaviour_reference_logprobs",
     "collect_rest",
     "update",
+    "behaviour_in_update",  # part of "update": GRPO's behaviour log-probs read before the first update
 )
 
 
@@ -197,6 +200,8 @@ class Instrumented:
             tester = self.trainer.policy
             target = next(t.target for t in transforms if isinstance(t, TargetTurn))
             algorithm.training_batch = timer.wrap("behaviour_reference_logprobs", algorithm.training_batch)
+            if hasattr(algorithm, "_read_behaviour"):  # GRPO reads the behaviour log-probs when it draws minibatches
+                algorithm._read_behaviour = timer.wrap("behaviour_in_update", algorithm._read_behaviour)
         self._policy_wrap(tester, "tester")
         self._policy_wrap(target, "target")
         seen = set()
@@ -239,6 +244,7 @@ class Instrumented:
         parts = {k: seconds.get(k, 0.0) for k in PARTS[:5]}
         parts["collect_rest"] = collect_s - sum(parts.values())
         parts["update"] = row["step_seconds"] - collect_s
+        parts["behaviour_in_update"] = seconds.get("behaviour_in_update", 0.0)
         return {
             "collect_s": collect_s,
             "update_s": parts["update"],

@@ -250,24 +250,18 @@ def test_a_training_step_is_the_same_with_and_without_the_turn_cache(tmp_path, a
 
 
 # -- prompt states: log-probs of what a model has just read ---------------------------------------------------
+def _read(model, rows, starts, tok, forward=False):
+    """Log-probs of ``rows[i][starts[i]:]``: through ``token_logprobs`` (kept states allowed) or, with
+    ``forward``, a forward of ``score_tokens``."""
+    split = ([r[:s] for r, s in zip(rows, starts, strict=True)], [r[s:] for r, s in zip(rows, starts, strict=True)])
+    with torch.no_grad():
+        if forward:
+            return lm_scoring.score_tokens(model, *split, pad_token_id=tok.pad_token_id).rows()
+        return lm_scoring.token_logprobs(model, *split, pad_token_id=tok.pad_token_id)
+
+
 def _direct(model, rows, starts, tok):
-    with torch.no_grad():
-        return lm_scoring.score_tokens(
-            model,
-            [r[:s] for r, s in zip(rows, starts, strict=True)],
-            [r[s:] for r, s in zip(rows, starts, strict=True)],
-            pad_token_id=tok.pad_token_id,
-        ).rows()
-
-
-def _read(model, rows, starts, tok):
-    with torch.no_grad():
-        return lm_scoring.token_logprobs(
-            model,
-            [r[:s] for r, s in zip(rows, starts, strict=True)],
-            [r[s:] for r, s in zip(rows, starts, strict=True)],
-            pad_token_id=tok.pad_token_id,
-        )
+    return _read(model, rows, starts, tok, forward=True)
 
 
 def _close(a, b):
