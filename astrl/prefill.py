@@ -165,7 +165,7 @@ class TurnCache:
         self.enabled = True
         self.calls_reused = self.tokens_reused = self.tokens_prefilled = self.rows_shared = 0
         self._state: tuple | None = None  # (token ids, attention seen when computed, cache, weights fingerprint)
-        self._states: PromptStates | None = None  # what the last call read (keep_states)
+        self._kept_states: PromptStates | None = None  # what the last call read (keep_states)
         self._served = 0
         modules = model.modules() if hasattr(model, "modules") else ()
         self._adapter_layers = [m for m in modules if hasattr(m, "_disable_adapters")]  # PEFT layers: on or off
@@ -185,12 +185,12 @@ class TurnCache:
     @property
     def rows_from_states(self) -> int:
         """Rows whose log-probs :func:`astrl.lm_scoring.token_logprobs` read from the prompt states kept here."""
-        return self._served + (self._states.rows_served if self._states is not None else 0)
+        return self._served + (self._kept_states.rows_served if self._kept_states is not None else 0)
 
     def _keep(self, states: PromptStates | None) -> None:
-        if self._states is not None:
-            self._served += self._states.rows_served
-        self._states = states
+        if self._kept_states is not None:
+            self._served += self._kept_states.rows_served
+        self._kept_states = states
         keep_prompt_states(self.model, states)
 
     def _prompt_states(

@@ -152,9 +152,6 @@ def main() -> None:
     grpo = GRPOAlgorithm(config, models, env, policy)
     with timer.section("rollout"):
         grpo_batch, data = grpo.collect()
-    prep = Timer(args.device)
-    with prep.section("grpo"):
-        grpo_batch = grpo.training_batch(data, grpo.advantages(data))  # the same batch again, timed alone
     prompts = data.get(("tokens", "prompt"), as_list=True)
     stops = grpo.stops
     responses = [q[: int(response_mask(q, stops).sum())] for q in data.get(("tokens", "response"), as_list=True)]
@@ -168,7 +165,11 @@ def main() -> None:
     bare_opt = torch.optim.AdamW(lora_params, lr=1e-6)
     bare_s = _step(timer, "bare", bare_opt, lambda: _bare_loss(tester, ids, attention, positions, target_mask), repeats)
 
-    # GRPO
+    # GRPO: the batch is prepared after the bare steps moved the weights (its behaviour log-probs are read
+    # before the first update after its preparation, from the first loss forward)
+    prep = Timer(args.device)
+    with prep.section("grpo"):
+        grpo_batch = grpo.training_batch(data, grpo.advantages(data))  # the same batch again, timed alone
     grpo_opt = torch.optim.AdamW(grpo.parameter_groups(1e-6))
     grpo_s = _step(timer, "grpo", grpo_opt, lambda: _total(grpo.loss(grpo_batch)), repeats)
 
