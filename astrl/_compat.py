@@ -20,6 +20,7 @@ workaround handles it, so each workaround can go when upstream changes.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 Chat = list[dict[str, str]]
@@ -52,18 +53,52 @@ def chats_to_history(chats: Sequence[Chat]):
     return History.from_chats([list(c) for c in chats])
 
 
+class _TemplateProbe:
+    """Stands in for a tokenizer in ``History.apply_chat_template``: records the template TorchRL picks."""
+
+    def __init__(self, tokenizer) -> None:
+        self.name_or_path = getattr(tokenizer, "name_or_path", "")  # what TorchRL reads to pick a template
+        self.chat_template = getattr(tokenizer, "chat_template", None)
+        self.picked: str | None = None
+
+    def apply_chat_template(self, conversation=None, chat_template=None, **_) -> str:
+        self.picked = chat_template
+        return ""
+
+
+_WRAPPER_TEMPLATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def wrapper_chat_template(tokenizer) -> str:
+    """The chat template TorchRL's LLM wrappers render ``tokenizer``'s model's chats with.
+
+    They choose it by model family (``History.apply_chat_template``): their own ``chatml_format`` (no
+    default system message) unless the model's template marks generations, so it can differ from the
+    tokenizer's own (SmolLM2's adds a default system prompt that the model never reads). Found once
+    per tokenizer, by letting TorchRL pick it for a stand-in tokenizer."""
+    template = _WRAPPER_TEMPLATES.get(tokenizer)
+    if template is None:
+        from torchrl.data.llm import History
+
+        probe = _TemplateProbe(tokenizer)
+        History.from_chats([[{"role": "user", "content": "x"}]]).apply_chat_template(
+            tokenizer=probe, add_generation_prompt=True, tokenize=False
+        )
+        if not isinstance(probe.picked, str):
+            raise RuntimeError("TorchRL's History.apply_chat_template passed no chat template to the tokenizer")
+        template = _WRAPPER_TEMPLATES[tokenizer] = probe.picked
+    return template
+
+
 def render_chats(tokenizer, chats: Sequence[Chat], *, add_generation_prompt: bool = True) -> list[str]:
-    """Each chat as TorchRL's LLM wrappers render it for ``tokenizer``'s model (``History.apply_chat_template``).
+    """Each chat as TorchRL's LLM wrappers render it for ``tokenizer``'s model (:func:`wrapper_chat_template`).
 
-    The wrappers choose the template by model family: their own ``chatml_format`` (no default system
-    message) unless the model's template marks generations, so a tokenizer's own template can differ
-    from what the model reads (SmolLM2's adds a default system prompt). Counting a prompt's tokens or
-    locating a probe in it must use this rendering."""
-    from torchrl.data.llm import History
-
+    Counting a prompt's tokens or locating a probe in it must use this rendering, not the tokenizer's
+    own template."""
+    template = wrapper_chat_template(tokenizer)
     return [
-        History.from_chats([list(c)]).apply_chat_template(
-            tokenizer=tokenizer, add_generation_prompt=add_generation_prompt, tokenize=False
-        )[0]
+        tokenizer.apply_chat_template(
+            list(c), chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
         for c in chats
     ]

@@ -105,3 +105,28 @@ def test_grpoloss_averages_kl_and_diagnostics_over_every_position_so_astrl_takes
     for key in ("clip_fraction", "kl_to_ref"):
         torch.testing.assert_close(upstream[key], ours[key] * tokens / positions)
     assert ours["kl_approx"] > 0 and upstream["kl_approx"] != ours["kl_approx"]
+
+
+def test_chats_are_rendered_as_torchrl_s_wrappers_render_them():
+    from astrl._compat import render_chats, wrapper_chat_template
+
+    tok = make_tokenizer()
+    tok.chat_template = (  # adds a default system message, which TorchRL's own chatml template does not
+        "{% if messages[0]['role'] != 'system' %}<|im_start|>system\\nBe helpful.<|im_end|>\\n{% endif %}"
+        + "{% for m in messages %}<|im_start|>{{ m['role'] }}\\n{{ m['content'] }}<|im_end|>\\n{% endfor %}"
+        + "{% if add_generation_prompt %}<|im_start|>assistant\\n{% endif %}"
+    )
+    chats = [
+        [{"role": "user", "content": "the cat"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a dog"}]
+        + [{"role": "assistant", "content": "ran"}],
+    ]
+    for prompt in (True, False):
+        theirs = [
+            History.from_chats([c]).apply_chat_template(tokenizer=tok, add_generation_prompt=prompt, tokenize=False)[0]
+            for c in chats
+        ]
+        assert render_chats(tok, chats, add_generation_prompt=prompt) == theirs
+    assert "Be helpful." not in render_chats(tok, chats[:1])[0]  # the tokenizer's default is not what the model reads
+    assert "Be helpful." in tok.apply_chat_template(chats[0], tokenize=False)
+    assert wrapper_chat_template(tok) is wrapper_chat_template(tok)  # found once per tokenizer
