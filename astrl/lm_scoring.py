@@ -45,6 +45,13 @@ def head_gives_logits(model: torch.nn.Module) -> bool | None:
     return _HEAD_GIVES_LOGITS.get(model)
 
 
+def _record_head_check(model: torch.nn.Module, from_head: torch.Tensor, logits: torch.Tensor) -> bool:
+    """Keep (and return) whether the LM head applied to the last hidden states gave the model's logits (within 1e-4)."""
+    same = torch.allclose(from_head.detach().float(), logits.detach().float(), rtol=1e-4, atol=1e-4)
+    _HEAD_GIVES_LOGITS[model] = same
+    return same
+
+
 def _gather(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """``x[b, positions[b, t]]`` for a ``(B, S, D)`` tensor and ``(B, T)`` positions."""
     return x.gather(1, positions[..., None].expand(-1, -1, x.shape[-1]))
@@ -80,8 +87,7 @@ def forward_at(
     logits = model.get_output_embeddings()(last)
     if known is None:
         full = _gather(out.logits, positions)
-        _HEAD_GIVES_LOGITS[model] = torch.allclose(logits.detach().float(), full.detach().float(), rtol=1e-4, atol=1e-4)
-        if not _HEAD_GIVES_LOGITS[model]:
+        if not _record_head_check(model, logits, full):
             return full, last, out
     return logits, last, out
 
@@ -193,10 +199,7 @@ def token_logprobs(
         raise ValueError(f"got {len(prefixes)} prefixes but {len(continuations)} continuations")
     if not len(prefixes):
         return []
-    prefixes = [p.reshape(-1).long() for p in prefixes]
-    continuations = [c.reshape(-1).long() for c in continuations]
-    rows = [torch.cat([p, c.to(p.device)]) for p, c in zip(prefixes, continuations, strict=True)]
-    out = _served_from_states(model, rows, [p.numel() for p in prefixes], max_length)
+    out = _served_from_states(model, prefixes, continuations, max_length)
     missing = [i for i, row in enumerate(out) if row is None]
     if missing:
         scored = score_tokens(
@@ -382,32 +385,34 @@ def keep_prompt_states(model: torch.nn.Module, states: PromptStates | None) -> N
 def note_head_check(model: torch.nn.Module, hidden: torch.Tensor, logits: torch.Tensor) -> None:
     """Record, if not known yet, whether ``model``'s LM head on ``hidden`` (its last hidden states) gave ``logits``."""
     if head_gives_logits(model) is None:
-        head = model.get_output_embeddings()
         with torch.no_grad():
-            _HEAD_GIVES_LOGITS[model] = torch.allclose(head(hidden).float(), logits.float(), rtol=1e-4, atol=1e-4)
+            _record_head_check(model, model.get_output_embeddings()(hidden), logits)
 
 
 def _served_from_states(
-    model: torch.nn.Module, rows: list[torch.Tensor], starts: list[int], max_length: int | None
+    model: torch.nn.Module,
+    prefixes: Sequence[torch.Tensor],
+    continuations: Sequence[torch.Tensor],
+    max_length: int | None,
 ) -> list[torch.Tensor | None]:
-    """Log-probs of ``rows[i][starts[i]:]`` read from the model's kept :class:`PromptStates`, None where not kept.
+    """Log-probs of each continuation read from the model's kept :class:`PromptStates`, None where not kept.
 
-    A row is served when it begins a kept prompt, is not clipped by ``max_length``, and the states
-    of every position predicting its continuation were kept; only without gradients, and only when
-    the model's head on its hidden states gives its logits."""
-    served: list[torch.Tensor | None] = [None] * len(rows)
+    A row (prefix + continuation) is served when it begins a kept prompt, is not clipped by
+    ``max_length``, and the states of every position predicting its continuation were kept; only
+    without gradients, and only when the model's head on its hidden states gives its logits."""
+    served: list[torch.Tensor | None] = [None] * len(prefixes)
     states = _PROMPT_STATES.get(model)
     if states is None or torch.is_grad_enabled() or head_gives_logits(model) is not True or not states.is_current():
         return served
     device = states.tokens.device
     picks, columns, targets, sizes = [], [], [], []
-    for i, (row, start) in enumerate(zip(rows, starts, strict=True)):
-        length = row.numel()
+    for i, (prefix, cont) in enumerate(zip(prefixes, continuations, strict=True)):
+        row = torch.cat([prefix.reshape(-1).long().to(device), cont.reshape(-1).long().to(device)])
+        start, length = prefix.numel(), row.numel()
         if start < 1 or length <= start or (max_length is not None and length > max_length):
             continue
         if length > states.tokens.shape[1]:
             continue
-        row = row.to(device)
         begins = (states.tokens[:, :length] == row).all(1) & (states.lengths >= length)
         # every position start - 1 .. length - 2 must hold a kept state
         kept = begins & (states.first <= start - 1) & (states.first + states.count >= length - 1)

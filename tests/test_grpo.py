@@ -221,18 +221,20 @@ def test_behaviour_log_probs_not_read_before_an_update_are_an_error(tmp_path):
 
 
 # -- minibatches of whole conversations, one loss forward per conversation ---------------------------------------
-def test_grouped_minibatches_keep_groups_whole_and_reduce_to_shuffled_ones():
+def test_minibatches_of_groups_keep_them_whole_and_reduce_to_plain_ones():
     from tensordict import TensorDict
 
-    from astrl.training.batches import grouped_minibatches, shuffled_minibatches
+    from astrl.training.batches import shuffled_minibatches
 
     batch = TensorDict(i=torch.arange(12), batch_size=[12])
     for options in (dict(count=3), dict(count=5), dict(count=1, size=4)):
         plain = [mb["i"].tolist() for mb in shuffled_minibatches(batch, torch.Generator().manual_seed(3), epochs=2, **options)]
-        alone = grouped_minibatches(batch, torch.arange(12), torch.Generator().manual_seed(3), epochs=2, **options)
+        alone = shuffled_minibatches(batch, torch.Generator().manual_seed(3), epochs=2, groups=torch.arange(12), **options)
         assert [mb["i"].tolist() for mb in alone] == plain  # one item per group: the same minibatches
     groups = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3])
-    parts = [mb["i"].tolist() for mb in grouped_minibatches(batch, groups, torch.Generator().manual_seed(3), epochs=2, count=2)]
+    parts = [
+        mb["i"].tolist() for mb in shuffled_minibatches(batch, torch.Generator().manual_seed(3), epochs=2, count=2, groups=groups)
+    ]
     assert len(parts) == 4
     for epoch in (parts[:2], parts[2:]):
         assert sorted(i for part in epoch for i in part) == list(range(12))  # every item once an epoch

@@ -11,43 +11,33 @@ from astrl.keys import REWARD, REWARD_TERMS, SCORES
 
 
 def shuffled_minibatches(
-    batch: TensorDictBase, generator: torch.Generator, *, epochs: int, count: int, size: int | None = None
-) -> Iterator[TensorDictBase]:
-    """``epochs`` shuffled passes over a 1-D batch, in ``count`` chunks (or chunks of ``size`` items when set)."""
-    n = batch.batch_size[0]
-    if n == 0:
-        return
-    for _ in range(epochs):
-        order = torch.randperm(n, generator=generator)
-        chunks = order.split(size) if size else order.chunk(min(count, n))
-        for chunk in chunks:
-            yield batch[chunk]
-
-
-def grouped_minibatches(
     batch: TensorDictBase,
-    groups: torch.Tensor,
     generator: torch.Generator,
     *,
     epochs: int,
     count: int,
     size: int | None = None,
+    groups: torch.Tensor | None = None,
 ) -> Iterator[TensorDictBase]:
-    """:func:`shuffled_minibatches` over groups of items (``groups[i]``: item ``i``'s group, e.g. its
-    conversation) that stay whole: ``epochs`` shuffled passes over the groups, in ``count`` chunks (or
-    chunks of about ``size`` items), each holding its groups' items in batch order. With one item per
-    group, the same minibatches as :func:`shuffled_minibatches` with the same generator."""
-    names, members = torch.unique(groups, return_inverse=True)
-    rows = [torch.nonzero(members == g).flatten() for g in range(len(names))]
-    n = len(rows)
+    """``epochs`` shuffled passes over a 1-D batch, in ``count`` chunks (or chunks of about ``size`` items).
+
+    With ``groups`` (``groups[i]``: item ``i``'s group, e.g. its conversation) the passes shuffle the
+    groups, which stay whole: each chunk holds its groups' items in batch order. One item per group
+    gives the same minibatches as no groups, from the same generator."""
+    n = batch.batch_size[0]
     if n == 0:
         return
-    per_chunk = max(1, round(size * n / batch.batch_size[0])) if size else None  # groups of about `size` items
+    members = None  # the items of each group, in batch order
+    if groups is not None:
+        index = torch.unique(groups.reshape(-1), return_inverse=True)[1]
+        members = torch.argsort(index, stable=True).split(torch.bincount(index).tolist())
+    units = n if members is None else len(members)
+    per_chunk = max(1, round(size * units / n)) if size else None
     for _ in range(epochs):
-        order = torch.randperm(n, generator=generator)
-        chunks = order.split(per_chunk) if per_chunk else order.chunk(min(count, n))
+        order = torch.randperm(units, generator=generator)
+        chunks = order.split(per_chunk) if per_chunk else order.chunk(min(count, units))
         for chunk in chunks:
-            yield batch[torch.cat([rows[g] for g in chunk.tolist()])]
+            yield batch[chunk if members is None else torch.cat([members[g] for g in chunk.tolist()])]
 
 
 def turn_metrics(turns: TensorDictBase) -> dict:

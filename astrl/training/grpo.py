@@ -53,7 +53,7 @@ from astrl.prefill import weights_fingerprint
 from astrl.ragged import nested, pad_rows
 from astrl.rewards.novelty import load_novelty_states, novelty_transforms
 from astrl.training.algorithm import Algorithm
-from astrl.training.batches import grouped_minibatches, shuffled_minibatches, turn_metrics
+from astrl.training.batches import shuffled_minibatches, turn_metrics
 from astrl.training.config import TrainConfig
 from astrl.training.setup import RunModels
 
@@ -451,16 +451,14 @@ class GRPOAlgorithm(OnPolicy):
         return batch
 
     def minibatches(self, batch: TensorDictBase, generator: torch.Generator) -> Iterator[TensorDictBase]:
-        """Shuffled minibatches of whole conversations (:func:`~astrl.training.batches.grouped_minibatches`);
+        """Shuffled minibatches of whole conversations (:func:`~astrl.training.batches.shuffled_minibatches` over conversations);
         the behaviour log-probs of every row outside the first minibatch are computed here (before any
         update), those of the first come from its own loss forward."""
         config = self.config
-        if CONVERSATION in batch.keys():  # a conversation's turns in one minibatch: its loss forward is shared
-            conversations = batch.get(CONVERSATION).reshape(-1)
-            options = dict(epochs=config.epochs, count=config.minibatches, size=config.minibatch_size)
-            parts = list(grouped_minibatches(batch, conversations, generator, **options))
-        else:
-            parts = list(super().minibatches(batch, generator))
+        # a conversation's turns in one minibatch: its loss forward is shared
+        conversations = batch.get(CONVERSATION) if CONVERSATION in batch.keys() else None
+        options = dict(epochs=config.epochs, count=config.minibatches, size=config.minibatch_size, groups=conversations)
+        parts = list(shuffled_minibatches(batch, generator, **options))
         due = self._behaviour_due
         if due is not None and due.batch is batch and parts:
             first = {id(td) for td in parts[0].tensordicts}
