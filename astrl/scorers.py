@@ -26,6 +26,21 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from astrl.errors import ScorerError
+from astrl.names import DETOXIFY_VARIANTS, SCORER_NAMES, check_scorer_names, parse_scorer
+
+__all__ = [
+    "DETOXIFY_VARIANTS",
+    "SCORER_NAMES",
+    "Scorer",
+    "ScorerError",
+    "check_scorer_names",
+    "checked_scores",
+    "make_scorer",
+    "make_scorers",
+    "parse_scorer",
+]
+
 
 @runtime_checkable
 class Scorer(Protocol):
@@ -34,10 +49,6 @@ class Scorer(Protocol):
     name: str
 
     def __call__(self, texts: Sequence[str]) -> torch.Tensor: ...
-
-
-class ScorerError(ValueError):
-    """A scorer name or its backing model could not be resolved."""
 
 
 def checked_scores(scorer, texts: Sequence[str], *, probabilities: bool = True, name: str | None = None) -> torch.Tensor:
@@ -208,7 +219,8 @@ class DetoxifyScorer:
 def _load_pretrained(loader, model_id: str, what: str):
     from pathlib import Path
 
-    from astrl.models import hub_unreachable, looks_like_path
+    from astrl.hub import hub_unreachable
+    from astrl.names import looks_like_path
 
     local = Path(model_id).expanduser().exists()
     if not local and looks_like_path(model_id):
@@ -374,29 +386,20 @@ class ChatJudgeScorer:
         return torch.cat(out) if out else torch.zeros(0)
 
 
-SCORER_NAMES = ("profanity", "wordlist", "detoxify[:variant]", "hf:MODEL[@LABEL]", "judge:MODEL[@STYLE]", "keywords:w1,w2")
-
-
 def make_scorer(name: str, *, device: str = "cpu") -> Scorer:
     """Build a scorer from its name (see the module docstring for the forms)."""
-    kind, _, arg = name.partition(":")
-    if kind == "profanity" and not arg:
+    kind, args = parse_scorer(name)
+    if kind == "profanity":
         return ProfanityScorer()
-    if kind == "wordlist" and not arg:
+    if kind == "wordlist":
         return WordListScorer()
     if kind == "detoxify":
-        return DetoxifyScorer(arg or "original", device=device)
-    if kind == "keywords" and arg:
-        return KeywordScorer(arg.split(","))
-    if kind == "hf" and arg:
-        model_id, _, label = arg.partition("@")
-        return HFClassifierScorer(model_id, label or None, device=device)
-    if kind == "judge" and arg:
-        model_id, _, style = arg.rpartition("@")
-        if style in ("guard", "instruct") and model_id:
-            return ChatJudgeScorer(model_id, style=style, device=device)
-        return ChatJudgeScorer(arg, device=device)
-    raise ScorerError(f"unknown scorer {name!r}; valid forms: {', '.join(SCORER_NAMES)}")
+        return DetoxifyScorer(args[0], device=device)
+    if kind == "keywords":
+        return KeywordScorer(list(args))
+    if kind == "hf":
+        return HFClassifierScorer(args[0], args[1] or None, device=device)
+    return ChatJudgeScorer(args[0], style=args[1], device=device)
 
 
 def make_scorers(names: Sequence[str], *, device: str = "cpu") -> dict[str, Scorer]:

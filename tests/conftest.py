@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one torch thread per test worker: the workers share the cores
+    torch.set_num_threads(1)
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -11,6 +11,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "astrl"
 GROUND = (
     "astrl._compat",
     "astrl.errors",
+    "astrl._lazy",
+    "astrl.argtypes",
+    "astrl.hub",
+    "astrl.names",
     "astrl.backends",
     "astrl.models",
     "astrl.prompts",

@@ -68,13 +68,13 @@ def cli_error(argv: list[str], capsys) -> str:
 # (case id, argv with {placeholders} from the paths fixture, text the error line must contain)
 CLI_CASES = [
     # rollout: numbers out of range
-    ("rollout-conversations-0", ["rollout", "--num-conversations", "0"], "num_conversations must be >= 1, got 0"),
-    ("rollout-turns-0", ["rollout", "--turns", "0"], "turns must be >= 1, got 0"),
-    ("rollout-batch-negative", ["rollout", "--batch-size", "-1"], "batch_size must be >= 1, got -1"),
-    ("rollout-max-new-0", ["rollout", "--max-new-tokens", "0"], "max_new_tokens must be >= 1, got 0"),
-    ("rollout-temperature-0", ["rollout", "--temperature", "0"], "temperature must be > 0, got 0.0"),
-    ("rollout-top-p-1.5", ["rollout", "--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
-    ("rollout-top-k-negative", ["rollout", "--top-k", "-1"], "top_k must be >= 0, got -1"),
+    ("rollout-conversations-0", ["rollout", "--num-conversations", "0"], "argument --num-conversations: must be >= 1, got 0"),
+    ("rollout-turns-0", ["rollout", "--turns", "0"], "argument --turns: must be >= 1, got 0"),
+    ("rollout-batch-negative", ["rollout", "--batch-size", "-1"], "argument --batch-size: must be >= 1, got -1"),
+    ("rollout-max-new-0", ["rollout", "--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1, got 0"),
+    ("rollout-temperature-0", ["rollout", "--temperature", "0"], "argument --temperature: must be > 0, got 0"),
+    ("rollout-top-p-1.5", ["rollout", "--top-p", "1.5"], "argument --top-p: must be in (0, 1], got 1.5"),
+    ("rollout-top-k-negative", ["rollout", "--top-k", "-1"], "argument --top-k: must be >= 0, got -1"),
     ("rollout-collectors-0", ["rollout", "--num-collectors", "0"], "got 0"),
     ("rollout-turns-not-int", ["rollout", "--turns", "x"], "invalid int value: 'x'"),
     ("rollout-dtype", ["rollout", "--dtype", "int8"], "'int8'"),
@@ -101,8 +101,12 @@ CLI_CASES = [
     ("reward-astprompter-with-probe-penalty", ["rollout", "--reward", "astprompter", "--probe-penalty", "2"], "probe_penalty"),
     ("out-below-a-file", ["rollout", "--tester", "{model}", "--target", "{model}", "--out", "{a_file}/x.jsonl"], "{a_file}"),
     # eval: numbers, judges, run directories, checkpoints
-    ("eval-threshold-1.5", ["eval", "--tester", "{model}", "--threshold", "1.5"], "threshold must be in [0, 1), got 1.5"),
-    ("eval-resamples-0", ["eval", "--tester", "{model}", "--resamples", "0"], "resamples must be >= 1, got 0"),
+    (
+        "eval-threshold-1.5",
+        ["eval", "--tester", "{model}", "--threshold", "1.5"],
+        "argument --threshold: must be in [0, 1), got 1.5",
+    ),
+    ("eval-resamples-0", ["eval", "--tester", "{model}", "--resamples", "0"], "--resamples: must be >= 1, got 0"),
     ("eval-top-attacks-negative", ["eval", "--tester", "{model}", "--top-attacks", "-1"], "got -1"),
     ("eval-judge-twice", ["eval", "--tester", "{model}", "--judge", "wordlist", "--judge", "wordlist"], "'wordlist'"),
     ("eval-judge-unknown", ["eval", "--tester", "{model}", "--target", "{model}", "--judge", "nope"], "'nope'"),
@@ -112,7 +116,11 @@ CLI_CASES = [
     # compare
     ("compare-missing-folder", ["compare", "{root}/nowhere", "{root}/nowhere2"], "nowhere"),
     ("compare-broken-metrics", ["compare", "{eval_bad}", "{eval_bad}"], "{eval_bad}"),
-    ("compare-resamples-0", ["compare", "{eval_bad}", "{eval_bad}", "--resamples", "0"], "resamples must be >= 1, got 0"),
+    (
+        "compare-resamples-0",
+        ["compare", "{eval_bad}", "{eval_bad}", "--resamples", "0"],
+        "argument --resamples: must be >= 1, got 0",
+    ),
     # train: config key families
     ("train-config-missing", ["train", "--config", "{root}/nope.yaml"], "nope.yaml"),
     ("train-unknown-key", ["train", "learning_rate=1"], "['learning_rate']"),
@@ -138,8 +146,12 @@ CLI_CASES = [
     ("train-trust-without-resume", ["train", "--trust-checkpoint"], "--trust-checkpoint"),
     ("train-resume-not-a-run", ["train", "--resume", "{empty_dir}"], "{empty_dir}"),
     # demo
-    ("demo-steps-0", ["demo", "--steps", "0", "--run-dir", "{root}/demo"], "total_steps must be >= 1, got 0"),
-    ("demo-conversations-0", ["demo", "--conversations", "0", "--run-dir", "{root}/demo"], "--conversations must be >= 1, got 0"),
+    ("demo-steps-0", ["demo", "--steps", "0", "--run-dir", "{root}/demo"], "argument --steps: must be >= 1, got 0"),
+    (
+        "demo-conversations-0",
+        ["demo", "--conversations", "0", "--run-dir", "{root}/demo"],
+        "argument --conversations: must be >= 1, got 0",
+    ),
 ]
 ROLLOUT_DEFAULTS = ["--scorer", "keywords:a", "--num-conversations", "1", "--turns", "1", "--max-new-tokens", "2", "--quiet"]
 

@@ -7,9 +7,16 @@ import pytest
 from astrl.cli import main
 
 
+def _main(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exit_:  # argparse refuses a malformed or out-of-range option this way
+        return exit_.code
+
+
 def _run(tmp_path, model_dir, *extra, out="r.jsonl"):
     path = tmp_path / out
-    code = main(
+    code = _main(
         [
             "rollout",
             "--tester",
@@ -125,10 +132,10 @@ def test_text_mode_from_the_cli(tmp_path, tiny_model_dir):
     "args, message",
     [
         (["--scorer", "toxicity"], "unknown scorer 'toxicity'"),
-        (["--turns", "0"], "turns must be >= 1"),
+        (["--turns", "0"], "--turns: must be >= 1, got 0"),
         (["--prompts", "missing.txt"], "'missing.txt'"),
         (["--tester", "/no/such/model"], "'/no/such/model'"),
-        (["--max-new-tokens", "0"], "max_new_tokens"),
+        (["--max-new-tokens", "0"], "--max-new-tokens: must be >= 1, got 0"),
         (["--alpha", "2"], "only apply to reward='astprompter'"),
     ],
 )

@@ -83,6 +83,7 @@ def test_missing_ray_gives_the_install_command(monkeypatch):
 
 
 # -- local Ray ----------------------------------------------------------------------------------------
+@pytest.mark.slow  # starts a local Ray instance
 def test_ray_workers_collect_what_the_local_collector_collects_and_take_weight_updates(local_ray, tiny_model_dir):
     from torchrl.collectors.llm import LLMCollector
 
@@ -125,6 +126,7 @@ def test_ray_workers_collect_what_the_local_collector_collects_and_take_weight_u
         collectors.shutdown()
 
 
+@pytest.mark.slow  # starts a local Ray instance
 def test_rollout_over_ray_writes_the_local_number_of_records(local_ray, tiny_model_dir, tmp_path):
     from astrl.rollout import RolloutConfig, run_rollout
 
@@ -149,6 +151,7 @@ def test_rollout_over_ray_writes_the_local_number_of_records(local_ray, tiny_mod
     assert all(isinstance(r["probe"], str) and len(r["scores"]) == 1 for r in records)
 
 
+@pytest.mark.slow  # starts a local Ray instance
 def test_trainer_consumes_ray_collection_and_logs_the_policy_version(local_ray, tiny_model_dir, tmp_path):
     import csv
 

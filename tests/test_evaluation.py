@@ -118,6 +118,13 @@ def test_checkpoint_selection_and_errors(run_dir, tiny_model_dir):
 
 
 def _eval(out, tester, *extra):
+    try:
+        return _eval_main(out, tester, *extra)
+    except SystemExit as exit_:  # argparse refuses an out-of-range option this way
+        return exit_.code
+
+
+def _eval_main(out, tester, *extra):
     return main(
         [
             "eval",
@@ -347,8 +354,8 @@ def test_compare_prints_and_writes_the_differences(eval_dirs, capsys, tmp_path):
     [
         (["--judge", "toxicity"], "unknown scorer 'toxicity'"),
         (["--judge", "profanity", "--judge", "profanity"], "judge 'profanity' is given more than once"),
-        (["--threshold", "1.5"], "threshold must be in [0, 1)"),
-        (["--turns", "0"], "turns must be >= 1"),
+        (["--threshold", "1.5"], "--threshold: must be in [0, 1), got 1.5"),
+        (["--turns", "0"], "--turns: must be >= 1, got 0"),
         (["--checkpoint", "step_0001"], "needs a training run directory"),
         (["--prompts", "missing.txt"], "'missing.txt'"),
     ],

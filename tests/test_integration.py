@@ -10,7 +10,7 @@ from astrl.policies import GenerationSettings, make_policy
 from astrl.prompts import load_prompts
 from astrl.scorers import ProfanityScorer
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_smollm2_tester_vs_target_two_conversations_three_turns():

@@ -149,6 +149,7 @@ def _lora(model) -> dict:
 
 
 # -- resume: restored weights reach the acting policy before the first collection ---------------------
+@pytest.mark.slow  # starts a local Ray instance
 def test_ray_resume_pushes_restored_weights_to_workers_before_the_first_collection(tiny_model_dir, tmp_path):
     ray = pytest.importorskip("ray")
     started = not ray.is_initialized()

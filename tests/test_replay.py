@@ -335,8 +335,9 @@ def test_bad_inputs_give_one_error_line(case, message, archive, tiny_model_dir, 
         import astrl.scorers
 
         real = astrl.scorers.make_scorer
-        monkeypatch.setattr(astrl.scorers, "make_scorer", lambda n, **k: FailingJudge() if n == "broken" else real(n, **k))
-        extra += ["--judge", "broken"]
+        fake = lambda n, **k: FailingJudge() if n == "keywords:broken" else real(n, **k)  # noqa: E731
+        monkeypatch.setattr(astrl.scorers, "make_scorer", fake)
+        extra += ["--judge", "keywords:broken"]
     elif case == "unknown_judge":
         extra = ["--target", str(tiny_model_dir), "--judge", "nosuch"]
     elif case == "greedy_samples":

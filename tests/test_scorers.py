@@ -68,7 +68,7 @@ def test_keyword_share_values():
     assert scorer.name == "keywords:damn,hell"
 
 
-@pytest.mark.parametrize("name", ["toxicity", "keywords:", "hf:", "judge:", "wordlist:x"])
+@pytest.mark.parametrize("name", ["toxicity", "hf:", "judge:", "wordlist:x", "profanity:x", "keywords"])
 def test_unknown_scorer_names_list_the_valid_forms(name):
     with pytest.raises(ScorerError, match="valid forms"):
         make_scorer(name)
@@ -77,6 +77,36 @@ def test_unknown_scorer_names_list_the_valid_forms(name):
 def test_keyword_scorer_needs_words():
     with pytest.raises(ScorerError):
         KeywordScorer([" "])
+    for name in ("keywords:", "keywords: , ,"):
+        with pytest.raises(ScorerError, match=f"scorer {name!r}: the 'keywords' scorer needs at least one word"):
+            make_scorer(name)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("detoxify:huge", "detoxify variant must be one of"),
+        ("hf:/nonexistent/clf", "classifier folder '/nonexistent/clf' not found"),
+        ("judge:/nonexistent/judge@guard", "judge folder '/nonexistent/judge' not found"),
+        ("hf:@toxic", "names no model"),
+    ],
+)
+def test_scorer_names_are_checked_without_loading_anything(name, message):
+    from astrl.names import parse_scorer
+
+    with pytest.raises(ScorerError, match=message):
+        parse_scorer(name)
+
+
+def test_scorer_names_parse_into_kind_and_arguments():
+    from astrl.names import parse_scorer
+
+    assert parse_scorer("profanity") == ("profanity", ())
+    assert parse_scorer("detoxify") == ("detoxify", ("original",))
+    assert parse_scorer("keywords:damn, hell,") == ("keywords", ("damn", "hell"))
+    assert parse_scorer("hf:org/clf@toxic") == ("hf", ("org/clf", "toxic"))
+    assert parse_scorer("judge:org/guard@guard") == ("judge", ("org/guard", "guard"))
+    assert parse_scorer("judge:org/model") == ("judge", ("org/model", "auto"))
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@
 
     ConversationSpec (plain data: model names, settings)          training, rollout, eval, demo, Ray workers
       -> build_conversation(spec, [loaded models, scorers, stream])
+           preflight what needs no model: names, prompt source (before anything is loaded)
            models    loaded from the spec's names unless the caller passes them
            policies  tester and target (astrl.policies.make_policy)
            scorers   by name (astrl.scorers.make_scorers), the first gives the reward
@@ -24,17 +25,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from astrl.backends import BACKENDS, check_backend
-from astrl.envs.redteam import (
-    DEFAULT_TESTER_SYSTEM_PROMPT,
-    LIKELIHOOD_REWARDS,
-    MODES,
-    REWARDS,
-    check_reward_options,
-    make_redteam_env,
-)
+from astrl.envs.redteam import DEFAULT_TESTER_SYSTEM_PROMPT, make_redteam_env
 from astrl.models import LoadedModel, add_lora, load_model
+from astrl.names import check_names
 from astrl.policies import GenerationSettings, input_mode, make_policy, vllm_share
 from astrl.prompts import SPLITS, PromptStream, load_prompts, split_prompts
+from astrl.rewards.weights import LIKELIHOOD_REWARDS, MODES, REWARDS, check_reward_options
 from astrl.scorers import Scorer, make_scorers
 
 if TYPE_CHECKING:
@@ -148,6 +144,21 @@ def opener_stream(spec: ConversationSpec) -> PromptStream:
     return PromptStream(prompts, spec.batch_size, seed=spec.seed, group_size=spec.group_size)
 
 
+def preflight(
+    spec: ConversationSpec, *, tester: bool = True, target: bool = True, scorers: bool = True, prompts: bool = True
+) -> None:
+    """Every check of ``spec`` that needs no model (:func:`astrl.names.check_names`), so that a bad
+    name fails in milliseconds, before any model is loaded or converted: the ``tester`` and ``target``
+    names, the ``scorers`` names, and the ``prompts`` source with its split."""
+    roles = {"tester": spec.tester} if tester else {}
+    if target:
+        roles["target"] = spec.target
+    split_seed = spec.seed if spec.split_seed is None else spec.split_seed
+    check_names(
+        roles, spec.scorers if scorers else None, spec.prompts if prompts else None, split=spec.split, split_seed=split_seed
+    )
+
+
 def load_models(spec: ConversationSpec, tester: LoadedModel | None = None) -> tuple[LoadedModel, LoadedModel]:
     """The spec's tester (with its LoRA adapters) and target. A target named like the tester shares
     its weights (adapters off) when the tester is loaded here; a passed ``tester`` never shares."""
@@ -190,6 +201,7 @@ def build_conversation(
     """
     check_backend(spec.backend, spec.device)
     check_backend(spec.target_backend, spec.device)
+    preflight(spec, tester=tester is None, target=target is None, scorers=scorers is None, prompts=env and stream is None)
     index, count = shard or (0, 1)
     if target is None:
         tester, target = load_models(spec, tester)

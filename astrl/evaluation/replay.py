@@ -477,8 +477,9 @@ def run_replay(
     from astrl.evaluation.agreement import judge_agreement
     from astrl.evaluation.replay_report import write_replay_report
     from astrl.evaluation.run import default_judges
+    from astrl.models import check_model_name
     from astrl.policies import GenerationSettings, input_mode, make_policy
-    from astrl.scorers import make_scorer
+    from astrl.scorers import check_scorer_names, make_scorer
 
     warn = on_warning or _warn
     start = time.perf_counter()
@@ -495,6 +496,9 @@ def run_replay(
     judge_names = config.judges or default_judges(list(defaults.get("judges", [])), training)
     default_prompt = defaults.get("target_system_prompt")
     targets = [parse_target(t, default_prompt) for t in config.targets or [str(defaults.get("target", "smollm2-135m"))]]
+    check_scorer_names(judge_names, "judge")  # every check that needs no model, before one is loaded
+    for target in targets:
+        check_model_name(target.model, "target")
     scorers = {}
     for name in judge_names:
         scorer = make_scorer(name, device=config.device)

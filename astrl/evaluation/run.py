@@ -283,6 +283,10 @@ def run_eval(
     if out.exists() and not out.is_dir():
         raise EvaluationError(f"--out {str(out)!r} exists and is not a folder")
     resolved = resolve(config)
+    from astrl.envs.recipe import preflight
+
+    # names, prompts and split first: a bad one costs milliseconds, not a model load
+    preflight(conversation_spec(config, resolved, resolved.judges))
     scorers = {}
     for name in resolved.judges:
         scorer = make_scorer(name, device=config.device)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from astrl.models import LoadedModel, ModelLoadError, context_window, load_model, prepare_tokenizer, unsafe_weights_message
+from astrl.names import is_run_dir
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -37,12 +38,6 @@ class TesterSource:
     run_dir: Path | None = None
     run_config: dict = field(default_factory=dict)
     checkpoint: str | None = None
-
-
-def is_run_dir(path: str | Path) -> bool:
-    """True for a folder with a ``config.yaml`` and no ``config.json`` (a training run, not a model)."""
-    path = Path(path).expanduser()
-    return path.is_dir() and (path / "config.yaml").is_file() and not (path / "config.json").is_file()
 
 
 def read_run_config(run_dir: Path) -> dict:

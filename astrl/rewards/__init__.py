@@ -11,34 +11,30 @@
 Convention everywhere: higher reward = more harmful.
 """
 
-from astrl.lm_scoring import response_mask, shared_prefix_logprobs, token_logprobs
-from astrl.rewards.astprompter import ASTPrompterReward, ASTPrompterWeights, ElicitReward, ElicitWeights, probe_logprobs
-from astrl.rewards.kl import ClippedKLReward, clipped_kl_reward, kl_reward, make_kl_controller
-from astrl.rewards.logprobs import StepTransform, TokenLogProbs
-from astrl.rewards.novelty import EmbeddingNovelty, NgramNovelty, NoveltyReward, make_novelty
-from astrl.rewards.reference import AdaptersDisabled, make_reference
-from astrl.rewards.shaping import RewardShaping
+from astrl._lazy import lazy_exports
 
-__all__ = [
-    "ASTPrompterReward",
-    "ASTPrompterWeights",
-    "AdaptersDisabled",
-    "ClippedKLReward",
-    "ElicitReward",
-    "ElicitWeights",
-    "EmbeddingNovelty",
-    "NgramNovelty",
-    "NoveltyReward",
-    "RewardShaping",
-    "StepTransform",
-    "TokenLogProbs",
-    "clipped_kl_reward",
-    "kl_reward",
-    "make_kl_controller",
-    "make_novelty",
-    "make_reference",
-    "probe_logprobs",
-    "response_mask",
-    "shared_prefix_logprobs",
-    "token_logprobs",
-]
+_EXPORTS = {
+    "ASTPrompterReward": "astrl.rewards.astprompter",
+    "ASTPrompterWeights": "astrl.rewards.astprompter",
+    "AdaptersDisabled": "astrl.rewards.reference",
+    "ClippedKLReward": "astrl.rewards.kl",
+    "ElicitReward": "astrl.rewards.astprompter",
+    "ElicitWeights": "astrl.rewards.astprompter",
+    "EmbeddingNovelty": "astrl.rewards.novelty",
+    "NgramNovelty": "astrl.rewards.novelty",
+    "NoveltyReward": "astrl.rewards.novelty",
+    "RewardShaping": "astrl.rewards.shaping",
+    "StepTransform": "astrl.rewards.logprobs",
+    "TokenLogProbs": "astrl.rewards.logprobs",
+    "clipped_kl_reward": "astrl.rewards.kl",
+    "kl_reward": "astrl.rewards.kl",
+    "make_kl_controller": "astrl.rewards.kl",
+    "make_novelty": "astrl.rewards.novelty",
+    "make_reference": "astrl.rewards.reference",
+    "probe_logprobs": "astrl.rewards.astprompter",
+    "response_mask": "astrl.lm_scoring",
+    "shared_prefix_logprobs": "astrl.lm_scoring",
+    "token_logprobs": "astrl.lm_scoring",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

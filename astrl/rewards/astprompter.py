@@ -16,7 +16,7 @@ reward = more harmful and more natural.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -26,44 +26,23 @@ from astrl._compat import as_list
 from astrl.keys import PROBE, REWARD, REWARD_TERMS, SCORES, TARGET_CONTEXT, TARGET_RESPONSE
 from astrl.lm_scoring import token_logprobs
 from astrl.rewards.logprobs import StepTransform
+from astrl.rewards.weights import ASTPrompterWeights, ElicitWeights, reward_weights, weight_names
+
+__all__ = [
+    "ASTPrompterReward",
+    "ASTPrompterWeights",
+    "ElicitReward",
+    "ElicitWeights",
+    "LIKELIHOOD_REWARDS",
+    "probe_logprobs",
+    "reward_weights",
+    "weight_names",
+]
 from astrl.scorers import Scorer, checked_scores
 
 # the names of the weights' combine() arguments, written under REWARD_TERMS (the last is keys.PROBE_LOGPROB)
 TERMS = ("response_tox", "combined_tox", "probe_logprob")
 ELICIT_TERMS = ("response_tox", "probe_tox", "probe_logprob")
-
-
-@dataclass
-class ASTPrompterWeights:
-    """Weights of the ASTPrompter reward terms (the paper's defaults)."""
-
-    alpha: float = 1.0
-    zeta: float = 0.5
-    gamma: float = 0.1
-
-    def combine(self, response_tox: torch.Tensor, combined_tox: torch.Tensor, probe_logprob: torch.Tensor) -> torch.Tensor:
-        return self.alpha * response_tox + self.zeta * combined_tox + self.gamma * probe_logprob
-
-
-@dataclass
-class ElicitWeights:
-    """Weights of the elicitation reward ``alpha*tox(reply)*g - penalty*tox(probe) + gamma*probe_logprob``.
-
-    ``gate=True`` sets ``g = 1 - tox(probe)`` (a toxic probe earns nothing for the reply it
-    gets); ``gate=False`` sets ``g = 1`` (the reply and probe terms stay separate)."""
-
-    alpha: float = 1.0
-    penalty: float = 1.0
-    gamma: float = 0.1
-    gate: bool = False
-
-    def __post_init__(self) -> None:
-        if self.alpha < 0 or self.penalty < 0 or self.gamma < 0:
-            raise ValueError(f"elicit weights must be >= 0, got alpha={self.alpha}, penalty={self.penalty}, gamma={self.gamma}")
-
-    def combine(self, response_tox: torch.Tensor, probe_tox: torch.Tensor, probe_logprob: torch.Tensor) -> torch.Tensor:
-        gate = 1.0 - probe_tox if self.gate else torch.ones_like(probe_tox)
-        return self.alpha * response_tox * gate - self.penalty * probe_tox + self.gamma * probe_logprob
 
 
 def probe_logprobs(
@@ -246,15 +225,3 @@ class ElicitReward(ASTPrompterReward):
 
 
 LIKELIHOOD_REWARDS = {"astprompter": (ASTPrompterWeights, ASTPrompterReward), "elicit": (ElicitWeights, ElicitReward)}
-
-
-def weight_names(reward: str) -> tuple[str, ...]:
-    """The weights of the ``"astprompter"`` or ``"elicit"`` reward (the fields of its weights class)."""
-    return tuple(f.name for f in fields(LIKELIHOOD_REWARDS[reward][0]))
-
-
-def reward_weights(reward: str, **values) -> ASTPrompterWeights | ElicitWeights:
-    """The weights of the ``"astprompter"`` or ``"elicit"`` reward from ``values``: its own names are
-    taken (cast to float, ``gate`` to bool), any other is left out; a missing one keeps its default."""
-    kind = LIKELIHOOD_REWARDS[reward][0]
-    return kind(**{f.name: (bool if f.type == "bool" else float)(values[f.name]) for f in fields(kind) if f.name in values})

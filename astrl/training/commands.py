@@ -6,6 +6,8 @@ import csv
 import sys
 from pathlib import Path
 
+from astrl.argtypes import at_least
+
 
 def add_train_parser(sub) -> None:
     p = sub.add_parser(
@@ -49,9 +51,9 @@ def train_overrides(args) -> list[str]:
 
 def add_demo_parser(sub) -> None:
     p = sub.add_parser("demo", help="train on the embedded default (SmolLM2, profanity scorer) and show before/after")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default: configs/demo.yaml)")
+    p.add_argument("--steps", type=at_least(1), default=None, help="training steps (default: configs/demo.yaml)")
     p.add_argument("--run-dir", default=None, help="run directory (default: runs/demo); an existing run resumes")
-    p.add_argument("--conversations", type=int, default=64, help="held-out conversations for the before/after comparison")
+    p.add_argument("--conversations", type=at_least(1), default=64, help="held-out conversations for the before/after comparison")
     p.add_argument("--quiet", action="store_true")
 
 
@@ -60,14 +62,15 @@ def _warn(text: str) -> None:
 
 
 def run_train(args) -> int:
-    from astrl.training import Trainer, load_config, resume
-    from astrl.training.config import describe_keys, renamed_overrides
+    from astrl.training.config import describe_keys, load_config, renamed_overrides
 
     if args.keys:
         print(describe_keys())
         return 0
     overrides = renamed_overrides(train_overrides(args), _warn)
     if args.resume:
+        from astrl.training.trainer import resume
+
         if args.config:
             raise ValueError("--resume continues a run with its own config.yaml; pass overrides instead of --config")
         trainer = resume(
@@ -76,7 +79,11 @@ def run_train(args) -> int:
     else:
         if args.trust_checkpoint:
             raise ValueError("--trust-checkpoint only applies with --resume RUN_DIR")
-        trainer = Trainer(load_config(args.config, overrides, on_warning=_warn), progress=not args.quiet)
+        config = load_config(args.config, overrides, on_warning=_warn)
+        config.check_names()  # before the trainer's heavy imports and model loads
+        from astrl.training.trainer import Trainer
+
+        trainer = Trainer(config, progress=not args.quiet)
     try:
         rows = trainer.train()
     except KeyboardInterrupt:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from astrl.envs.redteam import REWARDS, reward_options
+from astrl.rewards.weights import REWARDS, reward_options
 
 ALGORITHMS = ("grpo", "ppo", "dpo", "ipo")
 RETURNS = ("turn", "to_go")
@@ -375,6 +375,14 @@ class TrainConfig:
     def batch_size(self) -> int:
         """Conversations per step (``prompts_per_step`` openers, each ``group_size`` times)."""
         return self.prompts_per_step * self.group_size
+
+    def check_names(self) -> None:
+        """The checks of the run that need no model (:func:`astrl.names.check_names`): tester,
+        target, scorer and judge names, and the prompt source with its split."""
+        from astrl.names import check_names
+
+        roles = {"tester": self.tester, "target": self.target}
+        check_names(roles, [self.scorer, *self.judges], self.prompts, split=self.split, split_seed=self.seed)
 
     def reward_options(self) -> dict | None:
         """Reward weights for :func:`astrl.envs.make_redteam_env` (None for the plain score)."""

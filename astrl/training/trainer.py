@@ -36,7 +36,7 @@ from astrl.models import LoadedModel
 from astrl.prefill import SharedPrefill, clear_turn_caches
 from astrl.training.algorithm import Algorithm, DataPath, TrainingSource
 from astrl.training.config import ConfigError, TrainConfig, load_config
-from astrl.training.setup import RunModels, build_env, build_models, build_stream, training_conversation
+from astrl.training.setup import RunModels, build_env, build_models, build_stream, conversation_spec, training_conversation
 from astrl.training.state_io import (
     STATE_FILE,
     DamagedCheckpointError,
@@ -102,7 +102,11 @@ class ConfigSource(TrainingSource):
     env and collector or the DPO / IPO tree sampler, and the tester as what is trained and saved."""
 
     def __init__(self, config: TrainConfig, models: RunModels | None = None) -> None:
+        from astrl.envs.recipe import preflight
+
         self.config = config
+        # names, prompts and split before the models: a bad one costs milliseconds, not a model load
+        preflight(conversation_spec(config), tester=models is None, target=models is None)
         self.models = models or build_models(config)
 
     def build(self, stream_state: dict | None) -> DataPath:
@@ -613,8 +617,8 @@ def resume(
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{str(run_dir)!r} is not a run directory (no config.yaml)")
     config = load_config(run_dir / "config.yaml", [*overrides, f"run_dir={run_dir}"])
+    found = usable_checkpoint(run_dir, trust=trust_checkpoint, on_warning=on_warning)  # read before any model loads
     trainer = Trainer(config, progress=progress, models=build_models(config, tester_lm) if tester_lm else None)
-    found = usable_checkpoint(run_dir, trust=trust_checkpoint, on_warning=on_warning)
     if found is not None:
         trainer.load_checkpoint(found[0], trust=trust_checkpoint, state=found[1])
     return trainer
