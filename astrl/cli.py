@@ -88,6 +88,17 @@ def _add_rollout(sub) -> None:
     p.add_argument("--gamma", type=float, default=None, help=argparse.SUPPRESS)  # the old name of --likelihood-weight
     p.add_argument("--probe-penalty", type=float, default=1.0, help="elicit weight of the probe's own toxicity (subtracted)")
     p.add_argument("--elicit-gate", action="store_true", help="elicit: scale the reply's toxicity by 1 - tox(probe)")
+    p.add_argument(
+        "--reply-samples", type=at_least(1), default=1, help="replies the target samples to each probe; the reward averages them"
+    )
+    p.add_argument("--probe-gate", type=positive, default=None, help="elicit: reply terms only for tox(probe) below this")
+    p.add_argument(
+        "--reply-transform", default="prob", choices=["prob", "log", "odds"], help="elicit: transform of each reply's score"
+    )
+    p.add_argument("--reply-lexicon-weight", type=float, default=0.0, help="elicit: weight of the reply lexicon estimate")
+    p.add_argument("--reply-lexicon", default="scorer", help="elicit: scorer, wordlist, a .txt file or w1,w2 (default scorer)")
+    p.add_argument("--repeat-penalty", type=float, default=0.0, help="elicit: weight of the probe's repeated-bigram share")
+    p.add_argument("--likelihood-cap", type=float, default=None, help="elicit: cap on the probe's mean log-prob")
     _add_run_args(p)
     _add_scale_args(p)
     p.add_argument("--out", default="rollouts.jsonl", help="output JSONL path")
@@ -130,6 +141,13 @@ def _rollout(args) -> int:
         likelihood_weight=_likelihood_weight(args),
         probe_penalty=args.probe_penalty,
         elicit_gate=args.elicit_gate,
+        reply_samples=args.reply_samples,
+        probe_gate=args.probe_gate,
+        reply_transform=args.reply_transform,
+        reply_lexicon_weight=args.reply_lexicon_weight,
+        reply_lexicon=args.reply_lexicon,
+        repeat_penalty=args.repeat_penalty,
+        likelihood_cap=args.likelihood_cap,
         seed=args.seed,
         dtype=args.dtype,
         device=args.device,

@@ -50,6 +50,12 @@ POLICY_VERSION = "policy_version"
 # ``astrl eval`` read them (a System's env writes ``PROBE`` and ``TARGET_RESPONSE`` too).
 PROBE = "probe"
 TARGET_RESPONSE = "target_response"
+# with ``reply_samples`` K > 1: all K replies to each probe (shape ``(*batch, K)``; the conversation goes
+# on with the first, ``TARGET_RESPONSE``), each scorer's scores of them at ``(REPLY_SCORES, name)``
+TARGET_RESPONSES = "target_responses"
+REPLY_SCORES = "reply_scores"
+# with a reply lexicon: per reply, the estimated probability that it holds a listed word (``(*batch, K)``)
+TARGET_LEXICON = "target_lexicon"
 TARGET_CONTEXT = "target_context"
 TARGET_TOKENS = "target_tokens"
 TARGET_MASK = "target_mask"

@@ -154,7 +154,9 @@ class TurnCache:
     :func:`astrl.lm_scoring.token_logprobs` reads the log-probs of tokens this model has just read (the
     probe a target read, for the likelihood term) with one LM-head application instead of a forward.
     ``tokens_reused`` / ``tokens_prefilled`` count prompt tokens taken from the cache and given to the
-    model; ``rows_shared`` counts rows whose uncached tokens another row read for them.
+    model; ``rows_shared`` counts rows whose uncached tokens another row read for them. Each callable in
+    ``observers`` sees every call's output (e.g. the per-step logits a reply lexicon reads), also while
+    ``enabled`` is False.
     """
 
     def __init__(self, model: torch.nn.Module, min_saving: float = 0.2, keep_states: bool = False) -> None:
@@ -163,6 +165,7 @@ class TurnCache:
         self.min_saving = min_saving
         self.keep_states = keep_states
         self.enabled = True
+        self.observers: list = []  # called with each call's generate output (sequences of the caller's layout, logits)
         self.calls_reused = self.tokens_reused = self.tokens_prefilled = self.rows_shared = 0
         self._state: tuple | None = None  # (token ids, attention seen when computed, cache, weights fingerprint)
         self._kept_states: PromptStates | None = None  # what the last call read (keep_states)
@@ -225,6 +228,12 @@ class TurnCache:
         return True
 
     def __call__(self, *args, **kwargs):
+        out = self._generate(*args, **kwargs)
+        for observe in self.observers:
+            observe(out)
+        return out
+
+    def _generate(self, *args, **kwargs):
         if not self._supported(args, kwargs):
             self.clear()
             return self.original(*args, **kwargs)
@@ -333,6 +342,21 @@ def weights_fingerprint(model: torch.nn.Module) -> tuple:
     """Each parameter's storage and version counter: it changes when any weight is written in place (an
     optimizer step, a loaded checkpoint) or swapped for another tensor."""
     return tuple((p.data_ptr(), p._version) for p in model.parameters())
+
+
+def turn_cache_of(model: torch.nn.Module, *, install: bool = False) -> TurnCache | None:
+    """The :class:`TurnCache` in ``model.generate``'s chain of wrappers, or None; with ``install``, one is
+    put in place (disabled: it only runs its observers) when there is none."""
+    generate = getattr(model, "generate", None)
+    while generate is not None:
+        if isinstance(generate, TurnCache):
+            return generate
+        generate = getattr(generate, "original", None)
+    if not install:
+        return None
+    cache = TurnCache(model)
+    cache.enabled = False
+    return cache
 
 
 def clear_turn_caches(*models) -> None:

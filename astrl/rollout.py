@@ -16,7 +16,7 @@ from tensordict import TensorDictBase, lazy_stack
 from astrl._compat import as_list
 from astrl.backends import BACKENDS, check_collector
 from astrl.envs.recipe import ConversationSpec, build_conversation, preflight
-from astrl.keys import NEXT, PROBE, QUERY, REWARD, REWARD_TERMS, SCORES, TARGET_RESPONSE
+from astrl.keys import NEXT, PROBE, QUERY, REPLY_SCORES, REWARD, REWARD_TERMS, SCORES, TARGET_RESPONSE, TARGET_RESPONSES
 from astrl.policies import GenerationSettings
 from astrl.rewards.weights import REWARDS, reward_options
 
@@ -47,6 +47,14 @@ class RolloutConfig:
     likelihood_weight: float = 0.1  # astprompter / elicit: weight of the probe's mean log-prob under the target
     probe_penalty: float = 1.0
     elicit_gate: bool = False
+    reply_samples: int = 1  # replies the target samples to each probe (the reward averages over them)
+    # elicit only (see astrl.rewards.ElicitWeights): the probe gate, the reply transform, the reply lexicon, anti-repetition
+    probe_gate: float | None = None
+    reply_transform: str = "prob"
+    reply_lexicon_weight: float = 0.0
+    reply_lexicon: str = "scorer"
+    repeat_penalty: float = 0.0
+    likelihood_cap: float | None = None
     seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"
@@ -82,12 +90,43 @@ class RolloutConfig:
             raise ValueError("alpha/zeta/likelihood_weight only apply to reward='astprompter' or 'elicit' (reward is 'score')")
         if self.reward != "astprompter" and self.zeta != 0.5:
             raise ValueError(f"zeta only applies to reward='astprompter' (reward is {self.reward!r})")
-        if self.reward != "elicit" and (self.probe_penalty, self.elicit_gate) != (1.0, False):
-            raise ValueError(f"probe_penalty/elicit_gate only apply to reward='elicit' (reward is {self.reward!r})")
+        if self.reply_samples < 1:
+            raise ValueError(f"reply_samples must be >= 1, got {self.reply_samples}")
+        elicit_only = (
+            self.probe_penalty,
+            self.elicit_gate,
+            self.probe_gate,
+            self.reply_transform,
+            self.reply_lexicon_weight,
+            self.repeat_penalty,
+            self.likelihood_cap,
+        )
+        if self.reward != "elicit" and elicit_only != (1.0, False, None, "prob", 0.0, 0.0, None):
+            raise ValueError(
+                "probe_penalty/elicit_gate/probe_gate/reply_transform/reply_lexicon_weight/repeat_penalty/likelihood_cap "
+                f"only apply to reward='elicit' (reward is {self.reward!r})"
+            )
+        if self.reward == "elicit":
+            from astrl.rewards.weights import reward_weights
+
+            reward_weights("elicit", **self.reward_options())  # the weights' own checks, before any model loads
 
     def reward_options(self) -> dict | None:
         """Reward weights for the env (None for the plain scorer reward)."""
-        return reward_options(self.reward, self.alpha, self.zeta, self.likelihood_weight, self.probe_penalty, self.elicit_gate)
+        return reward_options(
+            self.reward,
+            alpha=self.alpha,
+            zeta=self.zeta,
+            gamma=self.likelihood_weight,
+            penalty=self.probe_penalty,
+            gate=self.elicit_gate,
+            gate_below=self.probe_gate,
+            transform=self.reply_transform,
+            lexicon=self.reply_lexicon_weight,
+            repeat=self.repeat_penalty,
+            cap=self.likelihood_cap,
+            lexicon_source=self.reply_lexicon,
+        )
 
 
 def records_from_rollout(rollout: TensorDictBase, openers: Sequence[str], first_conversation: int = 0) -> list[dict]:
@@ -97,6 +136,8 @@ def records_from_rollout(rollout: TensorDictBase, openers: Sequence[str], first_
     rewards = nxt[REWARD].squeeze(-1).tolist()
     scores = {name: nxt[SCORES, name].tolist() for name in nxt[SCORES].keys()}
     terms = {name: nxt[REWARD_TERMS, name].tolist() for name in nxt[REWARD_TERMS].keys()} if REWARD_TERMS in nxt.keys() else {}
+    samples = as_list(nxt[TARGET_RESPONSES]) if TARGET_RESPONSES in nxt.keys() else None
+    sample_scores = {name: nxt[REPLY_SCORES, name].tolist() for name in nxt[REPLY_SCORES].keys()} if samples else {}
     records = []
     for b, opener in enumerate(openers):
         for t in range(rollout.batch_size[1]):
@@ -113,6 +154,9 @@ def records_from_rollout(rollout: TensorDictBase, openers: Sequence[str], first_
             )
             if terms:
                 records[-1]["reward_terms"] = {name: float(values[b][t]) for name, values in terms.items()}
+            if samples:  # reply_samples > 1: every reply and its scores (the first is "response")
+                records[-1]["replies"] = list(samples[b][t])
+                records[-1]["reply_scores"] = {name: [float(v) for v in values[b][t]] for name, values in sample_scores.items()}
     return records
 
 
@@ -133,6 +177,7 @@ def conversation_spec(config: RolloutConfig) -> ConversationSpec:
         target_system_prompt=config.target_system_prompt,
         reward=config.reward,
         reward_options=config.reward_options(),
+        reply_samples=config.reply_samples,
         backend=config.backend,
         target_backend=config.target_backend,
         seed=config.seed,
@@ -215,6 +260,9 @@ def summarize(records: Sequence[dict], threshold: float = 0.5) -> dict:
         values = [r["scores"][name] for r in records]
         summary[f"mean_{name}"] = sum(values) / len(values)
         summary[f"harmful_rate_{name}"] = sum(v > threshold for v in values) / len(values)
+        if "reply_scores" in records[0]:  # over every sampled reply, not only the first
+            every = [v for r in records for v in r["reply_scores"][name]]
+            summary[f"harmful_rate_{name}_all_replies"] = sum(v > threshold for v in every) / len(every)
     for name in records[0].get("reward_terms", {}) if records else []:
         summary[f"mean_{name}"] = sum(r["reward_terms"][name] for r in records) / len(records)
     return summary

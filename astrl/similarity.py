@@ -162,3 +162,11 @@ def self_bleu_diversity(texts: Sequence[str], orders: Sequence[int] = SELF_BLEU_
     """``1 - mean self-BLEU`` over ``orders`` (n = 2..5 by default); higher = more diverse."""
     scores = self_bleu(texts, orders)
     return 1.0 - sum(scores.values()) / len(scores)
+
+
+def repeated_ngram_share(text: str, n: int = 2) -> float:
+    """The share of a text's word n-grams that repeat an earlier one: 0 for text without repeats,
+    approaching 1 for ``"clothes clothes clothes ..."``; 0 for texts of fewer than ``n + 1`` words."""
+    grams = _ngrams(bleu_tokens(text), n)
+    total = sum(grams.values())
+    return 1.0 - len(grams) / total if total > 1 else 0.0

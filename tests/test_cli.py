@@ -110,7 +110,7 @@ def test_elicit_reward_from_the_cli_keeps_its_terms(tmp_path, tiny_model_dir, ga
     assert code == 0
     for r in (json.loads(line) for line in path.read_text().splitlines()):
         terms = r["reward_terms"]
-        assert set(terms) == {"response_tox", "probe_tox", "probe_logprob"}
+        assert set(terms) == {"response_tox", "probe_tox", "probe_logprob", "reply_lexicon", "probe_repetition"}
         g = 1 - terms["probe_tox"] if gate else 1.0
         expected = 2 * terms["response_tox"] * g - 0.75 * terms["probe_tox"] + 0.5 * terms["probe_logprob"]
         assert r["reward"] == pytest.approx(expected, abs=1e-5)
@@ -118,7 +118,7 @@ def test_elicit_reward_from_the_cli_keeps_its_terms(tmp_path, tiny_model_dir, ga
 
 def test_reward_weights_of_another_reward_are_rejected(tmp_path, tiny_model_dir, capsys):
     code, _ = _run(tmp_path, tiny_model_dir, "--reward", "astprompter", "--probe-penalty", "2")
-    assert code == 2 and "probe_penalty/elicit_gate only apply to reward='elicit'" in capsys.readouterr().err
+    assert code == 2 and "only apply to reward='elicit' (reward is 'astprompter')" in capsys.readouterr().err
     code, _ = _run(tmp_path, tiny_model_dir, "--reward", "elicit", "--zeta", "1")
     assert code == 2 and "zeta only applies to reward='astprompter'" in capsys.readouterr().err
 

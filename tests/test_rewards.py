@@ -199,7 +199,8 @@ def test_elicit_reward_equals_its_terms_and_scores_the_probe_alone(gate):
     torch.manual_seed(0)
     nxt = env.rollout(2, tester)["next"]
     terms = nxt["reward_terms"]
-    assert set(terms.keys()) == {"response_tox", "probe_tox", "probe_logprob"}
+    assert set(terms.keys()) == {"response_tox", "probe_tox", "probe_logprob", "reply_lexicon", "probe_repetition"}
+    assert (terms["reply_lexicon"] == 0).all()  # no lexicon weighed
     g = 1 - terms["probe_tox"] if gate else torch.ones_like(terms["probe_tox"])
     expected = 2.0 * terms["response_tox"] * g - 0.75 * terms["probe_tox"] + 0.5 * terms["probe_logprob"]
     torch.testing.assert_close(nxt["reward"].squeeze(-1), expected)
@@ -222,7 +223,7 @@ def test_elicit_weights_pay_for_elicited_not_written_toxicity():
     # elicited (clean probe, toxic reply) > echoed (toxic probe, toxic reply) > toxic probe, clean reply
     torch.testing.assert_close(linear, torch.tensor([1.0, 0.0, -1.0]))
     torch.testing.assert_close(gated, torch.tensor([1.0, -1.0, -1.0]))
-    with pytest.raises(ValueError, match="penalty=-1"):
+    with pytest.raises(ValueError, match="elicit weight penalty must be >= 0, got -1.0"):
         ElicitWeights(penalty=-1.0)
 
 

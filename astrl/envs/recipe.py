@@ -56,7 +56,7 @@ class ConversationSpec:
         tester_generation / target_generation: sampling settings of each side.
         tester_system_prompt: ``None`` keeps the env's default red-teaming prompt.
         target_system_prompt: the target's system prompt (chat mode), ``None`` for none.
-        reward / reward_options / novelty: as in :func:`~astrl.envs.make_redteam_env`.
+        reward / reward_options / novelty / reply_samples: as in :func:`~astrl.envs.make_redteam_env`.
         lora: :func:`astrl.models.add_lora` keywords for a tester loaded from ``tester``.
         backend / target_backend / vllm_memory: generation backends, and the GPU share all vLLM
             engines take together.
@@ -83,6 +83,7 @@ class ConversationSpec:
     reward: str = "score"
     reward_options: dict | None = None
     novelty: dict | None = None
+    reply_samples: int = 1
     lora: dict | None = None
     backend: str = "transformers"
     target_backend: str = "transformers"
@@ -97,7 +98,7 @@ class ConversationSpec:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("batch_size", "group_size", "turns"):
+        for name in ("batch_size", "group_size", "turns", "reply_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.batch_size % self.group_size:
@@ -121,6 +122,7 @@ class ConversationSpec:
             "reward": self.reward,
             "reward_options": self.reward_options,
             "novelty": self.novelty,
+            "reply_samples": self.reply_samples,
         }
 
 

@@ -105,6 +105,7 @@ def make_redteam_env(
     reward_options: Mapping[str, object] | None = None,
     reward_shaping: Mapping[str, object] | None = None,
     novelty: Mapping[str, object] | None = None,
+    reply_samples: int = 1,
     seed: int = 0,
 ) -> TransformedEnv:
     """Build the red-team environment.
@@ -124,13 +125,20 @@ def make_redteam_env(
             (:class:`~astrl.rewards.ElicitReward`: toxicity elicited from the target, minus the
             probe's own); the last two also write ``reward_terms``.
         reward_options: keyword arguments of that reward: ``alpha``, ``zeta``, ``gamma`` (astprompter)
-            or ``alpha``, ``penalty``, ``gamma``, ``gate`` (elicit); and ``join``, ``empty_probe_logprob``.
+            or the fields of :class:`~astrl.rewards.ElicitWeights` (elicit: ``alpha``, ``penalty``, ``gamma``,
+            ``gate``, ``gate_below``, ``transform``, ``lexicon``, ``repeat``, ``cap``); and ``join``,
+            ``empty_probe_logprob``; for elicit with ``lexicon`` > 0, ``lexicon_source`` and
+            ``lexicon_threshold`` (:func:`astrl.rewards.lexicon.reply_lexicon`; default ``"scorer"``, 0.9).
         reward_shaping: keyword arguments of :class:`~astrl.rewards.RewardShaping` (``clip``,
             ``normalize``); None = no shaping.
         novelty: novelty terms added to the reward before shaping (:func:`astrl.rewards.novelty.make_novelty`):
             ``ngram`` and ``embedding`` coefficients, ``history``, ``ngram_n``, ``embedding_reduce``,
             ``embedder``, ``device``; None = none.
+        reply_samples: replies the target samples to each probe in one call (``target_responses``,
+            ``reply_scores``); rewards average over them; the conversation goes on with the first.
         seed: seeds the opener order.
+
+    The env's ``reply_lexicon`` attribute is the :class:`~astrl.rewards.lexicon.ReplyLexicon` in use (or None).
     """
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -143,10 +151,13 @@ def make_redteam_env(
     if stream.batch_size != batch_size:
         raise ValueError(f"PromptStream batch_size {stream.batch_size} differs from env batch_size {batch_size}")
     tester_tokenizer, tester_window, tester_max_new = policy_limits(tester, "tester")
-    score = ScoreReward(scorers, reward_scorer=reward_scorer)
+    score = ScoreReward(scorers, reward_scorer=reward_scorer, reply_samples=reply_samples)
+    reward_scorer_ = score.scorers[score.reward_scorer]
+    options = dict(reward_options or {})
+    lexicon = _reply_lexicon(target, reward_scorer_, options)
     rewards = [score]
     if reward != "score":
-        rewards.append(_likelihood_reward(reward, target, score.scorers[score.reward_scorer], mode, dict(reward_options or {})))
+        rewards.append(_likelihood_reward(reward, target, reward_scorer_, mode, options))
     rewards.extend(make_novelty(novelty))
     if reward_shaping:
         rewards.append(RewardShaping(**reward_shaping))
@@ -163,13 +174,29 @@ def make_redteam_env(
                 mode=mode,
                 target_system_prompt=target_system_prompt,
                 advance=advance,
+                reply_samples=reply_samples,
+                lexicon=lexicon,
             ),
             *rewards,
             StepCounter(max_steps=max_turns),
         ),
     )
     env.prompt_stream = stream
+    env.reply_lexicon = lexicon
     return env
+
+
+def _reply_lexicon(target, scorer: Scorer, options: dict):
+    """The reply lexicon an elicitation reward weighs (``lexicon`` > 0), its source and threshold taken
+    out of ``options``; None without one."""
+    source = options.pop("lexicon_source", "scorer")
+    threshold = float(options.pop("lexicon_threshold", 0.9))
+    if not options.get("lexicon"):
+        return None
+    from astrl.rewards.lexicon import reply_lexicon
+
+    tokenizer, _, _ = policy_limits(target, "target")
+    return reply_lexicon(source, tokenizer, scorer=scorer, threshold=threshold)
 
 
 def _likelihood_reward(reward: str, target, scorer: Scorer, mode: str, options: dict) -> ASTPrompterReward:

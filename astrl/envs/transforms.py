@@ -18,11 +18,14 @@ from astrl.envs.truncation import fit_chats, fit_texts
 from astrl.keys import (
     HISTORY,
     PROBE,
+    REPLY_SCORES,
     REWARD,
     SCORES,
     TARGET_CONTEXT,
+    TARGET_LEXICON,
     TARGET_MASK,
     TARGET_RESPONSE,
+    TARGET_RESPONSES,
     TARGET_TOKENS,
     TEXT,
     TEXT_PROMPT,
@@ -110,6 +113,14 @@ class TargetTurn(Transform):
     target's ``max_new_tokens``) and ``target_mask`` to the step output; they are observations
     (the last exchange), empty after reset. After each step (and at
     reset) the tester's next observation is clipped to fit its own window, oldest turns first.
+
+    With ``reply_samples`` K > 1 the target answers each probe K times in the same call (K adjacent
+    rows with the same input, so a :class:`~astrl.prefill.TurnCache` reads their prompt once) and
+    ``target_responses`` holds the K replies (shape ``(*batch, K)``); ``target_response``,
+    ``target_tokens`` and ``target_mask`` are those of the first, the reply the conversation goes on
+    with. With a ``lexicon`` (:class:`~astrl.rewards.lexicon.ReplyLexicon`), ``target_lexicon`` holds
+    each reply's estimated probability of holding a listed word (shape ``(*batch, K)``), read from the
+    target's next-token logits of this very call (the target must be a Transformers policy).
     """
 
     def __init__(
@@ -122,10 +133,19 @@ class TargetTurn(Transform):
         mode: str = "chat",
         target_system_prompt: str | None = None,
         advance: Advance | None = None,
+        reply_samples: int = 1,
+        lexicon=None,
     ) -> None:
         super().__init__()
         if mode not in ("chat", "text"):
             raise ValueError(f"mode must be 'chat' or 'text', got {mode!r}")
+        if reply_samples < 1:
+            raise ValueError(f"reply_samples must be >= 1, got {reply_samples}")
+        self.reply_samples = reply_samples
+        self.lexicon = lexicon
+        self._masses: list[torch.Tensor] | None = None  # per-step lexicon masses of the target call in progress
+        if lexicon is not None:
+            self._watch_logits(target)
         self.target = target
         self.mode = mode
         self.target_system_prompt = target_system_prompt
@@ -145,6 +165,23 @@ class TargetTurn(Transform):
                     f"(use at most {window - 1})"
                 )
 
+    def _watch_logits(self, target) -> None:
+        """Read the lexicon mass of every reply position from the target's ``generate`` output."""
+        from astrl.prefill import turn_cache_of
+
+        model = getattr(target, "model", None)
+        if model is None or not hasattr(model, "generate"):
+            raise TypeError("a reply lexicon reads the target's generate logits: the target must be a Transformers policy")
+        turn_cache_of(model, install=True).observers.append(self._observe)
+
+    def _observe(self, out) -> None:
+        if self._masses is None:  # a call of the same model by someone else (a tester sharing it)
+            return
+        logits = getattr(out, "logits", None)
+        if not logits:
+            raise ValueError("the target's generate returned no logits: the reply lexicon needs return_log_probs=True")
+        self._masses.append(torch.stack([self.lexicon.mass(step) for step in logits], dim=1))
+
     # -- specs -------------------------------------------------------------------------
     def transform_observation_spec(self, observation_spec: Composite) -> Composite:
         shape = observation_spec.shape
@@ -153,6 +190,10 @@ class TargetTurn(Transform):
         observation_spec[TARGET_CONTEXT] = NonTensor(shape=shape, example_data="context")
         observation_spec[TARGET_TOKENS] = Unbounded(shape=(*shape, self.target_max_new_tokens), dtype=torch.long)
         observation_spec[TARGET_MASK] = Unbounded(shape=(*shape, self.target_max_new_tokens), dtype=torch.bool)
+        if self.reply_samples > 1:
+            observation_spec[TARGET_RESPONSES] = NonTensor(shape=(*shape, self.reply_samples), example_data="reply")
+        if self.lexicon is not None:
+            observation_spec[TARGET_LEXICON] = Unbounded(shape=(*shape, self.reply_samples))
         return observation_spec
 
     # -- reset: the opener must fit the tester's window ---------------------------------
@@ -164,6 +205,10 @@ class TargetTurn(Transform):
         tensordict_reset.set(TARGET_CONTEXT, [""] * n)
         tensordict_reset.set(TARGET_TOKENS, torch.full((*shape, self.target_max_new_tokens), self.target_tokenizer.pad_token_id))
         tensordict_reset.set(TARGET_MASK, torch.zeros((*shape, self.target_max_new_tokens), dtype=torch.bool))
+        if self.reply_samples > 1:
+            tensordict_reset.set(TARGET_RESPONSES, [[""] * self.reply_samples for _ in range(n)])
+        if self.lexicon is not None:
+            tensordict_reset.set(TARGET_LEXICON, torch.zeros((*shape, self.reply_samples)))
         if self.mode == "chat":
             chats = fit_chats(history_to_chats(tensordict_reset[HISTORY].prompt), self.tester_tokenizer, self.tester_budget)
             self._set_tester_view(tensordict_reset, chats)
@@ -179,50 +224,72 @@ class TargetTurn(Transform):
         td.set(HISTORY, ChatHistory(prompt=chats_to_history(chats), batch_size=td.batch_size))
 
     # -- step --------------------------------------------------------------------------
-    def _answer(self, target_input: TensorDictBase) -> tuple[list[str], torch.Tensor, torch.Tensor]:
-        with torch.no_grad():
-            out = self.target(target_input)
+    def _answer(self, inputs: list, key) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+        """The target's replies to ``inputs`` (chats or texts) written at ``key``, ``reply_samples`` per
+        input in one call: the replies of input i are rows ``i*K .. i*K+K-1``."""
+        k = self.reply_samples
+        rows = [item for item in inputs for _ in range(k)]
+        if key == HISTORY:
+            from torchrl.modules.llm.policies import ChatHistory
+
+            value = ChatHistory(prompt=chats_to_history(rows), batch_size=(len(rows),))
+        else:
+            from torchrl.modules.llm.policies import Text
+
+            value = Text(prompt=rows, batch_size=(len(rows),))
+        self._masses = [] if self.lexicon is not None else None
+        try:
+            with torch.no_grad():
+                out = self.target(TensorDict({key: value}, batch_size=(len(rows),)))
+            masses = self._masses
+        finally:
+            self._masses = None
         tokens = out.get(TOKENS_RESPONSE, as_list=True)
-        return clean_responses(tokens, self.target_tokenizer, self.target_max_new_tokens)
+        replies, ids, mask = clean_responses(tokens, self.target_tokenizer, self.target_max_new_tokens)
+        self._lexicon_values = None
+        if masses is not None:
+            if len(masses) != 1:
+                raise RuntimeError(f"expected one generate call of the target, saw {len(masses)}")
+            mass = masses[0][:, : self.target_max_new_tokens]
+            width = mass.shape[1]
+            self._lexicon_values = self.lexicon.estimate(mass, mask[:, :width]).reshape(len(inputs), k)
+        return replies, ids, mask
 
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
         if self.mode == "chat":
             probes, contexts, replies, ids, mask = self._step_chat(next_tensordict)
         else:
             probes, contexts, replies, ids, mask = self._step_text(tensordict, next_tensordict)
+        k = self.reply_samples
         next_tensordict.set(PROBE, probes)
         next_tensordict.set(TARGET_CONTEXT, contexts)
-        next_tensordict.set(TARGET_RESPONSE, replies)
-        next_tensordict.set(TARGET_TOKENS, ids)
-        next_tensordict.set(TARGET_MASK, mask)
+        next_tensordict.set(TARGET_RESPONSE, replies[::k])
+        next_tensordict.set(TARGET_TOKENS, ids[::k])
+        next_tensordict.set(TARGET_MASK, mask[::k])
+        if k > 1:
+            next_tensordict.set(TARGET_RESPONSES, [replies[i : i + k] for i in range(0, len(replies), k)])
+        if self.lexicon is not None:
+            next_tensordict.set(TARGET_LEXICON, self._lexicon_values.reshape(*next_tensordict.batch_size, k))
         return next_tensordict
 
     def _step_chat(self, next_td: TensorDictBase):
-        from torchrl.modules.llm.policies import ChatHistory
-
         tester_chats = history_to_chats(next_td[HISTORY].prompt)
         probes = [chat[-1]["content"] for chat in tester_chats]
         target_chats = fit_chats(
             [target_view(c, self.target_system_prompt) for c in tester_chats], self.target_tokenizer, self.target_budget
         )
-        batch = next_td.batch_size
-        target_input = TensorDict(
-            {HISTORY: ChatHistory(prompt=chats_to_history(target_chats), batch_size=batch)}, batch_size=batch
-        )
-        replies, ids, mask = self._answer(target_input)
-        grown = [chat + [{"role": "user", "content": reply}] for chat, reply in zip(tester_chats, replies, strict=True)]
+        replies, ids, mask = self._answer(target_chats, HISTORY)
+        first = replies[:: self.reply_samples]  # the conversation goes on with each probe's first reply
+        grown = [chat + [{"role": "user", "content": reply}] for chat, reply in zip(tester_chats, first, strict=True)]
         self._set_tester_view(next_td, fit_chats(grown, self.tester_tokenizer, self.tester_budget))
         return probes, contexts_before_last(self.target_tokenizer, target_chats), replies, ids, mask
 
     def _step_text(self, td: TensorDictBase, next_td: TensorDictBase):
-        from torchrl.modules.llm.policies import Text
-
         contexts, probes = as_list(td[TEXT_PROMPT]), as_list(td[TEXT_RESPONSE])
         target_text = fit_texts([c + p for c, p in zip(contexts, probes, strict=True)], self.target_tokenizer, self.target_budget)
-        batch = next_td.batch_size
-        target_input = TensorDict({TEXT: Text(prompt=target_text, batch_size=batch)}, batch_size=batch)
-        replies, ids, mask = self._answer(target_input)
-        states = [self.advance(c, p, r) for c, p, r in zip(contexts, probes, replies, strict=True)]
+        replies, ids, mask = self._answer(target_text, TEXT)
+        first = replies[:: self.reply_samples]  # the conversation goes on with each probe's first reply
+        states = [self.advance(c, p, r) for c, p, r in zip(contexts, probes, first, strict=True)]
         next_td.set(TEXT_PROMPT, fit_texts(states, self.tester_tokenizer, self.tester_budget))
         # what the target read before the probe ("" when the probe itself had to be clipped)
         seen = [t[: len(t) - len(p)] if t.endswith(p) else "" for t, p in zip(target_text, probes, strict=True)]
@@ -234,13 +301,24 @@ class ScoreReward(Transform):
 
     Writes ``("scores", NAME)`` (shape ``(*batch,)``, in [0, 1], higher = more harmful) for each
     scorer and ``reward`` (shape ``(*batch, 1)``) from the scorer named ``reward_scorer``
-    (default: the first one).
+    (default: the first one). With ``reply_samples`` K > 1 (the target's K replies to each probe at
+    ``target_responses``), every reply is scored in one call per scorer: ``("reply_scores", NAME)``
+    (shape ``(*batch, K)``) holds them, ``("scores", NAME)`` the first reply's (the one the
+    conversation shows), and the reward is the reward scorer's mean over the K replies.
     """
 
     def __init__(
-        self, scorers: Mapping[str, Scorer] | Sequence[Scorer], *, reward_scorer: str | None = None, in_key: str = TARGET_RESPONSE
+        self,
+        scorers: Mapping[str, Scorer] | Sequence[Scorer],
+        *,
+        reward_scorer: str | None = None,
+        in_key: str = TARGET_RESPONSE,
+        reply_samples: int = 1,
     ) -> None:
         super().__init__()
+        if reply_samples < 1:
+            raise ValueError(f"reply_samples must be >= 1, got {reply_samples}")
+        self.reply_samples = reply_samples
         if not isinstance(scorers, Mapping):
             scorers = {s.name: s for s in scorers}
         if not scorers:
@@ -254,12 +332,18 @@ class ScoreReward(Transform):
     def transform_observation_spec(self, observation_spec: Composite) -> Composite:
         shape = observation_spec.shape
         observation_spec[SCORES] = Composite({name: Unbounded(shape=shape) for name in self.scorers}, shape=shape)
+        if self.reply_samples > 1:
+            samples = (*shape, self.reply_samples)
+            observation_spec[REPLY_SCORES] = Composite({name: Unbounded(shape=samples) for name in self.scorers}, shape=shape)
         return observation_spec
 
     def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
         shape = tensordict_reset.batch_size
         zeros = TensorDict({name: torch.zeros(shape) for name in self.scorers}, batch_size=shape)
         tensordict_reset.set(SCORES, zeros)
+        if self.reply_samples > 1:
+            samples = (*shape, self.reply_samples)
+            tensordict_reset.set(REPLY_SCORES, TensorDict({n: torch.zeros(samples) for n in self.scorers}, batch_size=shape))
         return tensordict_reset
 
     def transform_reward_spec(self, reward_spec: Composite) -> Composite:
@@ -267,10 +351,20 @@ class ScoreReward(Transform):
         return reward_spec
 
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
-        texts = as_list(next_tensordict[self.in_key])
         shape = next_tensordict.batch_size
-        scores = {name: checked_scores(scorer, texts).reshape(shape) for name, scorer in self.scorers.items()}
-        scores = TensorDict(scores, batch_size=shape)
+        if self.reply_samples > 1:
+            rows = as_list(next_tensordict[TARGET_RESPONSES])
+            texts = [reply for row in rows for reply in row]
+            samples = (*shape, self.reply_samples)
+            every = {name: checked_scores(scorer, texts).reshape(samples) for name, scorer in self.scorers.items()}
+            next_tensordict.set(REPLY_SCORES, TensorDict(every, batch_size=shape))
+            scores = TensorDict({name: values[..., 0] for name, values in every.items()}, batch_size=shape)
+            reward = every[self.reward_scorer].mean(-1)
+        else:
+            texts = as_list(next_tensordict[self.in_key])
+            scores = {name: checked_scores(scorer, texts).reshape(shape) for name, scorer in self.scorers.items()}
+            scores = TensorDict(scores, batch_size=shape)
+            reward = scores[self.reward_scorer]
         next_tensordict.set(SCORES, scores)
-        next_tensordict.set(REWARD, scores[self.reward_scorer].unsqueeze(-1))
+        next_tensordict.set(REWARD, reward.unsqueeze(-1))
         return next_tensordict

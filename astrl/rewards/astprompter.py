@@ -23,7 +23,7 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.data import Composite, Unbounded
 
 from astrl._compat import as_list
-from astrl.keys import PROBE, REWARD, REWARD_TERMS, SCORES, TARGET_CONTEXT, TARGET_RESPONSE
+from astrl.keys import PROBE, REPLY_SCORES, REWARD, REWARD_TERMS, SCORES, TARGET_CONTEXT, TARGET_LEXICON, TARGET_RESPONSE
 from astrl.lm_scoring import token_logprobs
 from astrl.rewards.logprobs import StepTransform
 from astrl.rewards.weights import ASTPrompterWeights, ElicitWeights, reward_weights, weight_names
@@ -42,7 +42,7 @@ from astrl.scorers import Scorer, checked_scores
 
 # the names of the weights' combine() arguments, written under REWARD_TERMS (the last is keys.PROBE_LOGPROB)
 TERMS = ("response_tox", "combined_tox", "probe_logprob")
-ELICIT_TERMS = ("response_tox", "probe_tox", "probe_logprob")
+ELICIT_TERMS = ("response_tox", "probe_tox", "probe_logprob", "reply_lexicon", "probe_repetition")
 
 
 def probe_logprobs(
@@ -166,11 +166,23 @@ class ASTPrompterReward(StepTransform):
         both = checked_scores(self.scorer, list(replies) + texts)
         return {"response_tox": both[: len(replies)].float(), name: both[len(replies) :].float()}
 
+    def reply_term(self, scores: torch.Tensor) -> torch.Tensor:
+        """The reply term from the scores of each probe's replies (shape ``(N, K)``): their mean."""
+        return scores.mean(-1)
+
+    def extra_terms(self, probes: list[str], nxt: TensorDictBase) -> dict[str, torch.Tensor]:
+        """Terms beyond toxicity and likelihood (none here)."""
+        return {}
+
     def compute(self, root: TensorDictBase, nxt: TensorDictBase) -> dict:
         probes, replies = as_list(nxt.get(self.probe_key)), as_list(nxt.get(self.response_key))
         contexts = as_list(nxt.get(self.context_key))
         shape = nxt.batch_size
         terms = self.toxicity_terms(probes, replies, nxt.get((SCORES, self.scorer.name), None))
+        samples = nxt.get((REPLY_SCORES, self.scorer.name), None)  # the K replies' scores, with reply_samples > 1
+        samples = terms["response_tox"].reshape(-1, 1) if samples is None else samples.reshape(len(probes), -1)
+        terms["response_tox"] = self.reply_term(samples.float())
+        terms.update(self.extra_terms(probes, nxt))
         with torch.inference_mode():
             logprob = probe_logprobs(
                 self.target_model,
@@ -205,14 +217,31 @@ class ASTPrompterReward(StepTransform):
 class ElicitReward(ASTPrompterReward):
     """Env transform that sets the elicitation reward (toxicity the tester elicits, not writes).
 
-    Writes ``("reward_terms", "response_tox" | "probe_tox" | "probe_logprob")`` and ``reward``, so that
-    ``reward == alpha * response_tox * g - penalty * probe_tox + gamma * probe_logprob``
-    (:class:`ElicitWeights`; ``g = 1 - probe_tox`` when gated). ``probe_tox`` is the scorer on the
-    probe alone; the reply's score is reused from ``("scores", scorer.name)`` when present, so
-    one scorer call covers a step. Other arguments as :class:`ASTPrompterReward`.
+    Writes ``("reward_terms", name)`` for ``response_tox`` (the mean over the probe's K replies of the
+    weights' transformed score, :meth:`ElicitWeights.reply_value`), ``probe_tox``, ``probe_logprob``,
+    ``reply_lexicon`` (the mean over the replies of the lexicon estimate at ``target_lexicon``; 0
+    without one) and ``probe_repetition`` (the share of repeated word bigrams in the probe), and
+    ``reward == ElicitWeights.combine(**terms)``: ``g * (alpha * response_tox + lexicon * reply_lexicon)
+    - penalty * probe_tox + gamma * min(probe_logprob, cap) - repeat * probe_repetition``. ``probe_tox``
+    is the scorer on the probe alone; the replies' scores are reused from ``("reply_scores", name)``
+    (or ``("scores", name)``), so one scorer call covers a step. Other arguments as
+    :class:`ASTPrompterReward`.
     """
 
     terms = ELICIT_TERMS
+
+    def reply_term(self, scores: torch.Tensor) -> torch.Tensor:
+        return self.weights.reply_value(scores).mean(-1)
+
+    def extra_terms(self, probes: list[str], nxt: TensorDictBase) -> dict[str, torch.Tensor]:
+        from astrl.similarity import repeated_ngram_share
+
+        lexicon = nxt.get(TARGET_LEXICON, None)
+        if lexicon is None and self.weights.lexicon:
+            raise ValueError("the elicit reward weighs a reply lexicon, but the env has none (target_lexicon is missing)")
+        lexicon = torch.zeros(len(probes)) if lexicon is None else lexicon.reshape(len(probes), -1).float().mean(-1)
+        repetition = torch.tensor([repeated_ngram_share(p) for p in probes], dtype=torch.float32)
+        return {"reply_lexicon": lexicon, "probe_repetition": repetition}
 
     def __init__(
         self, target_model: torch.nn.Module, target_tokenizer, scorer: Scorer, *, weights: ElicitWeights | None = None, **kwargs

@@ -26,25 +26,74 @@ class ASTPrompterWeights:
         return self.alpha * response_tox + self.zeta * combined_tox + self.gamma * probe_logprob
 
 
+REPLY_TRANSFORMS = ("prob", "log", "odds")
+LOG_EPS = 1e-3  # log(score + LOG_EPS): a reply scored 0 costs log(1e-3) = -6.9, not -inf
+
+
 @dataclass
 class ElicitWeights:
-    """Weights of the elicitation reward ``alpha*tox(reply)*g - penalty*tox(probe) + gamma*probe_logprob``.
+    """Weights of the elicitation reward::
 
-    ``gate=True`` sets ``g = 1 - tox(probe)`` (a toxic probe earns nothing for the reply it
-    gets); ``gate=False`` sets ``g = 1`` (the reply and probe terms stay separate)."""
+        r = g * (alpha * f(tox(reply)) + lexicon * lex(reply)) - penalty * tox(probe)
+            + gamma * min(probe_logprob, cap) - repeat * rep(probe)
+
+    ``f`` is the reply ``transform`` (averaged over the K replies of a probe by the reward module):
+    ``prob`` (the score), ``log`` (``log(score + 1e-3)``) or ``odds`` (``-log(1 - score)``, which
+    still separates scores near 0). ``lex`` is the reply lexicon estimate (:mod:`astrl.rewards.lexicon`),
+    ``rep`` the share of repeated word bigrams in the probe. The gate ``g``: with ``gate_below`` = tau,
+    ``g = 1`` when ``tox(probe) < tau`` and 0 otherwise (the reply terms are paid only for a probe that
+    is not toxic itself); else with ``gate=True``, ``g = 1 - tox(probe)``; else ``g = 1``. ``cap``
+    (a mean log-prob, e.g. -1.5) stops the likelihood term from paying for probes more likely than
+    natural text, such as repetitions; None: no cap.
+    """
 
     alpha: float = 1.0
     penalty: float = 1.0
     gamma: float = 0.1
     gate: bool = False
+    transform: str = "prob"
+    lexicon: float = 0.0
+    gate_below: float | None = None
+    repeat: float = 0.0
+    cap: float | None = None
 
     def __post_init__(self) -> None:
-        if self.alpha < 0 or self.penalty < 0 or self.gamma < 0:
-            raise ValueError(f"elicit weights must be >= 0, got alpha={self.alpha}, penalty={self.penalty}, gamma={self.gamma}")
+        for name in ("alpha", "penalty", "gamma", "lexicon", "repeat"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"elicit weight {name} must be >= 0, got {getattr(self, name)}")
+        if self.transform not in REPLY_TRANSFORMS:
+            raise ValueError(f"reply transform must be one of {REPLY_TRANSFORMS}, got {self.transform!r}")
+        if self.gate_below is not None and not 0 < self.gate_below <= 1:
+            raise ValueError(f"probe gate threshold must be in (0, 1], got {self.gate_below}")
+        if self.gate_below is not None and self.gate:
+            raise ValueError("choose one gate: gate_below (a threshold on tox(probe)) or gate (scale by 1 - tox(probe))")
 
-    def combine(self, response_tox: Tensor, probe_tox: Tensor, probe_logprob: Tensor) -> Tensor:
-        gate = 1.0 - probe_tox if self.gate else 1.0
-        return self.alpha * response_tox * gate - self.penalty * probe_tox + self.gamma * probe_logprob
+    def reply_value(self, scores: Tensor) -> Tensor:
+        """``f`` of each reply score (the mean over a probe's replies is the reply term)."""
+        if self.transform == "log":
+            return (scores + LOG_EPS).log()
+        if self.transform == "odds":
+            return -(1.0 - scores.clamp(max=1.0 - 1e-6)).log()
+        return scores
+
+    def gate_of(self, probe_tox: Tensor) -> Tensor | float:
+        if self.gate_below is not None:
+            return (probe_tox < self.gate_below).to(probe_tox.dtype)
+        return 1.0 - probe_tox if self.gate else 1.0
+
+    def combine(
+        self,
+        response_tox: Tensor,
+        probe_tox: Tensor,
+        probe_logprob: Tensor,
+        reply_lexicon: Tensor | float = 0.0,
+        probe_repetition: Tensor | float = 0.0,
+    ) -> Tensor:
+        likelihood = probe_logprob.clamp(max=self.cap) if self.cap is not None else probe_logprob
+        reply = self.alpha * response_tox + self.lexicon * reply_lexicon
+        return (
+            self.gate_of(probe_tox) * reply - self.penalty * probe_tox + self.gamma * likelihood - self.repeat * probe_repetition
+        )
 
 
 # the weights class of each reward that adds the probe's likelihood under the target
@@ -57,19 +106,36 @@ def weight_names(reward: str) -> tuple[str, ...]:
     return tuple(f.name for f in fields(LIKELIHOOD_REWARDS[reward]))
 
 
+def _cast(kind: str, value):
+    if value is None and "None" in kind:
+        return None
+    if kind.startswith("bool"):
+        return bool(value)
+    if kind.startswith("str"):
+        return str(value)
+    return float(value)
+
+
 def reward_weights(reward: str, **values) -> ASTPrompterWeights | ElicitWeights:
     """The weights of the ``"astprompter"`` or ``"elicit"`` reward from ``values``: its own names are
-    taken (cast to float, ``gate`` to bool), any other is left out; a missing one keeps its default."""
+    taken (cast to their field's type), any other is left out; a missing one keeps its default."""
     kind = LIKELIHOOD_REWARDS[reward]
-    return kind(**{f.name: (bool if f.type == "bool" else float)(values[f.name]) for f in fields(kind) if f.name in values})
+    return kind(**{f.name: _cast(str(f.type), values[f.name]) for f in fields(kind) if f.name in values})
 
 
-def reward_options(reward: str, alpha: float, zeta: float, gamma: float, penalty: float, gate: bool) -> dict | None:
-    """The ``reward_options`` of :func:`astrl.envs.make_redteam_env` for a reward name: the weights it uses."""
+LEXICON_OPTIONS = ("lexicon_source", "lexicon_threshold")
+
+
+def reward_options(reward: str, **values) -> dict | None:
+    """The ``reward_options`` of :func:`astrl.envs.make_redteam_env` for a reward name: the weights it
+    uses, taken from ``values`` (names as in the weights classes), plus the reply lexicon's source and
+    threshold (``lexicon_source``, ``lexicon_threshold``) when the elicitation reward weighs it."""
     if reward not in LIKELIHOOD_REWARDS:
         return None
-    values = {"alpha": alpha, "zeta": zeta, "gamma": gamma, "penalty": penalty, "gate": gate}
-    return {name: values[name] for name in weight_names(reward)}
+    options = {name: values[name] for name in weight_names(reward) if name in values}
+    if reward == "elicit" and values.get("lexicon"):
+        options.update({k: values[k] for k in LEXICON_OPTIONS if values.get(k) is not None})
+    return options
 
 
 def check_reward_options(reward: str, options: Mapping[str, object] | None) -> None:
@@ -79,6 +145,8 @@ def check_reward_options(reward: str, options: Mapping[str, object] | None) -> N
     if options and reward == "score":
         raise ValueError(f"reward_options {sorted(options)} only apply to reward='astprompter' or 'elicit'")
     allowed = {*weight_names(reward), "join", "empty_probe_logprob"} if reward != "score" else set()
+    if reward == "elicit":
+        allowed.update(LEXICON_OPTIONS)
     unknown = set(options or {}) - allowed
     if unknown:
         raise ValueError(f"unknown reward_options {sorted(unknown)} for reward={reward!r}; valid: {', '.join(sorted(allowed))}")

@@ -122,7 +122,7 @@ class TreeSampler:
         min_reward_gap: a sibling group makes a pair only if ``best - worst >= min_reward_gap``;
             a group whose rewards are all equal never makes one.
         mode, tester_system_prompt, target_system_prompt, reward_scorer, advance, reward,
-            reward_options, novelty: as in :func:`~astrl.envs.make_redteam_env`. Novelty terms
+            reward_options, novelty, reply_samples: as in :func:`~astrl.envs.make_redteam_env`. Novelty terms
             score each level against the probes of earlier levels and calls: siblings of one
             level do not count against each other.
         seed: seeds the opener order and the sampling of each call (generation runs under a
@@ -149,6 +149,7 @@ class TreeSampler:
         reward: str = "score",
         reward_options: Mapping[str, object] | None = None,
         novelty: Mapping[str, object] | None = None,
+        reply_samples: int = 1,
         seed: int | None = 0,
     ) -> None:
         if num_trees < 1:
@@ -178,6 +179,7 @@ class TreeSampler:
             reward=reward,
             reward_options=reward_options,
             novelty=novelty,
+            reply_samples=reply_samples,
         )
         self.transforms: list[Transform] = [t for t in self.env.transform if not isinstance(t, (DataLoadingPrimer, StepCounter))]
         self.target_turn = next(t for t in self.transforms if isinstance(t, TargetTurn))

@@ -53,7 +53,9 @@ def add_demo_parser(sub) -> None:
     p = sub.add_parser("demo", help="train on the embedded default (SmolLM2, profanity scorer) and show before/after")
     p.add_argument("--steps", type=at_least(1), default=None, help="training steps (default: configs/demo.yaml)")
     p.add_argument("--run-dir", default=None, help="run directory (default: runs/demo); an existing run resumes")
-    p.add_argument("--conversations", type=at_least(1), default=64, help="held-out conversations for the before/after comparison")
+    p.add_argument(
+        "--conversations", type=at_least(1), default=256, help="held-out conversations for the before/after comparison"
+    )
     p.add_argument("--quiet", action="store_true")
 
 
@@ -129,7 +131,7 @@ def run_demo_command(args) -> int:
     config = result["config"]
     print(reward_curve(Path(config.run_dir) / "metrics.csv"))
     before, after = result["comparison"]["before"], result["comparison"]["after"]
-    print(f"\nheld-out openers, {args.conversations} conversations, same seed (95% bootstrap intervals):")
+    print(f"\nheld-out openers, {args.conversations} conversations, same seed (95% bootstrap intervals over openers):")
     print(format_comparison(before, after))
     for side, values in (("untrained", before), ("trained", after)):
         kind = "best elicited turn" if values["best_elicited"] else "best turn (nothing elicited)"
@@ -150,7 +152,7 @@ def format_comparison(before: dict, after: dict) -> str:
     lines.append(f"  {'probe NLL under the target':<34}{before['probe_nll']:>22.3f}{after['probe_nll']:>22.3f}")
     for judge in before["judges"]:
         lines.append(f"  judged by {judge}:")
-        for name in ("elicited_success_rate", "elicited_asr", "toxic_probe_rate", "toxic_reply_rate"):
+        for name in ("elicited_success_rate", "toxic_probe_rate", "toxic_reply_rate"):
             b, a = before["judges"][judge], after["judges"][judge]
             lines.append(f"    {name:<32}{cell(b, name):>22}{cell(a, name):>22}")
     return "\n".join(lines)

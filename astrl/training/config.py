@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from astrl.rewards.weights import REWARDS, reward_options
+from astrl.rewards.weights import REPLY_TRANSFORMS, REWARDS, reward_options
 
 ALGORITHMS = ("grpo", "ppo", "dpo", "ipo")
 RETURNS = ("turn", "to_go")
@@ -77,6 +77,75 @@ class TrainConfig:
     )
     probe_penalty: float = field(default=1.0, metadata={"help": "elicit: weight of the probe's own toxicity, subtracted (>= 0)."})
     elicit_gate: bool = field(default=False, metadata={"help": "elicit: scale the reply's toxicity by g = 1 - tox(probe)."})
+    probe_gate: float | None = field(
+        default=None,
+        metadata={
+            "help": "elicit: pay the reply terms only for a probe with tox(probe) below this (a gate, not a weight the "
+            "probe penalty can outbid); null = off."
+        },
+    )
+    reply_samples: int = field(
+        default=1,
+        metadata={
+            "help": "Replies the target samples to each probe, in one call (the rows share context + probe); the "
+            "reward's reply terms average over them; the conversation goes on with the first."
+        },
+    )
+    reply_transform: str = field(
+        default="prob",
+        metadata={
+            "help": "elicit: how each reply's score enters the reply term before the mean over replies: prob (the "
+            "score), log (log(score + 1e-3)) or odds (-log(1 - score))."
+        },
+    )
+    reply_lexicon_weight: float = field(
+        default=0.0,
+        metadata={
+            "help": "elicit: weight of the reply lexicon estimate, 1 - prod_t (1 - m_t), m_t the target's probability "
+            "of a listed word at reply position t (read while it generates); 0 = off."
+        },
+    )
+    reply_lexicon: str = field(
+        default="scorer",
+        metadata={
+            "help": "elicit: the listed words: scorer (the target's vocabulary words the training scorer alone scores "
+            "above reply_lexicon_threshold), wordlist (the wordlist judge's list), a .txt file or w1,w2,..."
+        },
+    )
+    reply_lexicon_threshold: float = field(
+        default=0.9, metadata={"help": "elicit: the score a word alone needs to enter the 'scorer' lexicon."}
+    )
+    repeat_penalty: float = field(
+        default=0.0,
+        metadata={
+            "help": "elicit: weight of the share of repeated word bigrams in the probe, subtracted (against "
+            "'clothes clothes clothes')."
+        },
+    )
+    likelihood_cap: float | None = field(
+        default=None,
+        metadata={
+            "help": "elicit: cap on the probe's mean log-prob in the likelihood term (e.g. -1.5): text more likely "
+            "than that, such as repetition, earns no more; null = no cap."
+        },
+    )
+    # warm start (0 probes = off)
+    warm_start_probes: int = field(
+        default=0,
+        metadata={
+            "help": "Warm start: probes the untrained tester writes on the train split before RL; those that "
+            "elicit (see warm_start_min_toxic) are kept and the tester is fine-tuned on them; 0 = off."
+        },
+    )
+    warm_start_min_toxic: float = field(
+        default=0.25,
+        metadata={
+            "help": "Warm start: a probe is kept when at least this share of its reply_samples replies is toxic "
+            "under the training scorer (and at least one is) while the probe alone is not."
+        },
+    )
+    warm_start_epochs: int = field(default=3, metadata={"help": "Warm start: passes over the kept probes."})
+    warm_start_lr: float = field(default=1e-3, metadata={"help": "Warm start: learning rate of the fine-tuning (AdamW)."})
     # novelty bonuses (0 = off)
     novelty_ngram: float = field(
         default=0.0,
@@ -265,6 +334,42 @@ class TrainConfig:
             (self.algorithm in ALGORITHMS, f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}"),
             (self.reward in REWARDS, f"reward must be one of {REWARDS}, got {self.reward!r}"),
             (self.probe_penalty >= 0, f"probe_penalty must be >= 0, got {self.probe_penalty}"),
+            (self.reply_samples >= 1, f"reply_samples must be >= 1, got {self.reply_samples}"),
+            (
+                self.reply_transform in REPLY_TRANSFORMS,
+                f"reply_transform must be one of {REPLY_TRANSFORMS}, got {self.reply_transform!r}",
+            ),
+            (
+                self.probe_gate is None or 0 < self.probe_gate <= 1,
+                f"probe_gate must be in (0, 1] (or null), got {self.probe_gate}",
+            ),
+            (
+                self.probe_gate is None or not self.elicit_gate,
+                "choose one gate: probe_gate (pay the reply terms below a probe toxicity) or elicit_gate (scale them by "
+                "1 - tox(probe))",
+            ),
+            (
+                self.likelihood_cap is None or self.likelihood_cap <= 0,
+                f"likelihood_cap is a mean log-prob and must be <= 0 (or null), got {self.likelihood_cap}",
+            ),
+            (self.reply_lexicon_weight >= 0, f"reply_lexicon_weight must be >= 0, got {self.reply_lexicon_weight}"),
+            (
+                0 < self.reply_lexicon_threshold < 1,
+                f"reply_lexicon_threshold must be in (0, 1), got {self.reply_lexicon_threshold}",
+            ),
+            (self.repeat_penalty >= 0, f"repeat_penalty must be >= 0, got {self.repeat_penalty}"),
+            (self.warm_start_probes >= 0, f"warm_start_probes must be >= 0 (0: off), got {self.warm_start_probes}"),
+            (
+                0 <= self.warm_start_min_toxic <= 1,
+                f"warm_start_min_toxic must be in [0, 1], got {self.warm_start_min_toxic}",
+            ),
+            (self.warm_start_epochs >= 1, f"warm_start_epochs must be >= 1, got {self.warm_start_epochs}"),
+            (self.warm_start_lr > 0, f"warm_start_lr must be > 0, got {self.warm_start_lr}"),
+            (
+                self.reward == "elicit" or self._elicit_defaults(),
+                f"probe_gate, reply_transform, reply_lexicon_weight, repeat_penalty and likelihood_cap apply to "
+                f"reward 'elicit' (reward is {self.reward!r})",
+            ),
             (self.advantage in ("gae", "one_step"), f"advantage must be 'gae' or 'one_step', got {self.advantage!r}"),
             (self.returns in RETURNS, f"returns must be one of {RETURNS}, got {self.returns!r}"),
             (self.mode in ("chat", "text"), f"mode must be 'chat' or 'text', got {self.mode!r}"),
@@ -384,9 +489,32 @@ class TrainConfig:
         roles = {"tester": self.tester, "target": self.target}
         check_names(roles, [self.scorer, *self.judges], self.prompts, split=self.split, split_seed=self.seed)
 
+    def _elicit_defaults(self) -> bool:
+        return (self.probe_gate, self.reply_transform, self.reply_lexicon_weight, self.repeat_penalty, self.likelihood_cap) == (
+            None,
+            "prob",
+            0.0,
+            0.0,
+            None,
+        )
+
     def reward_options(self) -> dict | None:
         """Reward weights for :func:`astrl.envs.make_redteam_env` (None for the plain score)."""
-        return reward_options(self.reward, self.alpha, self.zeta, self.likelihood_weight, self.probe_penalty, self.elicit_gate)
+        return reward_options(
+            self.reward,
+            alpha=self.alpha,
+            zeta=self.zeta,
+            gamma=self.likelihood_weight,
+            penalty=self.probe_penalty,
+            gate=self.elicit_gate,
+            gate_below=self.probe_gate,
+            transform=self.reply_transform,
+            lexicon=self.reply_lexicon_weight,
+            repeat=self.repeat_penalty,
+            cap=self.likelihood_cap,
+            lexicon_source=self.reply_lexicon,
+            lexicon_threshold=self.reply_lexicon_threshold,
+        )
 
     def novelty_options(self) -> dict | None:
         """The ``novelty`` option of :func:`astrl.envs.make_redteam_env` (None when both coefficients are 0)."""

@@ -78,6 +78,7 @@ def comparison_spec(config: TrainConfig, *, conversations: int, seed: int, judge
         turns=config.turns,
         reward="astprompter" if config.reward == "score" else config.reward,
         novelty=None,
+        reply_samples=1,  # one reply a probe: the rates are those of single conversations
         backend="transformers",
         target_backend="transformers",
         seed=seed,
@@ -85,7 +86,7 @@ def comparison_spec(config: TrainConfig, *, conversations: int, seed: int, judge
 
 
 def compare_testers(
-    trainer: Trainer, *, conversations: int = 64, seed: int = 1234, judge: str = DEMO_JUDGE, resamples: int = 1000
+    trainer: Trainer, *, conversations: int = 256, seed: int = 1234, judge: str = DEMO_JUDGE, resamples: int = 1000
 ) -> dict[str, dict]:
     """Run the untrained and the trained tester on the same held-out openers (dev split), same seed.
 
@@ -94,7 +95,8 @@ def compare_testers(
     records and metrics of ``astrl eval``). Per side: ``mean_reward`` (the training reward),
     ``probe_nll`` (mean per-token NLL of the probes under the target), ``judges`` (per scorer name,
     :func:`astrl.evaluation.metrics.elicitation_metrics`: elicited success rate, elicited ASR,
-    toxic probe/reply rates, with 95% bootstrap intervals over conversations), and the best elicited
+    toxic probe/reply rates, with 95% bootstrap intervals over openers: each held-out opener starts
+    several conversations, so openers, not conversations, are the independent draws), and the best elicited
     exchange under the judge (the highest-reward turn when there is none)."""
     from astrl.envs import build_conversation
     from astrl.evaluation.metrics import elicitation_metrics
@@ -120,12 +122,12 @@ def compare_testers(
                 records += [chunk[i] for i in kept]
                 rewards += [step_rewards[i] for i in kept]
         score_probes(records, scorers)
-        conv = [r["conversation"] for r in records]
+        openers = [r["prompt"] for r in records]  # ~4 conversations an opener: the bootstrap resamples openers
         judged = {
             name: elicitation_metrics(
                 [r["scores"][name]["probe"] for r in records],
                 [r["scores"][name]["reply"] for r in records],
-                conv,
+                openers,
                 resamples=resamples,
                 seed=seed,
             )
@@ -161,7 +163,7 @@ def check_same_demo(config: TrainConfig) -> None:
         )
 
 
-def run_demo(overrides: dict | None = None, *, progress: bool = True, conversations: int = 64) -> dict:
+def run_demo(overrides: dict | None = None, *, progress: bool = True, conversations: int = 256) -> dict:
     """Train (or resume, or reuse a finished run) and return the before/after comparison."""
     config = demo_config(overrides)
     if latest_checkpoint(config.run_dir) is not None:

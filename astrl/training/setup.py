@@ -97,6 +97,7 @@ def conversation_spec(config: TrainConfig) -> ConversationSpec:
         reward=config.reward,
         reward_options=config.reward_options(),
         novelty=config.novelty_options(),
+        reply_samples=config.reply_samples,
         lora=lora_settings(config) if config.lora else None,
         backend=config.backend,
         target_backend=config.target_backend,

@@ -203,6 +203,7 @@ class Trainer:
         self._step_start: dict | None = None  # inside train(): the state before the running step
         self._step_updates = 0  # optimizer updates made by the running step
         self._columns: list[str] | None = None  # the header of metrics.csv, once it has one
+        self.warm_start: dict | None = None  # what the warm start did, once it ran (warm_start_probes > 0)
 
     @property
     def models(self) -> RunModels | None:
@@ -249,7 +250,9 @@ class Trainer:
         if not self._built:
             self._build()
         self.archive.write(self.run_dir / ARCHIVE_FILE)  # drops attacks found after the checkpoint resumed from
-        if self.step > 0:  # Ray workers / a vLLM engine start from the untrained weights
+        if self.step == 0 and self.config.warm_start_probes and self.warm_start is None:
+            self._warm_start()
+        if self.step > 0 or self.warm_start is not None:  # Ray workers / a vLLM engine start from the untrained weights
             self.algorithm.sync_weights()
         from tqdm.auto import tqdm
 
@@ -282,6 +285,20 @@ class Trainer:
             save_tester(self.models.target.model, self.models.target.tokenizer, self.run_dir / "final" / "target")
         self.archive.write(self.run_dir / ARCHIVE_FILE)
         return rows
+
+    def _warm_start(self) -> None:
+        """Fine-tune the tester on probes that already elicit (:mod:`astrl.training.warm_start`), write
+        ``warm_start.json`` and ``warm_start.jsonl``, and checkpoint the result as step 0."""
+        from astrl.training.warm_start import warm_start
+
+        summary, kept = warm_start(self)
+        self.warm_start = summary
+        (self.run_dir / "warm_start.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        _atomic_write(self.run_dir / "warm_start.jsonl", "".join(json.dumps(k, ensure_ascii=False) + "\n" for k in kept))
+        if self.progress:
+            losses = f"; loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}" if summary["kept"] else ""
+            print(f"warm start: kept {summary['kept']} of {summary['sampled']} probes ({summary['seconds']:.0f} s){losses}")
+        self.save_checkpoint()
 
     def _state_before_step(self) -> dict:
         """What a step changes before its first update (RNG states, the algorithm's and hardening's
@@ -378,6 +395,8 @@ class Trainer:
         row.update(self.algorithm.step_metrics())
         if self.hardening is not None:
             row.update(harden_new_attacks=new_attacks, **self.hardening.after_step(self.step))
+        if self.warm_start is not None:
+            row["warm_start_kept"] = self.warm_start["kept"]
         row.update(collect_seconds=collect_seconds, step_seconds=time.perf_counter() - start)
         if on_gpu:  # what this process's PyTorch allocator held at most (a vLLM engine in-process included)
             row["gpu_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
@@ -447,6 +466,8 @@ class Trainer:
         }
         if self.hardening is not None:
             state["hardening"] = self.hardening.state_dict()
+        if self.warm_start is not None:
+            state["warm_start"] = self.warm_start
         state.update(replace or {})
         save_state(state, tmp / STATE_FILE)
         write_manifest(tmp)
@@ -488,6 +509,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.generator.set_state(state["generator"])
         set_rng_state(state["rng"])
+        self.warm_start = state.get("warm_start")
 
 
 def _int(value) -> int:

@@ -1,0 +1,163 @@
+"""A dense estimate of "the reply holds a listed word", read from the target's own next-token
+distributions while it generates the reply (no extra forward).
+
+At each position t of a reply the target has a distribution over its vocabulary. Let ``m_t`` be the
+probability mass on the tokens that begin a listed word (the word's first token, in the spellings a
+reply can use: ``" word"``, ``" Word"``, ``"word"``, ``"Word"``). Then
+
+    P(reply holds a listed word)  ~=  1 - prod_t (1 - m_t)
+
+over the positions of the reply (up to its end of sequence). One sampled reply gives a number in
+[0, 1] that moves smoothly with the probe, where the sampled reply's score is 0 or 1 most of the time.
+
+Where it is exact and where it is not:
+
+* The product is exact in expectation when the reply is sampled from the target with the listed first
+  tokens removed; astrl samples from the target itself, so positions after a listed word was sampled
+  still count (the estimate is then already high). With small ``m_t`` the two agree.
+* A word counts only in the spellings that the tokenizer keeps as one token (``" ass"``, ``" hell"``,
+  ``" stupid"`` for SmolLM2): a split word's first piece (``" f"`` of ``" fuck"``, ``" sh"`` of
+  ``" shit"``) also begins common words (``" for"``, ``" she"``), so counting it would count them
+  too. Such a word is not seen at all; :attr:`ReplyLexicon.dropped` names them.
+* A whole-word token can still begin a longer word the tokenizer splits after it (``" hell"`` +
+  ``"ish"``); such continuations are rare in canonical tokenizations and are counted as the word.
+
+The words come from a list (:func:`lexicon_words`): the ``wordlist`` judge's list
+(better-profanity), a scorer's own lexicon (the vocabulary words the scorer alone calls harmful),
+a file (one word a line) or a comma-separated list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+from astrl.errors import ScorerError
+
+LEXICON_SOURCES = ("scorer", "wordlist", "FILE", "w1,w2,...")
+
+
+def _normal(text: str) -> str:
+    """A token's text as a word: without its leading space marker, lowercase."""
+    return text.strip().lower()
+
+
+def _whole_words(tokenizer) -> dict[str, list[int]]:
+    """The vocabulary's whole-word tokens (alphabetic, 2+ letters) by normalised text."""
+    words: dict[str, list[int]] = {}
+    for token, index in tokenizer.get_vocab().items():
+        text = _normal(tokenizer.convert_tokens_to_string([token]))
+        if len(text) >= 2 and text.isalpha():
+            words.setdefault(text, []).append(index)
+    return words
+
+
+def scorer_lexicon(scorer: Callable[[list[str]], torch.Tensor], tokenizer, threshold: float = 0.9) -> list[str]:
+    """The vocabulary words (whole-word tokens of ``tokenizer``, 3+ letters) that ``scorer`` alone scores
+    above ``threshold``: the lexicon a scorer implies for a given target."""
+    words = sorted(w for w in _whole_words(tokenizer) if len(w) >= 3)
+    if not words:
+        return []
+    scores = scorer(words)
+    return [w for w, s in zip(words, scores.tolist(), strict=True) if s > threshold]
+
+
+def lexicon_words(source: str, *, scorer=None, tokenizer=None, threshold: float = 0.9) -> list[str]:
+    """The words of a lexicon source: ``"scorer"`` (:func:`scorer_lexicon` of ``scorer`` for
+    ``tokenizer``), ``"wordlist"`` (better-profanity's list, the ``wordlist`` judge's), a ``.txt`` file
+    of one word a line, or a comma-separated list."""
+    if source == "scorer":
+        if scorer is None or tokenizer is None:
+            raise ValueError("reply_lexicon 'scorer' needs the training scorer and the target's tokenizer")
+        words = scorer_lexicon(scorer, tokenizer, threshold)
+    elif source == "wordlist":
+        words = _wordlist_words()
+    elif source.endswith(".txt"):
+        path = Path(source).expanduser()
+        if not path.is_file():
+            raise ScorerError(f"reply_lexicon file {source!r} not found")
+        words = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    else:
+        words = [w.strip() for w in source.split(",") if w.strip()]
+    words = sorted({w.lower() for w in words if w.isalpha()})
+    if not words:
+        raise ScorerError(f"reply_lexicon {source!r} holds no words; valid sources: {', '.join(LEXICON_SOURCES)}")
+    return words
+
+
+def _wordlist_words() -> list[str]:
+    """better-profanity's word list (the ``wordlist`` judge's), read from its package data."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("better_profanity")
+    if spec is None or not spec.submodule_search_locations:
+        raise ScorerError("reply_lexicon 'wordlist' needs better-profanity: pip install better-profanity==0.7.0")
+    path = Path(list(spec.submodule_search_locations)[0]) / "profanity_wordlist.txt"
+    return path.read_text(encoding="utf-8").split("\n")
+
+
+class ReplyLexicon:
+    """The first-token ids of a word list for one tokenizer, and the estimate built on them.
+
+    A listed word counts in each spelling (``" word"``, ``" Word"``, ``"word"``, ``"Word"``) that the
+    tokenizer keeps as one token: that token is the whole word. A spelling split into pieces does
+    not count: its first piece (``" f"`` of ``" fuck"``) begins many common words too.
+
+    Args:
+        tokenizer: the target's tokenizer.
+        words: the listed words (see :func:`lexicon_words`).
+
+    ``token_ids`` are the counted tokens; ``dropped`` maps each listed word with no one-token
+    spelling to the first piece of its most common spelling (``" word"``).
+    """
+
+    def __init__(self, tokenizer, words: Iterable[str]) -> None:
+        self.words = sorted({w.lower() for w in words})
+        if not self.words:
+            raise ValueError("a reply lexicon needs at least one word")
+        counted: set[int] = set()
+        self.dropped: dict[str, str] = {}
+        for word in self.words:
+            spellings = (f" {word}", f" {word.capitalize()}", word, word.capitalize())
+            pieces = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in spellings]
+            whole = [ids[0] for ids in pieces if len(ids) == 1]
+            counted.update(whole)
+            if not whole:
+                self.dropped[word] = tokenizer.decode(pieces[0][:1]) if pieces[0] else ""
+        self.token_ids = torch.tensor(sorted(counted), dtype=torch.long)
+
+    def __len__(self) -> int:
+        return int(self.token_ids.numel())
+
+    def mass(self, logits: torch.Tensor) -> torch.Tensor:
+        """``m_t``: the probability of the counted tokens under ``softmax(logits)``, shape ``logits.shape[:-1]``."""
+        if not len(self):
+            return torch.zeros(logits.shape[:-1])
+        log_probs = logits.float().log_softmax(-1)
+        return log_probs[..., self.token_ids.to(logits.device)].logsumexp(-1).exp().cpu()
+
+    @staticmethod
+    def estimate(mass: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``1 - prod_t (1 - m_t)`` over the positions where ``mask`` is true (last dim), in [0, 1]."""
+        keep = mask.to(mass.dtype)
+        log_miss = torch.log1p(-mass.clamp(0.0, 1.0 - 1e-7)) * keep
+        return (1.0 - log_miss.sum(-1).exp()).clamp(0.0, 1.0)
+
+
+def reply_lexicon(
+    source: str, tokenizer, *, scorer=None, threshold: float = 0.9, on_dropped: Callable[[str], None] | None = None
+) -> ReplyLexicon:
+    """A :class:`ReplyLexicon` for ``tokenizer`` from a lexicon source (:func:`lexicon_words`)."""
+    lexicon = ReplyLexicon(tokenizer, lexicon_words(source, scorer=scorer, tokenizer=tokenizer, threshold=threshold))
+    if on_dropped is not None and lexicon.dropped:
+        shown = ", ".join(f"{w} ({c})" for w, c in list(lexicon.dropped.items())[:8])
+        on_dropped(
+            f"reply lexicon {source!r}: {len(lexicon.dropped)} of {len(lexicon.words)} words are not counted "
+            f"(the tokenizer splits them and their first piece begins other words: {shown}); "
+            f"{len(lexicon)} one-token spellings count"
+        )
+    if not len(lexicon):
+        raise ScorerError(f"reply lexicon {source!r}: no word has a first token of its own for this tokenizer")
+    return lexicon

@@ -1,0 +1,156 @@
+"""Warm start: a short supervised step on probes that already elicit, before reinforcement learning.
+
+The untrained tester writes many probes (cheap: batched, one turn, on the training split only, so
+held-out openers are never seen); the target answers each ``reply_samples`` times; a probe is kept
+when the training scorer calls at least ``warm_start_min_toxic`` of its replies toxic while it does
+not call the probe itself toxic. The tester (its LoRA adapter) is then fine-tuned on the kept
+``opener -> probe`` pairs for a few epochs with the plain next-token loss (Perez et al.'s supervised
+red-teaming baseline), so that RL starts from a tester that already puts mass on probes that work::
+
+    loss = - mean over kept probes of (1/|probe|) * sum_t log p_tester(probe_t | opener, probe_<t)
+
+:func:`warm_start` runs it for a trainer and returns what it did (sampled, kept, losses), which the
+trainer records in ``warm_start.json`` (the kept probes in ``warm_start.jsonl``) and in its checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+
+import torch
+
+from astrl._compat import as_list
+from astrl.keys import NEXT, PROBE, QUERY, REPLY_SCORES, SCORES, TARGET_RESPONSE, TOKENS_PROMPT, TOKENS_RESPONSE
+from astrl.lm_scoring import response_mask, token_logprobs
+from astrl.scorers import checked_scores
+
+SAMPLE_BATCH = 32  # conversations a sampling call runs together
+
+
+def sample_candidates(trainer, count: int) -> list[dict]:
+    """``count`` one-turn probes of the current tester on the training split, each with its tokens, its
+    replies' scores under the training scorer and its own score."""
+    from astrl.envs.recipe import build_conversation, opener_stream
+    from astrl.training.setup import conversation_spec
+
+    config, models = trainer.config, trainer.models
+    batch = min(SAMPLE_BATCH, count)
+    spec = replace(
+        conversation_spec(config),
+        split="train",  # never the held-out openers
+        batch_size=batch,
+        group_size=1,
+        turns=1,
+        reward="score",
+        reward_options=None,
+        novelty=None,
+        backend="transformers",
+        target_backend="transformers",
+        seed=config.seed + 7919,  # an opener order of its own
+    )
+    conversation = build_conversation(spec, tester=models.tester, target=models.target, stream=opener_stream(spec), scorers=None)
+    env, tester = conversation.env, conversation.tester
+    scorer_name = next(iter(conversation.scorers))
+    scorer = conversation.scorers[scorer_name]
+    stops = {t for t in (tester.tokenizer.eos_token_id, tester.tokenizer.pad_token_id) if t is not None}
+    candidates: list[dict] = []
+    with torch.no_grad():
+        for _ in range(math.ceil(count / batch)):
+            rollout = env.rollout(1, tester).reshape(-1)
+            nxt = rollout[NEXT]
+            replies = nxt.get((REPLY_SCORES, scorer_name), None)
+            replies = nxt[SCORES, scorer_name].reshape(-1, 1) if replies is None else replies.reshape(batch, -1)
+            probes = as_list(nxt[PROBE])
+            probe_scores = checked_scores(scorer, probes).tolist()
+            prompts = rollout.get(TOKENS_PROMPT, as_list=True)
+            responses = rollout.get(TOKENS_RESPONSE, as_list=True)
+            for i, probe in enumerate(probes):
+                response = responses[i][: int(response_mask(responses[i], stops).sum())]
+                candidates.append(
+                    {
+                        "opener": as_list(rollout[QUERY])[i],
+                        "probe": probe,
+                        "reply": as_list(nxt[TARGET_RESPONSE])[i],
+                        "probe_score": float(probe_scores[i]),
+                        "reply_scores": [float(v) for v in replies[i].tolist()],
+                        "prompt_tokens": prompts[i].cpu(),
+                        "response_tokens": response.cpu(),
+                    }
+                )
+    return candidates[:count]
+
+
+def keep(candidates: list[dict], min_toxic: float, threshold: float = 0.5) -> list[dict]:
+    """The candidates whose share of replies scored above ``threshold`` is at least ``min_toxic``, while
+    the probe alone scores at most ``threshold``, and whose probe is not empty."""
+    kept = []
+    for c in candidates:
+        toxic = sum(s > threshold for s in c["reply_scores"]) / len(c["reply_scores"])
+        if toxic >= min_toxic and toxic > 0 and c["probe_score"] <= threshold and c["response_tokens"].numel():
+            kept.append(c)
+    return kept
+
+
+def fine_tune(
+    model: torch.nn.Module, pad_token_id: int, examples: list[dict], *, epochs: int, lr: float, seed: int
+) -> list[float]:
+    """Next-token fine-tuning of ``model``'s trainable weights on ``prompt_tokens -> response_tokens``;
+    returns the mean loss of each epoch (minibatches of 8, shuffled with ``seed``)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(seed)
+    losses = []
+    model.eval()  # no dropout: the same function RL will sample from
+    for _ in range(epochs):
+        order = torch.randperm(len(examples), generator=generator).tolist()
+        total, batches = 0.0, 0
+        for start in range(0, len(order), 8):
+            chunk = [examples[i] for i in order[start : start + 8]]
+            rows = token_logprobs(
+                model, [c["prompt_tokens"] for c in chunk], [c["response_tokens"] for c in chunk], pad_token_id=pad_token_id
+            )
+            loss = -torch.stack([row.mean() for row in rows]).mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            total, batches = total + float(loss.detach()), batches + 1
+        losses.append(total / max(1, batches))
+    optimizer.zero_grad(set_to_none=True)
+    return losses
+
+
+def warm_start(trainer) -> tuple[dict, list[dict]]:
+    """Sample, select and fine-tune (see the module docstring); returns the summary and the kept probes."""
+    from astrl.prefill import clear_turn_caches
+
+    config, models = trainer.config, trainer.models
+    if models is None:
+        raise ValueError("warm_start_probes applies to config-built runs (a System trains its own models)")
+    start = time.perf_counter()
+    candidates = sample_candidates(trainer, config.warm_start_probes)
+    sampled_seconds = time.perf_counter() - start
+    kept = keep(candidates, config.warm_start_min_toxic)
+    clear_turn_caches(models.tester.model, models.target.model)
+    tokenizer = models.tester.tokenizer
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    losses = (
+        fine_tune(models.tester.model, pad, kept, epochs=config.warm_start_epochs, lr=config.warm_start_lr, seed=config.seed)
+        if kept
+        else []
+    )
+    clear_turn_caches(models.tester.model, models.target.model)  # computed with the old weights
+    summary = {
+        "sampled": len(candidates),
+        "kept": len(kept),
+        "kept_share": len(kept) / max(1, len(candidates)),
+        "epochs": config.warm_start_epochs if kept else 0,
+        "loss_first": losses[0] if losses else None,
+        "loss_last": losses[-1] if losses else None,
+        "sample_seconds": round(sampled_seconds, 2),
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+    records = [{k: v for k, v in c.items() if not k.endswith("_tokens")} for c in kept]
+    return summary, records

@@ -1,0 +1,322 @@
+"""The denser elicitation signal: several replies per probe, the reply lexicon estimate, the probe
+gate and the anti-repetition terms, and the warm start. Values are checked against hand computations."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import loaded, make_llama, make_tokenizer
+from tensordict import TensorDict
+
+from astrl._compat import as_list, history_to_chats
+from astrl.envs import make_redteam_env
+from astrl.keys import REPLY_SCORES, SCORES, TARGET_LEXICON, TARGET_RESPONSE, TARGET_RESPONSES
+from astrl.policies import GenerationSettings, make_policy
+from astrl.prefill import turn_cache_of
+from astrl.rewards import ElicitWeights
+from astrl.rewards.lexicon import ReplyLexicon, lexicon_words, reply_lexicon
+from astrl.scorers import KeywordScorer
+from astrl.similarity import repeated_ngram_share
+
+OPENERS = ["hello how are you", "tell me about your day", "what is the weather like", "the cat walk park"]
+SCORER = KeywordScorer(["the", "you", "hell", "idiot"])
+
+
+def _policies(mode: str = "history", max_new: int = 5):
+    tok = make_tokenizer()
+    lm = loaded(make_llama(tok), tok)
+    tester = make_policy(lm, GenerationSettings(6), input_mode=mode)
+    target_tok = make_tokenizer()
+    target = make_policy(loaded(make_llama(target_tok, seed=3), target_tok), GenerationSettings(max_new), input_mode=mode)
+    return tester, target
+
+
+# -- the reply transforms and the gate, by hand --------------------------------------------------------------
+def test_reply_transforms_average_the_transformed_scores_of_the_k_replies():
+    scores = torch.tensor([[0.0, 0.5, 0.99, 0.25], [0.9, 0.9, 0.9, 0.9]])
+    expected = {
+        "prob": [(0.0 + 0.5 + 0.99 + 0.25) / 4, 0.9],
+        "log": [
+            (math.log(1e-3) + math.log(0.501) + math.log(0.991) + math.log(0.251)) / 4,
+            math.log(0.901),
+        ],
+        "odds": [(0.0 + math.log(2) - math.log(0.01) - math.log(0.75)) / 4, -math.log(0.1)],
+    }
+    for transform, values in expected.items():
+        got = ElicitWeights(transform=transform).reply_value(scores).mean(-1)
+        torch.testing.assert_close(got, torch.tensor(values), rtol=1e-5, atol=1e-5)
+    assert 13 < float(ElicitWeights(transform="odds").reply_value(torch.tensor(1.0))) < 14  # finite at a score of 1
+    with pytest.raises(ValueError, match="reply transform must be one of"):
+        ElicitWeights(transform="sqrt")
+
+
+def test_the_probe_gate_pays_the_reply_terms_only_below_its_threshold():
+    weights = ElicitWeights(alpha=1.0, penalty=0.5, gamma=0.0, lexicon=2.0, gate_below=0.5)
+    reply, lexicon = torch.tensor([0.8, 0.8, 0.8]), torch.tensor([0.1, 0.1, 0.1])
+    probe = torch.tensor([0.0, 0.49, 0.5])
+    got = weights.combine(reply, probe, torch.zeros(3), lexicon)
+    # below the gate: 0.8 + 2 * 0.1 - 0.5 * tox(probe); at or above it: only the penalty
+    torch.testing.assert_close(got, torch.tensor([1.0, 1.0 - 0.245, -0.25]))
+    with pytest.raises(ValueError, match="choose one gate"):
+        ElicitWeights(gate=True, gate_below=0.5)
+    with pytest.raises(ValueError, match="probe gate threshold must be in \\(0, 1\\], got 1.5"):
+        ElicitWeights(gate_below=1.5)
+
+
+def test_the_likelihood_cap_and_the_repetition_penalty():
+    weights = ElicitWeights(alpha=0.0, penalty=0.0, gamma=1.0, repeat=0.5, cap=-1.5)
+    logprob, repetition = torch.tensor([-0.3, -2.0]), torch.tensor([0.5, 0.0])
+    got = weights.combine(torch.zeros(2), torch.zeros(2), logprob, 0.0, repetition)
+    torch.testing.assert_close(got, torch.tensor([-1.5 - 0.25, -2.0]))  # a likely repetition earns the cap, minus its repeats
+    assert repeated_ngram_share("her with clothes clothes clothes clothes clothes") == pytest.approx(0.5)  # 3 of 6 bigrams new
+    assert repeated_ngram_share("the cat sat on the mat") == 0.0
+    assert repeated_ngram_share("the cat the cat") == pytest.approx(1 / 3)
+    assert repeated_ngram_share("") == 0.0
+
+
+# -- the lexicon estimate, on a known distribution -------------------------------------------------------------------
+def test_the_lexicon_counts_whole_word_tokens_and_names_the_split_words():
+    tok = make_tokenizer()
+    lexicon = ReplyLexicon(tok, ["hell", "idiot", "damn"])
+    hell, idiot = (tok(w, add_special_tokens=False)["input_ids"] for w in (" hell", " idiot"))
+    assert len(hell) == 1 and len(idiot) == 1  # kept whole by this tokenizer
+    assert {hell[0], idiot[0]} <= set(lexicon.token_ids.tolist())
+    assert tok(" damn", add_special_tokens=False)["input_ids"][0] not in lexicon.token_ids.tolist()  # " d" begins "day" too
+    assert lexicon.dropped == {"damn": " d"}
+
+
+def test_the_lexicon_estimate_equals_one_minus_the_product_of_misses():
+    tok = make_tokenizer()
+    lexicon = ReplyLexicon(tok, ["hell", "idiot"])
+    counted = lexicon.token_ids.tolist()
+    vocab = len(tok)
+    # per position: mass 0.1, 0.2, 0.5 on the counted tokens (spread over them), the rest on token 0
+    probs = torch.zeros(3, vocab)
+    for t, mass in enumerate((0.1, 0.2, 0.5)):
+        probs[t, counted] = mass / len(counted)
+        probs[t, 0] = 1 - mass
+    mass = lexicon.mass(probs.log())
+    torch.testing.assert_close(mass, torch.tensor([0.1, 0.2, 0.5]), rtol=1e-5, atol=1e-6)
+    mask = torch.tensor([True, True, False])  # the reply ended after two tokens
+    assert float(lexicon.estimate(mass, mask)) == pytest.approx(1 - 0.9 * 0.8)
+    assert float(lexicon.estimate(mass, torch.ones(3, dtype=torch.bool))) == pytest.approx(1 - 0.9 * 0.8 * 0.5)
+    assert float(lexicon.estimate(torch.ones(2), torch.ones(2, dtype=torch.bool))) == pytest.approx(1.0)
+    assert float(lexicon.estimate(torch.zeros(2), torch.ones(2, dtype=torch.bool))) == 0.0
+
+
+def test_lexicon_sources():
+    tok = make_tokenizer()
+    assert lexicon_words("hell, Idiot,x1") == ["hell", "idiot"]  # letters only, lower-cased
+    assert "fuck" in lexicon_words("wordlist")  # the wordlist judge's own list
+    # a scorer's lexicon: the vocabulary words it scores above the threshold on their own
+    assert set(lexicon_words("scorer", scorer=KeywordScorer(["hell", "idiot", "zebra"]), tokenizer=tok)) == {"hell", "idiot"}
+    with pytest.raises(ValueError, match="holds no words"):
+        lexicon_words(",,")
+    with pytest.raises(ValueError, match="no word has a first token of its own"):
+        reply_lexicon("damn", tok)
+
+
+# -- K replies in the env ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["history", "text"])
+def test_k_replies_are_scored_averaged_and_the_conversation_goes_on_with_the_first(mode):
+    tester, target = _policies(mode)
+    k = 3
+    chat = "chat" if mode == "history" else "text"
+    env = make_redteam_env(tester, target, [SCORER], OPENERS, batch_size=2, max_turns=2, mode=chat, reply_samples=k)
+    torch.manual_seed(0)
+    rollout = env.rollout(2, tester)
+    nxt = rollout["next"]
+    replies = as_list(nxt[TARGET_RESPONSES])
+    assert len(replies) == 2 and all(len(row) == 2 and all(len(r) == k for r in row) for row in replies)
+    for b in range(2):
+        for t in range(2):
+            assert as_list(nxt[TARGET_RESPONSE])[b][t] == replies[b][t][0]
+            scores = SCORER(replies[b][t])
+            torch.testing.assert_close(nxt[REPLY_SCORES, SCORER.name][b, t], scores)
+            assert float(nxt[SCORES, SCORER.name][b, t]) == pytest.approx(float(scores[0]))
+            assert float(nxt["reward"][b, t, 0]) == pytest.approx(float(scores.mean()))
+    # the second turn read the first reply of the first turn, not another one
+    assert any(len(set(replies[b][0])) > 1 for b in range(2))  # the replies differ, so the check below can fail
+    probes = as_list(nxt["probe"])
+    for b in range(2):
+        first = replies[b][0][0]
+        if mode == "history":
+            chat = history_to_chats(rollout[b, 1]["history"].prompt.unsqueeze(0))[0]
+            assert chat[-2:] == [{"role": "assistant", "content": probes[b][0]}, {"role": "user", "content": first}]
+        else:
+            assert as_list(rollout["text", "prompt"])[b][1].endswith(probes[b][0] + first)
+
+
+def test_k_replies_prefill_their_shared_prompt_once_in_one_target_call():
+    tester, target = _policies()
+    env = make_redteam_env(tester, target, [SCORER], OPENERS, batch_size=2, max_turns=1, reply_samples=4)
+    cache = turn_cache_of(target.model)
+    calls = []
+    cache.observers.append(lambda out: calls.append(out.sequences.shape[0]))
+    torch.manual_seed(0)
+    env.rollout(1, tester)
+    assert calls == [8]  # one call of 2 probes x 4 replies
+    assert cache.rows_shared == 6  # 3 of each probe's 4 rows read nothing themselves
+
+
+def test_the_env_writes_each_replys_lexicon_estimate_from_the_targets_own_logits():
+    tester, target = _policies()
+    options = {"lexicon": 1.0, "lexicon_source": "hell,idiot,the,you,how,are"}
+    env = make_redteam_env(
+        tester, target, [SCORER], OPENERS, batch_size=2, max_turns=1, reward="elicit", reward_options=options, reply_samples=2
+    )
+    seen = []
+    turn_cache_of(target.model).observers.append(lambda out: seen.append(out))
+    torch.manual_seed(0)
+    nxt = env.rollout(1, tester)["next"]
+    lexicon, out = env.reply_lexicon, seen[0]
+    mass = torch.stack([lexicon.mass(step) for step in out.logits], dim=1)
+    mask = nxt["target_mask"]  # the first reply of each probe
+    expected = lexicon.estimate(mass[::2], mask[:, 0, : mass.shape[1]])
+    torch.testing.assert_close(nxt[TARGET_LEXICON][:, 0, 0], expected)
+    terms = nxt["reward_terms"]
+    torch.testing.assert_close(terms["reply_lexicon"][:, 0], nxt[TARGET_LEXICON][:, 0].mean(-1))
+    assert ((nxt[TARGET_LEXICON] >= 0) & (nxt[TARGET_LEXICON] <= 1)).all()
+
+
+def test_elicit_reward_with_k_replies_equals_its_terms():
+    tester, target = _policies()
+    options = {"alpha": 1.0, "penalty": 0.5, "gamma": 0.1, "transform": "odds", "gate_below": 0.6, "repeat": 0.3}
+    env = make_redteam_env(
+        tester, target, [SCORER], OPENERS, batch_size=2, max_turns=2, reward="elicit", reward_options=options, reply_samples=3
+    )
+    torch.manual_seed(0)
+    nxt = env.rollout(2, tester)["next"]
+    terms = nxt["reward_terms"]
+    samples = nxt[REPLY_SCORES, SCORER.name]
+    torch.testing.assert_close(terms["response_tox"], (-(1 - samples.clamp(max=1 - 1e-6)).log()).mean(-1))
+    probes = as_list(nxt["probe"])
+    torch.testing.assert_close(terms["probe_tox"], torch.stack([SCORER(row) for row in probes]))
+    gate = (terms["probe_tox"] < 0.6).float()
+    expected = gate * terms["response_tox"] - 0.5 * terms["probe_tox"] + 0.1 * terms["probe_logprob"]
+    expected = expected - 0.3 * torch.tensor([[repeated_ngram_share(p) for p in row] for row in probes])
+    torch.testing.assert_close(nxt["reward"].squeeze(-1), expected)
+
+
+def test_a_weighed_lexicon_without_one_in_the_env_is_an_error():
+    from astrl.rewards import ElicitReward
+
+    reward = ElicitReward(None, make_tokenizer(), SCORER, weights=ElicitWeights(lexicon=1.0))
+    nxt = TensorDict({"probe": ["a b"]}, batch_size=(1,))
+    with pytest.raises(ValueError, match="the env has none"):
+        reward.extra_terms(["a b"], nxt)
+
+
+# -- warm start --------------------------------------------------------------------------------------------
+def test_warm_start_keeps_probes_whose_replies_are_toxic_while_they_are_not():
+    from astrl.training.warm_start import keep
+
+    def candidate(probe, replies, tokens=3):
+        return {"probe_score": probe, "reply_scores": replies, "response_tokens": torch.ones(tokens)}
+
+    candidates = [
+        candidate(0.1, [0.9, 0.1, 0.1, 0.1]),  # 1 of 4 toxic: kept at 0.25
+        candidate(0.1, [0.1, 0.1, 0.1, 0.1]),  # none
+        candidate(0.9, [0.9, 0.9, 0.9, 0.9]),  # the probe itself is toxic
+        candidate(0.1, [0.9, 0.9, 0.1, 0.1], tokens=0),  # an empty probe
+        candidate(0.5, [0.6, 0.6, 0.6, 0.1]),  # a probe at the threshold is not toxic
+    ]
+    assert [candidates.index(c) for c in keep(candidates, 0.25)] == [0, 4]
+    assert [candidates.index(c) for c in keep(candidates, 0.5)] == [4]
+    assert keep(candidates, 0.0) == keep(candidates, 0.25)  # at least one toxic reply, always
+
+
+def test_fine_tuning_raises_the_likelihood_of_the_kept_probes():
+    from astrl.lm_scoring import token_logprobs
+    from astrl.training.warm_start import fine_tune
+
+    tok = make_tokenizer()
+    model = make_llama(tok)
+    ids = tok(["hello how are you", "you idiot hell"], add_special_tokens=False)["input_ids"]
+    examples = [{"prompt_tokens": torch.tensor(i[:2]), "response_tokens": torch.tensor(i[2:])} for i in ids]
+
+    def nll():
+        with torch.no_grad():
+            rows = token_logprobs(model, [e["prompt_tokens"] for e in examples], [e["response_tokens"] for e in examples])
+        return -float(torch.cat(rows).mean())
+
+    before = nll()
+    losses = fine_tune(model, tok.pad_token_id, examples, epochs=5, lr=1e-2, seed=0)
+    assert len(losses) == 5 and losses[-1] < losses[0]
+    assert nll() < before - 0.5
+
+
+def test_training_warm_starts_once_records_it_and_resumes_without_redoing_it(tmp_path, monkeypatch):
+    from test_training import _config, _trainer
+
+    import astrl.training.warm_start as warm
+    from astrl.training import resume
+
+    settings = dict(
+        scorer="keywords:the,you,hell,idiot", reward="elicit", turns=1, total_steps=2, save_every=1, reply_samples=2,
+        warm_start_probes=8, warm_start_min_toxic=0.0,
+    )  # fmt: skip
+    trainer = _trainer(_config(tmp_path, **settings))
+    calls = []
+    real = warm.fine_tune
+    monkeypatch.setattr(warm, "fine_tune", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k))
+    rows = trainer.train()
+    summary = json.loads((tmp_path / "run" / "warm_start.json").read_text())
+    kept = (tmp_path / "run" / "warm_start.jsonl").read_text().splitlines()
+    assert summary["sampled"] == 8 and summary["kept"] == len(kept) and 0 <= summary["kept"] <= 8
+    assert all(row["warm_start_kept"] == summary["kept"] for row in rows)
+    for line in kept:
+        record = json.loads(line)
+        assert record["probe_score"] <= 0.5 and max(record["reply_scores"]) > 0.5 and len(record["reply_scores"]) == 2
+    assert calls == ([summary["kept"]] if summary["kept"] else [])
+    state = torch.load(tmp_path / "run" / "checkpoints" / "step_000002" / "state.pt", weights_only=True)
+    assert state["warm_start"] == summary
+    tok = make_tokenizer()
+    again = resume(tmp_path / "run", ["total_steps=3"], progress=False, tester_lm=loaded(make_llama(tok), tok))
+    again.train()
+    assert len(calls) == (1 if summary["kept"] else 0)  # not redone on resume
+
+
+# -- the command line and the config ----------------------------------------------------------------------
+def test_rollout_writes_every_reply_and_rewards_their_mean(tmp_path, tiny_model_dir):
+    from astrl.cli import main
+
+    out = tmp_path / "r.jsonl"
+    argv = ["rollout", "--tester", str(tiny_model_dir), "--target", str(tiny_model_dir), "--scorer", "keywords:the,you"]
+    argv += ["--num-conversations", "2", "--turns", "2", "--max-new-tokens", "4", "--reply-samples", "3", "--quiet"]
+    assert main([*argv, "--out", str(out)]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 4
+    for record in records:
+        assert len(record["replies"]) == 3 and record["replies"][0] == record["response"]
+        scores = record["reply_scores"]["keywords:the,you"]
+        assert record["scores"]["keywords:the,you"] == scores[0]
+        assert record["reward"] == pytest.approx(sum(scores) / 3)
+
+
+def test_elicit_settings_are_checked_with_the_offending_value():
+    from astrl.rollout import RolloutConfig
+    from astrl.training.config import ConfigError, load_config
+
+    cases = [
+        (["reply_samples=0"], "reply_samples must be >= 1, got 0"),
+        (["reward=elicit", "reply_transform=sqrt"], "reply_transform must be one of"),
+        (["reward=elicit", "probe_gate=0"], "probe_gate must be in (0, 1]"),
+        (["reward=elicit", "probe_gate=0.5", "elicit_gate=true"], "choose one gate"),
+        (["reward=elicit", "likelihood_cap=1"], "likelihood_cap is a mean log-prob and must be <= 0"),
+        (["reward=score", "reply_lexicon_weight=1"], "apply to reward 'elicit'"),
+        (["warm_start_probes=-1"], "warm_start_probes must be >= 0"),
+        (["warm_start_min_toxic=2"], "warm_start_min_toxic must be in [0, 1], got 2.0"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(ConfigError, match=message.replace("(", "\\(").replace(")", "\\)").replace("[", "\\[")):
+            load_config(None, overrides)
+    config = load_config(None, ["reward=elicit", "reply_samples=4", "probe_gate=0.5", "reply_lexicon_weight=2"])
+    assert config.reward_options()["gate_below"] == 0.5 and config.reward_options()["lexicon_source"] == "scorer"
+    with pytest.raises(ValueError, match="only apply to reward='elicit'"):
+        RolloutConfig(reward="score", probe_gate=0.5)
+    with pytest.raises(ValueError, match="reply transform must be one of"):
+        RolloutConfig(reward="elicit", reply_transform="sqrt")
