@@ -69,6 +69,8 @@ def main() -> None:
     second: list[torch.Tensor] = []
 
     def observe(out) -> None:
+        if out.sequences.shape[0] != args.batch * args.replies:  # the tester's call (it shares the model), not the target's
+            return
         steps = len(out.logits)
         mass = torch.stack([wordlist.mass(step) for step in out.logits], dim=1)
         _, _, mask = clean_responses(list(out.sequences[:, -steps:]), lm.tokenizer, steps)

@@ -104,5 +104,5 @@ def test_the_demo_reads_a_run_saved_under_the_old_name(tmp_path):
     check_same_demo(config)  # the same settings under the old name
     saved["gamma"] = 0.5
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
-    with pytest.raises(ConfigError, match="likelihood_weight: 0.5 there, 0.05 here"):
+    with pytest.raises(ConfigError, match="likelihood_weight: 0.5 there, 0.1 here"):
         check_same_demo(config)

@@ -154,9 +154,12 @@ def test_demo_comparison_spec_runs_dev_openers_without_novelty():
     spec = comparison_spec(config, conversations=40, seed=1234, judge="wordlist")
     assert (spec.split, spec.split_seed, spec.seed, spec.batch_size, spec.group_size) == ("dev", 0, 1234, 40, 1)
     assert (spec.reward, spec.reward_options, spec.novelty) == ("elicit", config.reward_options(), None)
+    assert spec.reply_samples == 1 and config.reply_samples == 4  # one reply a held-out turn: the usual rates
     assert spec.scorers == ["profanity", "wordlist"] and spec.mode == "text" and spec.turns == config.turns
     assert comparison_spec(config, conversations=100, seed=1234, judge="wordlist").batch_size == 64  # at most 64 at once
-    plain = comparison_spec(demo_config({"reward": "score", "scorer": "wordlist"}), conversations=3, seed=1, judge="wordlist")
+    score_only = {"reward": "score", "scorer": "wordlist", "probe_gate": None, "likelihood_cap": None}
+    score_only.update(repeat_penalty=0.0, reply_lexicon_weight=0.0)  # the elicitation reward's own settings off
+    plain = comparison_spec(demo_config(score_only), conversations=3, seed=1, judge="wordlist")
     assert (plain.reward, plain.scorers, plain.batch_size) == ("astprompter", ["wordlist"], 3)
 
 

@@ -297,8 +297,8 @@ def test_demo_trains_then_compares_and_reuses_a_finished_run(tmp_path, tiny_mode
     partial = compare_testers(resume(tmp_path / "demo", progress=False), conversations=17)  # one full batch of 16 + 1
     assert all(side["judges"]["wordlist"]["n_conversations"] == 17 for side in partial.values())
     assert all(side["judges"]["wordlist"]["n_turns"] == 17 for side in partial.values())  # one turn each
-    with pytest.raises(ConfigError, match="holds a run with other settings than this demo .* lr: 0.002 there, 0.001 here"):
-        run_demo({**overrides, "lr": 0.001}, progress=False, conversations=3)  # e.g. a run of an older demo
+    with pytest.raises(ConfigError, match="holds a run with other settings than this demo .* lr: 0.001 there, 0.003 here"):
+        run_demo({**overrides, "lr": 0.003}, progress=False, conversations=3)  # e.g. a run of an older demo
 
 
 def test_demo_table_shows_both_judges_with_intervals():
