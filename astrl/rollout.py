@@ -18,7 +18,7 @@ from astrl.backends import BACKENDS, check_collector
 from astrl.envs.recipe import ConversationSpec, build_conversation, preflight
 from astrl.keys import NEXT, PROBE, QUERY, REPLY_SCORES, REWARD, REWARD_TERMS, SCORES, TARGET_RESPONSE, TARGET_RESPONSES
 from astrl.policies import GenerationSettings
-from astrl.rewards.weights import REWARDS, reward_options
+from astrl.rewards.weights import REWARDS, reward_options_of
 
 if TYPE_CHECKING:
     from astrl.distributed import WorkerSpec
@@ -113,20 +113,7 @@ class RolloutConfig:
 
     def reward_options(self) -> dict | None:
         """Reward weights for the env (None for the plain scorer reward)."""
-        return reward_options(
-            self.reward,
-            alpha=self.alpha,
-            zeta=self.zeta,
-            gamma=self.likelihood_weight,
-            penalty=self.probe_penalty,
-            gate=self.elicit_gate,
-            gate_below=self.probe_gate,
-            transform=self.reply_transform,
-            lexicon=self.reply_lexicon_weight,
-            repeat=self.repeat_penalty,
-            cap=self.likelihood_cap,
-            lexicon_source=self.reply_lexicon,
-        )
+        return reward_options_of(self)
 
 
 def records_from_rollout(rollout: TensorDictBase, openers: Sequence[str], first_conversation: int = 0) -> list[dict]:

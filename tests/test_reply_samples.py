@@ -320,3 +320,24 @@ def test_elicit_settings_are_checked_with_the_offending_value():
         RolloutConfig(reward="score", probe_gate=0.5)
     with pytest.raises(ValueError, match="reply transform must be one of"):
         RolloutConfig(reward="elicit", reply_transform="sqrt")
+
+
+def test_text_mode_probes_end_at_the_testers_special_tokens():
+    from astrl.envs.transforms import TargetTurn, strip_special_tokens
+
+    tok = make_tokenizer()
+    assert strip_special_tokens(" and it is.<|im_end|>", tok) == " and it is."
+    assert strip_special_tokens("<|im_start|>user hi<pad>", tok) == "user hi"
+    tester, target = _policies("text")
+    env = make_redteam_env(tester, target, [SCORER], OPENERS, batch_size=2, max_turns=1, mode="text")
+    turn = next(t for t in env.transform if isinstance(t, TargetTurn))
+    td = TensorDict(
+        {"text": TensorDict({"prompt": ["hello how", "the cat"], "response": [" are you<|im_end|>", " walk"]}, [2])}, [2]
+    )
+    nxt = TensorDict({}, [2])
+    torch.manual_seed(0)
+    probes, seen, replies, _, _ = turn._step_text(td, nxt)
+    assert probes == [" are you", " walk"]  # the EOS ended the first probe; the target did not read it
+    assert seen == ["hello how", "the cat"]
+    states = as_list(nxt["text", "prompt"])
+    assert states[0] == "hello how are you" + replies[0] and "<|im_end|>" not in states[0]

@@ -78,6 +78,14 @@ def contexts_before_last(tokenizer, chats: Sequence[Chat]) -> list[str]:
     return [t[:i] for t, i in zip(texts, cut, strict=True)]
 
 
+def strip_special_tokens(text: str, tokenizer) -> str:
+    """``text`` without the tokenizer's special tokens (EOS, pad, chat markers) written in it."""
+    for token in sorted(getattr(tokenizer, "all_special_tokens", ()), key=len, reverse=True):
+        if token:
+            text = text.replace(token, "")
+    return text
+
+
 def clean_responses(
     tokens: Sequence[torch.Tensor], tokenizer, max_new_tokens: int
 ) -> tuple[list[str], torch.Tensor, torch.Tensor]:
@@ -247,11 +255,11 @@ class TargetTurn(Transform):
         tokens = out.get(TOKENS_RESPONSE, as_list=True)
         replies, ids, mask = clean_responses(tokens, self.target_tokenizer, self.target_max_new_tokens)
         self._lexicon_values = None
-        if masses is not None:
-            if len(masses) != 1:
-                raise RuntimeError(f"expected one generate call of the target, saw {len(masses)}")
-            mass = masses[0][:, : self.target_max_new_tokens]
-            width = mass.shape[1]
+        if masses is not None:  # one generate call, or several in row order (a wrapper that splits batches)
+            width = min(max(m.shape[1] for m in masses), self.target_max_new_tokens)
+            mass = torch.cat([torch.nn.functional.pad(m, (0, max(0, width - m.shape[1])))[:, :width] for m in masses])
+            if mass.shape[0] != len(rows):
+                raise RuntimeError(f"the target's generate calls returned {mass.shape[0]} rows of logits for {len(rows)} replies")
             self._lexicon_values = self.lexicon.estimate(mass, mask[:, :width]).reshape(len(inputs), k)
         return replies, ids, mask
 
@@ -285,7 +293,10 @@ class TargetTurn(Transform):
         return probes, contexts_before_last(self.target_tokenizer, target_chats), replies, ids, mask
 
     def _step_text(self, td: TensorDictBase, next_td: TensorDictBase):
-        contexts, probes = as_list(td[TEXT_PROMPT]), as_list(td[TEXT_RESPONSE])
+        contexts = as_list(td[TEXT_PROMPT])
+        # plain text: the tester's end-of-sequence (or any special token it wrote) ends the probe, it is not
+        # text the target reads (the target would read "<|im_end|>" as the end of a chat turn)
+        probes = [strip_special_tokens(p, self.tester_tokenizer) for p in as_list(td[TEXT_RESPONSE])]
         target_text = fit_texts([c + p for c, p in zip(contexts, probes, strict=True)], self.target_tokenizer, self.target_budget)
         replies, ids, mask = self._answer(target_text, TEXT)
         first = replies[:: self.reply_samples]  # the conversation goes on with each probe's first reply

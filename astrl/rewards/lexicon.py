@@ -2,8 +2,8 @@
 distributions while it generates the reply (no extra forward).
 
 At each position t of a reply the target has a distribution over its vocabulary. Let ``m_t`` be the
-probability mass on the tokens that begin a listed word (the word's first token, in the spellings a
-reply can use: ``" word"``, ``" Word"``, ``"word"``, ``"Word"``). Then
+probability mass on the tokens that are a listed word (its word-initial spellings ``" word"`` and
+``" Word"`` when the tokenizer keeps them as one token). Then
 
     P(reply holds a listed word)  ~=  1 - prod_t (1 - m_t)
 
@@ -15,7 +15,8 @@ Where it is exact and where it is not:
 * The product is exact in expectation when the reply is sampled from the target with the listed first
   tokens removed; astrl samples from the target itself, so positions after a listed word was sampled
   still count (the estimate is then already high). With small ``m_t`` the two agree.
-* A word counts only in the spellings that the tokenizer keeps as one token (``" ass"``, ``" hell"``,
+* A word counts only after a space (not at the very start of a reply or right after a quote), and
+  only in the spellings that the tokenizer keeps as one token (``" ass"``, ``" hell"``,
   ``" stupid"`` for SmolLM2): a split word's first piece (``" f"`` of ``" fuck"``, ``" sh"`` of
   ``" shit"``) also begins common words (``" for"``, ``" she"``), so counting it would count them
   too. Such a word is not seen at all; :attr:`ReplyLexicon.dropped` names them.
@@ -45,11 +46,14 @@ def _normal(text: str) -> str:
 
 
 def _whole_words(tokenizer) -> dict[str, list[int]]:
-    """The vocabulary's whole-word tokens (alphabetic, 2+ letters) by normalised text."""
+    """The vocabulary's word-initial tokens (a space, then 2+ letters) by normalised text: a token without
+    the leading space (``"ing"``) is as often the tail of a longer word as a word."""
     words: dict[str, list[int]] = {}
     for token, index in tokenizer.get_vocab().items():
-        text = _normal(tokenizer.convert_tokens_to_string([token]))
-        if len(text) >= 2 and text.isalpha():
+        raw = tokenizer.convert_tokens_to_string([token])
+        text = _normal(raw)
+        initial = raw.startswith(" ") or token.startswith(("\u0120", "\u2581"))  # byte-level "G." or sentencepiece marker
+        if initial and len(text) >= 2 and text.isalpha():
             words.setdefault(text, []).append(index)
     return words
 
@@ -101,9 +105,10 @@ def _wordlist_words() -> list[str]:
 class ReplyLexicon:
     """The first-token ids of a word list for one tokenizer, and the estimate built on them.
 
-    A listed word counts in each spelling (``" word"``, ``" Word"``, ``"word"``, ``"Word"``) that the
-    tokenizer keeps as one token: that token is the whole word. A spelling split into pieces does
-    not count: its first piece (``" f"`` of ``" fuck"``) begins many common words too.
+    A listed word counts in each word-initial spelling (``" word"``, ``" Word"``) that the tokenizer
+    keeps as one token: that token is the whole word. A spelling split into pieces does not count:
+    its first piece (``" f"`` of ``" fuck"``) begins many common words too; nor does a spelling
+    without the leading space: ``"ing"`` is mostly the tail of another word.
 
     Args:
         tokenizer: the target's tokenizer.
@@ -120,7 +125,7 @@ class ReplyLexicon:
         counted: set[int] = set()
         self.dropped: dict[str, str] = {}
         for word in self.words:
-            spellings = (f" {word}", f" {word.capitalize()}", word, word.capitalize())
+            spellings = (f" {word}", f" {word.capitalize()}")  # word-initial: a token without the space can be a word's tail
             pieces = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in spellings]
             whole = [ids[0] for ids in pieces if len(ids) == 1]
             counted.update(whole)

@@ -124,6 +124,28 @@ def reward_weights(reward: str, **values) -> ASTPrompterWeights | ElicitWeights:
 
 
 LEXICON_OPTIONS = ("lexicon_source", "lexicon_threshold")
+# the reward options and the settings (TrainConfig, RolloutConfig) that give them
+SETTING_NAMES = {
+    "alpha": "alpha",
+    "zeta": "zeta",
+    "gamma": "likelihood_weight",
+    "penalty": "probe_penalty",
+    "gate": "elicit_gate",
+    "gate_below": "probe_gate",
+    "transform": "reply_transform",
+    "lexicon": "reply_lexicon_weight",
+    "repeat": "repeat_penalty",
+    "cap": "likelihood_cap",
+    "lexicon_source": "reply_lexicon",
+    "lexicon_threshold": "reply_lexicon_threshold",
+}
+
+
+def reward_options_of(settings) -> dict | None:
+    """:func:`reward_options` from an object with a ``reward`` and the settings named in :data:`SETTING_NAMES`
+    (a :class:`~astrl.training.TrainConfig`, a :class:`~astrl.rollout.RolloutConfig`); absent ones keep defaults."""
+    values = {option: getattr(settings, name) for option, name in SETTING_NAMES.items() if hasattr(settings, name)}
+    return reward_options(settings.reward, **values)
 
 
 def reward_options(reward: str, **values) -> dict | None:

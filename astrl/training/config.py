@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from astrl.rewards.weights import REPLY_TRANSFORMS, REWARDS, reward_options
+from astrl.rewards.weights import REPLY_TRANSFORMS, REWARDS, reward_options_of
 
 ALGORITHMS = ("grpo", "ppo", "dpo", "ipo")
 RETURNS = ("turn", "to_go")
@@ -500,21 +500,7 @@ class TrainConfig:
 
     def reward_options(self) -> dict | None:
         """Reward weights for :func:`astrl.envs.make_redteam_env` (None for the plain score)."""
-        return reward_options(
-            self.reward,
-            alpha=self.alpha,
-            zeta=self.zeta,
-            gamma=self.likelihood_weight,
-            penalty=self.probe_penalty,
-            gate=self.elicit_gate,
-            gate_below=self.probe_gate,
-            transform=self.reply_transform,
-            lexicon=self.reply_lexicon_weight,
-            repeat=self.repeat_penalty,
-            cap=self.likelihood_cap,
-            lexicon_source=self.reply_lexicon,
-            lexicon_threshold=self.reply_lexicon_threshold,
-        )
+        return reward_options_of(self)
 
     def novelty_options(self) -> dict | None:
         """The ``novelty`` option of :func:`astrl.envs.make_redteam_env` (None when both coefficients are 0)."""
