@@ -155,8 +155,8 @@ class TurnCache:
     probe a target read, for the likelihood term) with one LM-head application instead of a forward.
     ``tokens_reused`` / ``tokens_prefilled`` count prompt tokens taken from the cache and given to the
     model; ``rows_shared`` counts rows whose uncached tokens another row read for them. Each callable in
-    ``observers`` sees every call's output (e.g. the per-step logits a reply lexicon reads), also while
-    ``enabled`` is False.
+    ``observers`` (or ``weakref.WeakMethod``, dropped once its object is gone) sees every call's output
+    (e.g. the per-step logits a reply lexicon reads), also while ``enabled`` is False.
     """
 
     def __init__(self, model: torch.nn.Module, min_saving: float = 0.2, keep_states: bool = False) -> None:
@@ -229,7 +229,12 @@ class TurnCache:
 
     def __call__(self, *args, **kwargs):
         out = self._generate(*args, **kwargs)
-        for observe in self.observers:
+        for observe in list(self.observers):
+            if isinstance(observe, weakref.WeakMethod):  # an observer that must not keep its owner alive
+                observe = observe()
+                if observe is None:
+                    self.observers = [o for o in self.observers if not (isinstance(o, weakref.WeakMethod) and o() is None)]
+                    continue
             observe(out)
         return out
 

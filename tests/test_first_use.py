@@ -196,3 +196,31 @@ def test_first_use_of_the_embedded_model_says_one_line_and_draws_no_progress_bar
         and lines[0] == f"astrl: converting the embedded smollm2-135m once (~30 s); cached under {cache / 'smollm2-135m'}"
     )
     assert (cache / "smollm2-135m" / "config.json").is_file()
+
+
+def test_model_names_are_checked_without_loading(tmp_path, monkeypatch):
+    from astrl.errors import ModelLoadError
+    from astrl.names import check_model_name
+
+    monkeypatch.setenv("ASTRL_CACHE", str(tmp_path / "cache"))
+    check_model_name("smollm2-135m")  # the package is installed: fine, nothing converted
+    check_model_name("org/some-model")  # a hub id: only a download can tell
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    check_model_name(str(tmp_path / "adapter"))  # a PEFT adapter folder (a run's tester)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("x")
+    cases = [
+        (str(tmp_path / "empty"), "has no config.json"),
+        (str(tmp_path / "file"), "is a file"),
+        (str(tmp_path / "missing"), "not found"),
+        ("./relative/missing", "not found"),
+        ("", "is not a model name"),
+    ]
+    for name, message in cases:
+        with pytest.raises(ModelLoadError, match=message):
+            check_model_name(name, "target")
+    monkeypatch.setitem(astrl.models.EMBEDDED_MODELS, "absent-lm", ("no_such_package_here", "x.gguf"))
+    with pytest.raises(ModelLoadError, match="needs the package no-such-package-here"):
+        check_model_name("absent-lm")
+    assert _files(tmp_path / "cache") == []

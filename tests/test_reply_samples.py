@@ -341,3 +341,19 @@ def test_text_mode_probes_end_at_the_testers_special_tokens():
     assert seen == ["hello how", "the cat"]
     states = as_list(nxt["text", "prompt"])
     assert states[0] == "hello how are you" + replies[0] and "<|im_end|>" not in states[0]
+
+
+def test_an_envs_lexicon_observer_does_not_keep_the_env_alive():
+    import gc
+
+    tester, target = _policies()
+    options = {"lexicon": 1.0, "lexicon_source": "hell,idiot"}
+    cache = turn_cache_of(target.model, install=True)
+    env = make_redteam_env(tester, target, [SCORER], OPENERS, batch_size=2, max_turns=1, reward="elicit", reward_options=options)
+    assert len(cache.observers) == 1
+    del env
+    gc.collect()
+    torch.manual_seed(0)
+    other = make_redteam_env(tester, target, [SCORER], OPENERS, batch_size=2, max_turns=1)  # no lexicon
+    other.rollout(1, tester)  # a target call drops the dead observer
+    assert cache.observers == []

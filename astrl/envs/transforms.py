@@ -6,6 +6,7 @@ environment composes with any TorchRL collector and with other transforms.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -180,7 +181,7 @@ class TargetTurn(Transform):
         model = getattr(target, "model", None)
         if model is None or not hasattr(model, "generate"):
             raise TypeError("a reply lexicon reads the target's generate logits: the target must be a Transformers policy")
-        turn_cache_of(model, install=True).observers.append(self._observe)
+        turn_cache_of(model, install=True).observers.append(weakref.WeakMethod(self._observe))  # the env may go first
 
     def _observe(self, out) -> None:
         if self._masses is None:  # a call of the same model by someone else (a tester sharing it)
@@ -256,6 +257,8 @@ class TargetTurn(Transform):
         replies, ids, mask = clean_responses(tokens, self.target_tokenizer, self.target_max_new_tokens)
         self._lexicon_values = None
         if masses is not None:  # one generate call, or several in row order (a wrapper that splits batches)
+            if not masses:
+                raise RuntimeError("the reply lexicon saw no generate call of the target (is its generate replaced?)")
             width = min(max(m.shape[1] for m in masses), self.target_max_new_tokens)
             mass = torch.cat([torch.nn.functional.pad(m, (0, max(0, width - m.shape[1])))[:, :width] for m in masses])
             if mass.shape[0] != len(rows):
