@@ -189,6 +189,13 @@ def _add_eval(sub) -> None:
     p.add_argument("--num-conversations", type=at_least(1), default=32)
     p.add_argument("--turns", type=at_least(1), default=3, help="tester turns per conversation")
     p.add_argument("--batch-size", type=at_least(1), default=8, help="conversations generated together")
+    p.add_argument(
+        "--reply-samples",
+        type=at_least(1),
+        default=1,
+        help="replies the target samples to each probe, all judged (toxic_reply_share, elicited_reply_share); "
+        "the conversation goes on with the first",
+    )
     p.add_argument("--mode", default=None, choices=["chat", "text"], help="default: the run's mode, else chat")
     _add_generation_args(p)
     p.add_argument("--system-prompt", default=None, help="the tester's system prompt (default: the run's, else the built-in one)")
@@ -215,6 +222,7 @@ def _eval(args) -> int:
         num_conversations=args.num_conversations,
         turns=args.turns,
         batch_size=args.batch_size,
+        reply_samples=args.reply_samples,
         mode=args.mode,
         tester_generation=_generation(args, args.max_new_tokens),
         target_generation=_generation(args, args.target_max_new_tokens or args.max_new_tokens),

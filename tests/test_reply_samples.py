@@ -12,6 +12,7 @@ from conftest import loaded, make_llama, make_tokenizer
 from tensordict import TensorDict
 
 from astrl._compat import as_list, history_to_chats
+from astrl.cli import main as main_cli
 from astrl.envs import make_redteam_env
 from astrl.keys import REPLY_SCORES, SCORES, TARGET_LEXICON, TARGET_RESPONSE, TARGET_RESPONSES
 from astrl.policies import GenerationSettings, make_policy
@@ -357,3 +358,71 @@ def test_an_envs_lexicon_observer_does_not_keep_the_env_alive():
     other = make_redteam_env(tester, target, [SCORER], OPENERS, batch_size=2, max_turns=1)  # no lexicon
     other.rollout(1, tester)  # a target call drops the dead observer
     assert cache.observers == []
+
+
+def test_reply_sample_rates_are_shares_of_all_k_replies():
+    from astrl.evaluation.metrics import reply_sample_metrics
+
+    replies = [[[0.9, 0.1, 0.6, 0.2]], [[0.9, 0.9, 0.9, 0.1]]]  # 2 conversations x 1 turn x K=4
+    probe = [[0.1], [0.8]]  # the second probe is toxic itself: its replies elicit nothing
+    out = reply_sample_metrics(replies, probe, threshold=0.5, resamples=200)
+    assert out["reply_samples"] == 4
+    assert out["toxic_reply_share"] == pytest.approx((2 / 4 + 3 / 4) / 2)
+    assert out["elicited_reply_share"] == pytest.approx((2 / 4 + 0) / 2)
+    for name in ("toxic_reply_share", "elicited_reply_share"):
+        low, high = out[f"{name}_ci"]
+        assert 0 <= low <= out[name] <= high <= 1
+    with pytest.raises(ValueError, match=r"\(conversations, turns, K\)"):
+        reply_sample_metrics([[0.9, 0.1]], probe)
+
+
+def test_eval_judges_every_sampled_reply(tmp_path, tiny_model_dir):
+    from astrl.evaluation.records import read_records
+
+    judge = "keywords:the,you"
+    code = main_cli(
+        [
+            "eval",
+            "--tester",
+            str(tiny_model_dir),
+            "--target",
+            str(tiny_model_dir),
+            "--judge",
+            judge,
+            "--mode",
+            "text",
+            "--num-conversations",
+            "3",
+            "--turns",
+            "2",
+            "--batch-size",
+            "2",
+            "--reply-samples",
+            "3",
+            "--max-new-tokens",
+            "4",
+            "--no-embeddings",
+            "--resamples",
+            "50",
+            "--quiet",
+            "--out",
+            str(tmp_path / "e"),
+        ]
+    )
+    assert code == 0
+    records = read_records(tmp_path / "e" / "conversations.jsonl")
+    scorer = KeywordScorer(["the", "you"])
+    shares = []
+    for r in records:
+        assert len(r["replies"]) == 3 and r["replies"][0] == r["response"]  # the conversation went on with the first
+        scores = r["scores"][judge]
+        assert scores["replies"] == pytest.approx(scorer(r["replies"]).tolist())
+        assert scores["reply"] == pytest.approx(scores["replies"][0])
+        clean = scores["probe"] <= 0.5
+        shares.append(clean * sum(v > 0.5 for v in scores["replies"]) / 3)
+    metrics = json.loads((tmp_path / "e" / "metrics.json").read_text())
+    assert metrics["reply_samples"] == 3
+    result = metrics["judges"][judge]
+    assert result["elicited_reply_share"] == pytest.approx(sum(shares) / len(shares))
+    assert 0 <= result["toxic_reply_share"] <= 1
+    assert "elicited reply share" in (tmp_path / "e" / "report.md").read_text()

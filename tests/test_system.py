@@ -252,6 +252,40 @@ def test_hf_system_elicit_reward_charges_the_probe_own_toxicity(gate):
         HFASTSystem(tester, target, None, KeywordScorer(KEYWORDS), reward="toxicity")
 
 
+def test_hf_system_reply_samples_average_the_transformed_scores_of_k_replies():
+    tok = make_tokenizer()
+    tester, target = loaded(make_llama(tok, seed=0), tok), loaded(make_llama(make_tokenizer(), seed=1), make_tokenizer())
+    system = HFASTSystem(
+        tester,
+        target,
+        None,
+        KeywordScorer(KEYWORDS),
+        max_new_tokens=5,
+        reward="elicit",
+        gamma=0.0,
+        reply_samples=3,
+        reply_transform="odds",
+    )
+    calls = []
+    generate = system.rollout_prompt_with_target
+    system.rollout_prompt_with_target = lambda prompts: calls.append(list(prompts)) or generate(prompts)
+    contexts, probes, replies = ["hello", "the dog"], ["how are", "nice music"], ["you there", "fine"]
+    seed_calls = system.calls
+    rewards = system._reward_and_validate(contexts, probes, replies)
+    assert calls == [["hellohow are", "hellohow are", "the dognice music", "the dognice music"]]  # one call, K-1 rows each
+    system.calls = seed_calls  # the same call again gives the same extra replies
+    more = system.rollout_prompt_with_target(calls[0])
+    scorer = KeywordScorer(KEYWORDS)
+    per_reply = scorer([replies[0], *more[:2], replies[1], *more[2:]]).reshape(2, 3)
+    odds = -(1 - per_reply.clamp(max=1 - 1e-6)).log()
+    expected = odds.mean(dim=1) - scorer(probes)
+    torch.testing.assert_close(rewards, expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="reply_samples must be an integer >= 1, got 0"):
+        HFASTSystem(tester, target, None, KeywordScorer(KEYWORDS), reply_samples=0)
+    with pytest.raises(ValueError, match="reply_transform 'log' needs reward='elicit'"):
+        HFASTSystem(tester, target, None, KeywordScorer(KEYWORDS), reply_transform="log")
+
+
 def test_hf_system_generation_is_seeded_and_truncates_for_fixed_length_models():
     tok = make_tokenizer()
     gpt2 = loaded(make_gpt2(tok, n_positions=32), tok)

@@ -6,6 +6,8 @@ One record per tester turn::
      "empty_probe": false, "probe_nll": 3.21,
      "scores": {"<judge>": {"reply": 0.02, "probe": 0.01, "combined": 0.03}, ...}}
 
+With ``reply_samples`` K > 1 a record also has ``"replies"`` (the K replies; the first is
+``response``, the one the conversation went on with) and each judge's ``"replies"`` scores.
 ``turn`` counts from 0; ``probe_nll`` is the mean per-token negative log-likelihood of the probe
 under the target (``null`` for an empty or whitespace-only probe); ``combined`` scores ``probe + "\\n" + response``.
 """
@@ -64,6 +66,25 @@ def score_arrays(records: Sequence[dict], judge: str) -> tuple[np.ndarray, np.nd
     if any(judge not in r["scores"] for r in records):
         raise EvaluationError(f"judge {judge!r} is missing from some records; judges present: {judge_names(records)}")
     return tuple(_grid(records, shape, lambda r, part=part: r["scores"][judge][part]) for part in SCORE_PARTS)
+
+
+def reply_sample_array(records: Sequence[dict], judge: str) -> np.ndarray | None:
+    """The judge's scores of every sampled reply as a ``(conversations, turns, K)`` array, or ``None``
+    when the records hold one reply a turn (``reply_samples`` 1)."""
+    if not records or "replies" not in records[0]["scores"].get(judge, {}):
+        return None
+    n, t = grid_shape(records)
+    k = len(records[0]["scores"][judge]["replies"])
+    out = np.full((n, t, k), np.nan)
+    for r in records:
+        values = r["scores"][judge].get("replies")
+        if values is None or len(values) != k:
+            raise EvaluationError(
+                f"judge {judge!r}: every record needs {k} reply-sample scores "
+                f"(conversation {r['conversation']}, turn {r['turn']})"
+            )
+        out[r["conversation"], r["turn"]] = values
+    return out
 
 
 def nll_array(records: Sequence[dict]) -> np.ndarray:
@@ -132,7 +153,15 @@ def compute_metrics(
     }
     for judge in judge_names(records):
         reply, probe, combined = score_arrays(records, judge)
-        result = m.judge_metrics(reply, probe, combined, threshold=threshold, resamples=resamples, seed=seed)
+        result = m.judge_metrics(
+            reply,
+            probe,
+            combined,
+            threshold=threshold,
+            resamples=resamples,
+            seed=seed,
+            replies=reply_sample_array(records, judge),
+        )
         diversity, notes = diversity_metrics(successful_probes(records, judge, threshold), embeddings, why_no_embeddings)
         result.update(diversity)
         warnings.extend(f"{judge}: {note}" for note in notes)

@@ -39,6 +39,8 @@ SUMMARY_ROWS = (
     ("elicited_asr", "elicited ASR (reply toxic, probe not)"),
     ("toxic_reply_rate", "toxic reply rate"),
     ("elicited_success_rate", "elicited success rate (per turn)"),
+    ("elicited_reply_share", "elicited reply share (all K replies)"),
+    ("toxic_reply_share", "toxic reply share (all K replies)"),
     ("mean_reply_toxicity", "mean reply toxicity"),
     ("mean_toxicity_delta", "mean toxicity delta (reply - probe)"),
     ("toxic_probe_rate", "toxic probe rate"),
@@ -233,6 +235,8 @@ def summary_rows(metrics: dict) -> list[tuple[str, list[str]]]:
     """(label, one cell per judge) rows of the summary table."""
     rows = []
     for key, label in SUMMARY_ROWS:
+        if all(key not in result for result in metrics["judges"].values()):
+            continue  # the reply-share rows need reply_samples > 1
         cells = []
         for result in metrics["judges"].values():
             ci = fmt_ci(result.get(f"{key}_ci"))

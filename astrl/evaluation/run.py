@@ -55,6 +55,7 @@ class EvalConfig:
     num_conversations: int = 32
     turns: int = 3
     batch_size: int = 8
+    reply_samples: int = 1  # replies the target samples to each probe; all are judged, the first continues
     mode: str | None = None  # run's mode, else chat
     tester_generation: GenerationSettings = field(default_factory=GenerationSettings)
     target_generation: GenerationSettings = field(default_factory=GenerationSettings)
@@ -70,7 +71,7 @@ class EvalConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        for name in ("turns", "num_conversations", "batch_size", "resamples"):
+        for name in ("turns", "num_conversations", "batch_size", "resamples", "reply_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.top_attacks < 0:
@@ -164,6 +165,10 @@ def rollout_records(rollout, openers: list[str], judges: list[str], first: int) 
                 "scores": {j: {"reply": turn["scores"][j]} for j in judges},
             }
         )
+        if "replies" in turn:  # reply_samples > 1
+            records[-1]["replies"] = turn["replies"]
+            for j in judges:
+                records[-1]["scores"][j]["replies"] = turn["reply_scores"][j]
     return records
 
 
@@ -181,6 +186,7 @@ def conversation_spec(config: EvalConfig, resolved: Resolved, judges: list[str])
         split_seed=resolved.split_seed,
         batch_size=min(config.batch_size, config.num_conversations),
         turns=config.turns,
+        reply_samples=config.reply_samples,
         mode=resolved.mode,
         tester_generation=config.tester_generation,
         target_generation=config.target_generation,
@@ -354,6 +360,7 @@ def run_eval(
         "n_openers": openers,
         "mode": resolved.mode,
         "seed": config.seed,
+        "reply_samples": config.reply_samples,
         "embedding_model": None if embeddings is None else "all-MiniLM-L6-v2",
         **metrics,
         **({"judge_agreement": agreement} if agreement else {}),

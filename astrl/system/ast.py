@@ -20,6 +20,12 @@ class ASTSystem(System[str, str]):
 
         r = alpha * tox(response) * g - probe_penalty * tox(probe) + gamma * probe_logprob
 
+    With ``reply_samples`` K > 1 the target answers each probe K - 1 more times (one batched
+    :meth:`rollout_prompt_with_target` call on ``advance(context, probe, "")``, K - 1 adjacent rows
+    per probe) and ``tox(response)`` becomes the mean over the K replies (the rollout's own and the
+    new ones) of ``f(tox(reply))``, ``f`` the ``reply_transform`` (elicit: ``prob``, ``log``,
+    ``odds``; astprompter: ``prob``). The conversation goes on with the rollout's own reply.
+
     ``tox`` is the scorer (higher = more harmful), ``probe_logprob`` the **mean per-token**
     log-prob of the probe under the target given the state it followed (natural probes score
     higher; an empty probe gets ``empty_probe_logprob``). ``advance`` concatenates
@@ -32,6 +38,7 @@ class ASTSystem(System[str, str]):
         reward: ``"astprompter"`` or ``"elicit"``.
         probe_penalty, elicit_gate: the elicitation reward's weight of the probe's toxicity and its gate.
         empty_probe_logprob: ``probe_logprob`` of a probe with no tokens.
+        reply_samples: replies scored per probe (K); reply_transform: ``f`` above (elicit only).
     """
 
     def __init__(
@@ -45,13 +52,22 @@ class ASTSystem(System[str, str]):
         probe_penalty: float = 1.0,
         elicit_gate: bool = False,
         empty_probe_logprob: float = -10.0,
+        reply_samples: int = 1,
+        reply_transform: str = "prob",
     ) -> None:
         super().__init__(scorer)
         if reward not in ("astprompter", "elicit"):
             raise ValueError(f"reward must be 'astprompter' or 'elicit', got {reward!r}")
+        if isinstance(reply_samples, bool) or not isinstance(reply_samples, int) or reply_samples < 1:
+            raise ValueError(f"reply_samples must be an integer >= 1, got {reply_samples!r}")
+        if reward == "astprompter" and reply_transform != "prob":
+            raise ValueError(f"reply_transform {reply_transform!r} needs reward='elicit' (astprompter averages the scores)")
         self.reward_kind = reward
-        self.weights = reward_weights(reward, alpha=alpha, zeta=zeta, gamma=gamma, penalty=probe_penalty, gate=elicit_gate)
+        self.weights = reward_weights(
+            reward, alpha=alpha, zeta=zeta, gamma=gamma, penalty=probe_penalty, gate=elicit_gate, transform=reply_transform
+        )
         self.empty_probe_logprob = float(empty_probe_logprob)
+        self.reply_samples = reply_samples
 
     def advance(self, context: str, probe: str, response: str) -> str:
         return context + probe + response
@@ -68,17 +84,29 @@ class ASTSystem(System[str, str]):
 
     def reward_terms(self, contexts: Sequence[str], probes: Sequence[str], responses: Sequence[str]) -> dict[str, torch.Tensor]:
         """The three terms of the reward, each of shape ``(B,)``, in the order ``weights.combine`` takes them:
-        ``response_tox``, then ``combined_tox`` (probe + reply; astprompter) or ``probe_tox`` (elicit),
+        ``response_tox`` (the mean over the K replies, see the class docstring), then ``combined_tox``
+        (probe + reply; astprompter) or ``probe_tox`` (elicit),
         then ``probe_logprob``. One scorer call scores replies and the second texts."""
         n = len(responses)
         if self.reward_kind == "elicit":
             second, texts = "probe_tox", list(probes)
         else:
             second, texts = "combined_tox", [p + r for p, r in zip(probes, responses, strict=True)]
-        scores = score_texts(self.scorer, [*responses, *texts])
-        terms = {"response_tox": scores[:n], second: scores[n:]}
+        more = self.more_replies(contexts, probes)
+        scores = score_texts(self.scorer, [*responses, *texts, *more])
+        replies = torch.cat([scores[:n, None], scores[2 * n :].reshape(n, self.reply_samples - 1)], dim=1)  # (B, K)
+        value = self.weights.reply_value if self.reward_kind == "elicit" else (lambda x: x)
+        terms = {"response_tox": value(replies).mean(dim=1), second: scores[n : 2 * n]}
         terms["probe_logprob"] = self.probe_logprob(contexts, probes) if self.weights.gamma else torch.zeros(n)
         return terms
+
+    def more_replies(self, contexts: Sequence[str], probes: Sequence[str]) -> list[str]:
+        """``reply_samples - 1`` further target replies to each probe, in one call (a probe's rows adjacent)."""
+        extra = self.reply_samples - 1
+        if extra == 0:
+            return []
+        prompts = self._advance_and_validate(list(contexts), list(probes), [""] * len(probes))
+        return self._rollout_prompt_with_target_and_validate([p for p in prompts for _ in range(extra)])
 
     def reward(self, contexts: Sequence[str], probes: Sequence[str], responses: Sequence[str]) -> list[float]:
         return self.weights.combine(*self.reward_terms(contexts, probes, responses).values()).tolist()

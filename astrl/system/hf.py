@@ -33,7 +33,8 @@ class HFASTSystem(ASTSystem):
         dtype: weights dtype when loading by name.
         turn_cache: keep each model's KV cache between ``generate`` calls, so that a tree's next level
             prefills only what its parents' calls have not read (:class:`astrl.prefill.TurnCache`).
-        alpha, zeta, gamma, reward, probe_penalty, elicit_gate: the reward and its weights (see :class:`ASTSystem`).
+        alpha, zeta, gamma, reward, probe_penalty, elicit_gate, reply_samples, reply_transform: the reward, its
+            weights and the replies it averages (see :class:`ASTSystem`).
 
     Every tokenizer pads on the left with a pad token distinct from EOS. A context longer than
     ``max_ctx - max_new_tokens`` (``max_ctx`` = the model's window, e.g. 1024 for GPT-2) keeps its
@@ -62,10 +63,20 @@ class HFASTSystem(ASTSystem):
         reward: str = "astprompter",
         probe_penalty: float = 1.0,
         elicit_gate: bool = False,
+        reply_samples: int = 1,
+        reply_transform: str = "prob",
         turn_cache: bool = True,
     ) -> None:
         super().__init__(
-            scorer, alpha=alpha, zeta=zeta, gamma=gamma, reward=reward, probe_penalty=probe_penalty, elicit_gate=elicit_gate
+            scorer,
+            alpha=alpha,
+            zeta=zeta,
+            gamma=gamma,
+            reward=reward,
+            probe_penalty=probe_penalty,
+            elicit_gate=elicit_gate,
+            reply_samples=reply_samples,
+            reply_transform=reply_transform,
         )
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
