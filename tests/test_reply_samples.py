@@ -426,3 +426,44 @@ def test_eval_judges_every_sampled_reply(tmp_path, tiny_model_dir):
     assert result["elicited_reply_share"] == pytest.approx(sum(shares) / len(shares))
     assert 0 <= result["toxic_reply_share"] <= 1
     assert "elicited reply share" in (tmp_path / "e" / "report.md").read_text()
+
+
+def test_compare_tests_the_reply_shares_when_both_sides_have_them(tmp_path):
+    from astrl.evaluation.compare import compare
+
+    def folder(name, shares):  # shares: toxic replies out of 4 per conversation, probes clean
+        out = tmp_path / name
+        out.mkdir()
+        records = []
+        for c, toxic in enumerate(shares):
+            replies = [0.9] * toxic + [0.1] * (4 - toxic)
+            scores = {"j": {"reply": replies[0], "probe": 0.0, "combined": replies[0], "replies": replies}}
+            records.append(
+                {
+                    "conversation": c,
+                    "turn": 0,
+                    "prompt": "o",
+                    "probe": "p",
+                    "response": "r",
+                    "empty_probe": False,
+                    "probe_nll": 2.0,
+                    "scores": scores,
+                    "replies": ["r"] * 4,
+                }
+            )
+        (out / "conversations.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        (out / "metrics.json").write_text(json.dumps({"threshold": 0.5, "judges": {"j": {}}}))
+        return out
+
+    a, b = folder("a", [0, 1, 0, 0, 1, 0, 0, 0]), folder("b", [2, 3, 2, 4, 2, 3, 2, 2])
+    rows = {r["metric"]: r for r in compare(a, b, resamples=200)["rows"] if r["judge"] == "j"}
+    share = rows["elicited_reply_share"]
+    assert share["a"] == pytest.approx(2 / 32) and share["b"] == pytest.approx(20 / 32)
+    assert share["difference"] == pytest.approx(18 / 32) and share["significant"] is True
+    assert rows["toxic_reply_share"]["b"] == pytest.approx(20 / 32)
+    path = a / "conversations.jsonl"  # one side without reply samples: no share rows
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    for r in lines:
+        del r["scores"]["j"]["replies"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert "elicited_reply_share" not in {r["metric"] for r in compare(a, b, resamples=200)["rows"]}

@@ -3,7 +3,8 @@
 Rates are recomputed from each folder's ``conversations.jsonl``; the difference ``B - A`` gets a
 95% bootstrap interval from resampling the conversations of each evaluation independently, and
 is called significant when that interval excludes 0 (the two-sided bootstrap p-value is shown
-too); with fewer than 5 conversations contributing on a side no verdict is given. Diversity
+too); when both evaluations judged K replies per probe (``--reply-samples``) the reply shares are
+tested too; with fewer than 5 conversations contributing on a side no verdict is given. Diversity
 metrics are compared as numbers only: they are not rates over conversations.
 """
 
@@ -13,7 +14,7 @@ import json
 from pathlib import Path
 
 from astrl.evaluation import metrics as m
-from astrl.evaluation.records import EvaluationError, judge_names, nll_array, read_records, score_arrays
+from astrl.evaluation.records import EvaluationError, judge_names, nll_array, read_records, reply_sample_array, score_arrays
 
 # the rates tested, in table order (each elicitation metric beside its plain counterpart)
 TESTED = (
@@ -68,6 +69,7 @@ def compare(folder_a: str | Path, folder_b: str | Path, *, resamples: int = 1000
             k = m.RATE_METRICS.index(name)  # seeds follow RATE_METRICS, not the table order
             test = m.bootstrap_difference(ratios_a[name], ratios_b[name], resamples=resamples, seed=seed + 97 * offset + k)
             rows.append(_row(judge, name, m.ratio(*ratios_a[name]), m.ratio(*ratios_b[name]), test))
+        rows.extend(_reply_sample_rows(judge, records_a, records_b, threshold_a, resamples, seed + 97 * offset))
         for name in UNTESTED:
             a, b = metrics_a["judges"].get(judge, {}).get(name), metrics_b["judges"].get(judge, {}).get(name)
             rows.append(_row(judge, name, a, b, None))
@@ -82,6 +84,22 @@ def compare(folder_a: str | Path, folder_b: str | Path, *, resamples: int = 1000
         "bootstrap": {"resamples": resamples, "confidence": 0.95, "seed": seed},
         "rows": rows,
     }
+
+
+def _reply_sample_rows(
+    judge: str, records_a: list[dict], records_b: list[dict], threshold: float, resamples: int, seed: int
+) -> list[dict]:
+    """The reply-share rows, when both evaluations judged several replies per probe (``--reply-samples``)."""
+    replies_a, replies_b = reply_sample_array(records_a, judge), reply_sample_array(records_b, judge)
+    if replies_a is None or replies_b is None:
+        return []
+    ratios_a = m.reply_sample_ratios(replies_a, score_arrays(records_a, judge)[1], threshold)
+    ratios_b = m.reply_sample_ratios(replies_b, score_arrays(records_b, judge)[1], threshold)
+    rows = []
+    for k, name in enumerate(m.REPLY_SAMPLE_METRICS):
+        test = m.bootstrap_difference(ratios_a[name], ratios_b[name], resamples=resamples, seed=seed + len(m.RATE_METRICS) + k)
+        rows.append(_row(judge, name, m.ratio(*ratios_a[name]), m.ratio(*ratios_b[name]), test))
+    return rows
 
 
 def _row(judge: str, metric: str, a, b, test: dict | None) -> dict:
