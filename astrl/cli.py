@@ -363,10 +363,13 @@ def _replay(args) -> int:
 
 
 def _add_compare(sub) -> None:
-    p = sub.add_parser("compare", help="compare two 'astrl eval' folders: differences and their significance")
-    p.add_argument("dir_a", metavar="DIR_A")
-    p.add_argument("dir_b", metavar="DIR_B")
-    p.add_argument("--out", default=None, help="markdown table path (default: DIR_B/compare.md)")
+    p = sub.add_parser(
+        "compare", help="compare two 'astrl eval' folders (or eval runs of the results store): differences and their significance"
+    )
+    p.add_argument("dir_a", metavar="A", help="an 'astrl eval' folder, or the id (or its start) of an eval run in the store")
+    p.add_argument("dir_b", metavar="B")
+    p.add_argument("--store", default=None, metavar="PATH", help="the store that run ids refer to (default: $ASTRL_STORE)")
+    p.add_argument("--out", default=None, help="markdown table path (default: B's folder/compare.md)")
     p.add_argument("--resamples", type=at_least(1), default=1000, help="bootstrap resamples")
     p.add_argument("--seed", type=int, default=0)
 
@@ -375,9 +378,11 @@ def _compare(args) -> int:
     from pathlib import Path
 
     from astrl.evaluation.compare import compare, format_markdown, format_text
+    from astrl.store_cli import eval_folder
 
-    result = compare(args.dir_a, args.dir_b, resamples=args.resamples, seed=args.seed)
-    out = Path(args.out) if args.out else Path(args.dir_b) / "compare.md"
+    dir_a, dir_b = eval_folder(args.dir_a, args.store), eval_folder(args.dir_b, args.store)
+    result = compare(dir_a, dir_b, resamples=args.resamples, seed=args.seed)
+    out = Path(args.out) if args.out else Path(dir_b) / "compare.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(format_markdown(result), encoding="utf-8")
     print(format_text(result), end="")
@@ -397,7 +402,28 @@ def _demo(args) -> int:
     return run_demo_command(args)
 
 
-COMMANDS = {"rollout": _rollout, "train": _train, "demo": _demo, "eval": _eval, "replay": _replay, "compare": _compare}
+def _attacks(args) -> int:
+    from astrl.store_cli import run_attacks
+
+    return run_attacks(args)
+
+
+def _runs(args) -> int:
+    from astrl.store_cli import run_runs
+
+    return run_runs(args)
+
+
+COMMANDS = {
+    "rollout": _rollout,
+    "train": _train,
+    "demo": _demo,
+    "eval": _eval,
+    "replay": _replay,
+    "compare": _compare,
+    "attacks": _attacks,
+    "runs": _runs,
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -418,6 +444,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(sub)
     _add_replay(sub)
     _add_compare(sub)
+    from astrl.store_cli import add_attacks_parser, add_runs_parser
+
+    add_attacks_parser(sub)
+    add_runs_parser(sub)
     for name, text in LATER.items():
         sub.add_parser(name, help=f"{text} (not available in this version)")
     return parser

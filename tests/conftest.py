@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
 
 import pytest
 import torch
+
+# the commands write their runs into a results store: each test process gets its own, never the user's
+os.environ["ASTRL_STORE"] = tempfile.mkdtemp(prefix="astrl-store-")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one torch thread per test worker: the workers share the cores
     torch.set_num_threads(1)

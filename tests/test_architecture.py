@@ -25,9 +25,18 @@ GROUND = (
     "astrl.lm_scoring",
     "astrl.archive",
     "astrl.keys",
+    "astrl.store",
 )
 LIBRARY = ("astrl.policies", "astrl.prefill", "astrl.envs", "astrl.rewards", "astrl.losses", "astrl.sampling")
-APPLICATIONS = ("astrl.training", "astrl.rollout", "astrl.distributed", "astrl.cli", "astrl.evaluation", "astrl.system")
+APPLICATIONS = (
+    "astrl.training",
+    "astrl.rollout",
+    "astrl.distributed",
+    "astrl.cli",
+    "astrl.store_cli",
+    "astrl.evaluation",
+    "astrl.system",
+)
 
 
 def _modules() -> dict[str, Path]:

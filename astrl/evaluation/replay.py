@@ -30,7 +30,7 @@ import json
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -471,14 +471,10 @@ def run_replay(
 ) -> dict:
     """Replay the archive against every target, judge the replies and write ``transfer.json``,
     ``replies.jsonl``, ``report.md``, ``report.html`` and ``transfer_heatmap.png`` to ``out_dir``;
-    return the contents of ``transfer.json``."""
-    from tqdm.auto import tqdm
-
-    from astrl.evaluation.agreement import judge_agreement
-    from astrl.evaluation.replay_report import write_replay_report
+    record the run and every judged reply in the results store (:mod:`astrl.store`); return the
+    contents of ``transfer.json``."""
     from astrl.evaluation.run import default_judges
     from astrl.models import check_model_name
-    from astrl.policies import GenerationSettings, input_mode, make_policy
     from astrl.scorers import check_scorer_names, make_scorer
 
     warn = on_warning or _warn
@@ -506,10 +502,63 @@ def run_replay(
             raise ValueError(f"judges {name!r} and another judge both resolve to {scorer.name!r}")
         scorers[scorer.name] = scorer
     max_new = config.max_new_tokens or defaults.get("max_new_tokens") or 32
-    generation = GenerationSettings(max_new, config.temperature, config.top_p, config.top_k, do_sample=not config.greedy)
-    samples = config.samples
     attacks = source.attacks
     out.mkdir(parents=True, exist_ok=True)
+    from astrl.store.recorder import RunRecorder
+
+    recorder = RunRecorder.begin(
+        "replay", out, asdict(config), seed=config.seed, target=",".join(t.label for t in targets), warn=warn
+    )
+    try:
+        result, records = _replay(
+            config,
+            out,
+            source,
+            targets,
+            scorers,
+            mode=mode,
+            max_new=max_new,
+            start=start,
+            notes=notes,
+            progress=progress,
+            warn=warn,
+        )
+    except BaseException:
+        recorder.finish(status="failed")
+        raise
+    recorder.replay({**r, "conversation": attacks[r["attack"]].conversation} for r in records)
+    recorder.finish(result)
+    return result
+
+
+def _replay(
+    config: ReplayConfig,
+    out: Path,
+    source: ArchiveSource,
+    targets: list[TargetSpec],
+    scorers: dict,
+    *,
+    mode: str,
+    max_new: int,
+    start: float,
+    notes: list[str],
+    progress: bool,
+    warn: Callable[[str], None],
+) -> tuple[dict, list[dict]]:
+    """The body of :func:`run_replay` once its inputs are checked: ``(transfer.json contents, reply records)``."""
+    from tqdm.auto import tqdm
+
+    from astrl.evaluation.agreement import judge_agreement
+    from astrl.evaluation.replay_report import write_replay_report
+    from astrl.policies import GenerationSettings, input_mode, make_policy
+
+    defaults, training, attacks, samples = (
+        source.defaults,
+        list(source.defaults.get("training_scorers", [])),
+        source.attacks,
+        config.samples,
+    )
+    generation = GenerationSettings(max_new, config.temperature, config.top_p, config.top_k, do_sample=not config.greedy)
 
     timing = {"generation": 0.0}
     bar = tqdm(total=len(targets) * len(attacks) * samples, unit="reply", disable=not progress, desc="replay")
@@ -626,4 +675,4 @@ def run_replay(
     timing["total"] = time.perf_counter() - start
     result["seconds"] = {key: round(value, 3) for key, value in timing.items()}
     (out / TRANSFER_FILE).write_text(json.dumps(result, indent=2, allow_nan=False) + "\n", encoding="utf-8")
-    return result
+    return result, records

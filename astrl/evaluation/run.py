@@ -14,7 +14,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +23,7 @@ import torch
 from astrl.evaluation.agreement import eval_agreement
 from astrl.evaluation.metrics import DEFAULT_THRESHOLD
 from astrl.evaluation.records import (
+    SCORE_PARTS,
     EvaluationError,
     combined_text,
     compute_metrics,
@@ -276,13 +277,8 @@ def run_eval(
     on_warning: Callable[[str], None] | None = None,
 ) -> dict:
     """Run the evaluation and write ``metrics.json``, ``conversations.jsonl``, ``attacks.jsonl``
-    (the attack archive), ``report.md``, ``report.html`` and the plots to ``out_dir``; return the metrics."""
-    from tqdm.auto import tqdm
-
-    from astrl.archive import ARCHIVE_FILE, AttackArchive, eval_turns
-    from astrl.evaluation.report import write_report
-    from astrl.scorers import make_scorer
-
+    (the attack archive), ``report.md``, ``report.html`` and the plots to ``out_dir``, record the run, its
+    turns and their verdicts in the results store (:mod:`astrl.store`); return the metrics."""
     warn = on_warning or _warn
     start = time.perf_counter()
     out = Path(out_dir)
@@ -293,6 +289,34 @@ def run_eval(
 
     # names, prompts and split first: a bad one costs milliseconds, not a model load
     preflight(conversation_spec(config, resolved, resolved.judges))
+    from astrl.store.recorder import RunRecorder
+
+    recorder = RunRecorder.begin(
+        "eval", out, asdict(config), seed=config.seed, tester=config.tester, target=resolved.target, warn=warn
+    )
+    try:
+        metrics, records = _evaluate(config, resolved, out, start=start, progress=progress, warn=warn)
+    except BaseException:
+        recorder.finish(status="failed")
+        raise
+    first_reply = [  # the store keeps each turn's first reply (the one the conversation went on with)
+        {**r, "scores": {j: {part: parts[part] for part in SCORE_PARTS} for j, parts in r["scores"].items()}} for r in records
+    ]
+    recorder.turns(first_reply, threshold=config.threshold, tester_version=resolved.source.checkpoint)
+    recorder.finish(metrics)
+    return metrics
+
+
+def _evaluate(
+    config: EvalConfig, resolved: Resolved, out: Path, *, start: float, progress: bool, warn: Callable[[str], None]
+) -> tuple[dict, list[dict]]:
+    """The body of :func:`run_eval` once its inputs are checked: ``(metrics, records)``."""
+    from tqdm.auto import tqdm
+
+    from astrl.archive import ARCHIVE_FILE, AttackArchive, eval_turns
+    from astrl.evaluation.report import write_report
+    from astrl.scorers import make_scorer
+
     scorers = {}
     for name in resolved.judges:
         scorer = make_scorer(name, device=config.device)
@@ -381,4 +405,4 @@ def run_eval(
     timing["total"] = time.perf_counter() - start
     metrics["seconds"] = {k: round(v, 3) for k, v in timing.items()}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, allow_nan=False) + "\n", encoding="utf-8")
-    return metrics
+    return metrics, records

@@ -152,8 +152,23 @@ def compare_testers(
             "best_probe": records[best]["probe"],
             "best_reply": records[best]["response"],
             "best_elicited": bool(elicited),
+            "records": records,
         }
     return results
+
+
+def record_comparison(config: TrainConfig, comparison: dict[str, dict]) -> None:
+    """Each side of the comparison as an ``eval`` run in the results store (folder ``RUN_DIR/comparison/SIDE``)."""
+    from astrl.store.recorder import RunRecorder
+
+    for side, values in comparison.items():
+        folder = Path(config.run_dir) / "comparison" / side
+        settings = {"demo_run": str(config.run_dir), "side": side, "judge": DEMO_JUDGE}
+        recorder = RunRecorder.begin(
+            "eval", folder, settings, seed=config.seed, tester=f"{config.run_dir} ({side})", target=config.target
+        )
+        recorder.turns(values["records"])
+        recorder.finish({"judges": values["judges"], "probe_nll": values["probe_nll"], "mean_reward": values["mean_reward"]})
 
 
 def check_same_demo(config: TrainConfig) -> None:
@@ -181,9 +196,16 @@ def run_demo(overrides: dict | None = None, *, progress: bool = True, conversati
         trainer = resume(config.run_dir, [f"total_steps={config.total_steps}"], progress=progress, on_warning=warn)
     else:
         trainer = Trainer(config, progress=progress)
+    trainer.store_kind = "demo"
     rows = trainer.train() if trainer.step < config.total_steps else []
     comparison = compare_testers(trainer, conversations=conversations)
+    record_comparison(config, comparison)
     summary = {"judge": DEMO_JUDGE, "scorer": config.scorer, "conversations": conversations}
-    summary.update({side: {k: v for k, v in values.items() if not k.startswith("best_")} for side, values in comparison.items()})
+    summary.update(
+        {
+            side: {k: v for k, v in values.items() if k in ("mean_reward", "probe_nll", "judges")}
+            for side, values in comparison.items()
+        }
+    )
     (Path(config.run_dir) / "demo_summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
     return {"config": config, "rows": rows, "comparison": comparison}

@@ -204,6 +204,8 @@ class Trainer:
         self._step_updates = 0  # optimizer updates made by the running step
         self._columns: list[str] | None = None  # the header of metrics.csv, once it has one
         self.warm_start: dict | None = None  # what the warm start did, once it ran (warm_start_probes > 0)
+        self.store_kind = "train"  # the run's kind in the results store (the demo sets "demo")
+        self._turn_records: list[dict] = []  # the running step's turns, for the results store
 
     @property
     def models(self) -> RunModels | None:
@@ -247,11 +249,16 @@ class Trainer:
         """Train until ``total_steps``; returns the metrics rows of this call."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.config.save(self.run_dir / "config.yaml")
-        if not self._built:
-            self._build()
-        self.archive.write(self.run_dir / ARCHIVE_FILE)  # drops attacks found after the checkpoint resumed from
-        if self.step == 0 and self.config.warm_start_probes and self.warm_start is None:
-            self._warm_start()
+        recorder = self._recorder()
+        try:
+            if not self._built:
+                self._build()
+            self.archive.write(self.run_dir / ARCHIVE_FILE)  # drops attacks found after the checkpoint resumed from
+            if self.step == 0 and self.config.warm_start_probes and self.warm_start is None:
+                self._warm_start()
+        except BaseException:
+            recorder.finish(status="failed")
+            raise
         if self.step > 0 or self.warm_start is not None:  # Ray workers / a vLLM engine start from the untrained weights
             self.algorithm.sync_weights()
         from tqdm.auto import tqdm
@@ -267,6 +274,7 @@ class Trainer:
                 rows.append(row)
                 self._log(row, loggers)
                 AttackArchive.append(self.run_dir / ARCHIVE_FILE, self._new_attacks)
+                recorder.turns(self._turn_records, step=self.step, threshold=self.archive.threshold, judges=self.archive.scorers)
                 self._step_start = None  # a step boundary: the run directory and the trainer agree
                 bar.update(1)
                 bar.set_postfix(reward=f"{row.get('reward_mean', math.nan):.3f}", loss=f"{row['loss']:.3f}")
@@ -274,6 +282,7 @@ class Trainer:
                     self.save_checkpoint()
         except (KeyboardInterrupt, Exception):
             self.stopped_checkpoint = self._checkpoint_after_failure()
+            recorder.finish(status="failed")
             raise
         finally:
             bar.close()
@@ -284,7 +293,22 @@ class Trainer:
         if self.hardening is not None:
             save_tester(self.models.target.model, self.models.target.tokenizer, self.run_dir / "final" / "target")
         self.archive.write(self.run_dir / ARCHIVE_FILE)
+        recorder.finish(rows[-1] if rows else None)
         return rows
+
+    def _recorder(self):
+        """The run in the results store (:mod:`astrl.store.recorder`); a resumed run keeps its id and
+        drops the rows of the steps after its checkpoint, which it redoes."""
+        from astrl.store.recorder import RunRecorder
+
+        config = self.config
+        recorder = RunRecorder.begin(
+            self.store_kind, self.run_dir, config.to_dict(), resume=self.step > 0, seed=config.seed,
+            tester=str(config.tester), target=str(config.target),
+        )  # fmt: skip
+        if self.step > 0:
+            recorder.discard_after(self.step)
+        return recorder
 
     def _warm_start(self) -> None:
         """Fine-tune the tester on probes that already elicit (:mod:`astrl.training.warm_start`), write
@@ -382,7 +406,8 @@ class Trainer:
             self.scheduler.step()
         self.algorithm.push_weights()
         self.step += 1
-        self._new_attacks = self.archive.extend(self.algorithm.turn_records(rollout), step=self.step)
+        self._turn_records = self.algorithm.turn_records(rollout)
+        self._new_attacks = self.archive.extend(self._turn_records, step=self.step)
         row = {"step": self.step, **self.algorithm.metrics(rollout), "attacks_unique": len(self.archive)}
         version = self.algorithm.data_policy_version(rollout)
         # updates behind the data: counted from this process's start (the collectors count from 0)
