@@ -1,5 +1,6 @@
 import csv
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -268,8 +269,11 @@ def test_train_command_writes_a_run_and_resumes(tmp_path, tiny_model_dir, capsys
     assert "is not a run directory" in capsys.readouterr().err
 
 
-def test_demo_trains_then_compares_and_reuses_a_finished_run(tmp_path, tiny_model_dir):
+def test_demo_trains_then_compares_and_reuses_a_finished_run(tmp_path, tiny_model_dir, monkeypatch):
+    from astrl.store import Store
     from astrl.training.demo import run_demo
+
+    monkeypatch.setenv("ASTRL_STORE", str(tmp_path / "store.sqlite"))
 
     overrides = {k: v for k, v in (o.split("=", 1) for o in _tiny_overrides(tiny_model_dir, tmp_path / "demo"))}
     overrides = {k: yaml.safe_load(v) if k not in ("lora_targets",) else v.split(",") for k, v in overrides.items()}
@@ -290,6 +294,11 @@ def test_demo_trains_then_compares_and_reuses_a_finished_run(tmp_path, tiny_mode
     summary = json.loads((tmp_path / "demo" / "demo_summary.json").read_text())
     assert summary["judge"] == "wordlist" and summary["conversations"] == 3
     assert summary["after"]["mean_reward"] == after["mean_reward"] and "best_probe" not in summary["after"]
+    with Store.open(tmp_path / "store.sqlite", create=False) as store:  # the training run, then each side as an eval
+        runs = store.runs()
+    assert [(r.kind, r.status, r.steps, r.turns) for r in runs] == [("demo", "finished", 2, 8), *[("eval", "finished", 0, 3)] * 2]
+    assert [Path(r.folder).name for r in runs[1:]] == ["before", "after"]
+    assert runs[2].elicited_asr["wordlist"] == after["judges"]["wordlist"]["elicited_asr"]
     again = run_demo(overrides, progress=False, conversations=3)
     assert again["rows"] == [] and again["comparison"]["before"] == before  # the untrained side is seeded
     from astrl.training.demo import compare_testers
