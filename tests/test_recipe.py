@@ -154,7 +154,8 @@ def test_demo_comparison_spec_runs_dev_openers_without_novelty():
     spec = comparison_spec(config, conversations=40, seed=1234, judge="wordlist")
     assert (spec.split, spec.split_seed, spec.seed, spec.batch_size, spec.group_size) == ("dev", 0, 1234, 40, 1)
     assert (spec.reward, spec.reward_options, spec.novelty) == ("elicit", config.reward_options(), None)
-    assert spec.reply_samples == 1 and config.reply_samples == 4  # one reply a held-out turn: the usual rates
+    assert spec.reply_samples == 4  # 4 replies a held-out probe: the first for the usual rates, all for the shares
+    assert comparison_spec(config, conversations=40, seed=1234, judge="wordlist", replies=1).reply_samples == 1
     assert spec.scorers == ["profanity", "wordlist"] and spec.mode == "text" and spec.turns == config.turns
     assert comparison_spec(config, conversations=100, seed=1234, judge="wordlist").batch_size == 64  # at most 64 at once
     score_only = {"reward": "score", "scorer": "wordlist", "probe_gate": None, "likelihood_cap": None}

@@ -291,6 +291,11 @@ def test_demo_trains_then_compares_and_reuses_a_finished_run(tmp_path, tiny_mode
                 low, high = metrics[f"{name}_ci"]
                 assert 0 <= low <= metrics[name] <= high <= 1
             assert metrics["elicited_success_rate"] <= metrics["toxic_reply_rate"]
+            assert metrics["reply_samples"] == 4  # the held-out probes are answered 4 times each
+            for name in ("elicited_reply_share", "toxic_reply_share"):
+                low, high = metrics[f"{name}_ci"]
+                assert 0 <= low <= metrics[name] <= high <= 1
+            assert metrics["elicited_reply_share"] <= metrics["toxic_reply_share"]
     summary = json.loads((tmp_path / "demo" / "demo_summary.json").read_text())
     assert summary["judge"] == "wordlist" and summary["conversations"] == 3
     assert summary["after"]["mean_reward"] == after["mean_reward"] and "best_probe" not in summary["after"]
@@ -319,6 +324,10 @@ def test_demo_table_shows_both_judges_with_intervals():
     table = format_comparison(side, {**side, "probe_nll": 3.0})
     assert "judged by profanity:" in table and "judged by wordlist:" in table
     assert "0.250 [0.00, 0.50]" in table and "3.000" in table
+    assert "elicited_reply_share" not in table  # one reply a probe: no shares
+    shares = {**metrics, "elicited_reply_share": 0.125, "elicited_reply_share_ci": [0.05, 0.2]}
+    table = format_comparison({**side, "judges": {"wordlist": shares}}, {**side, "judges": {"wordlist": shares}})
+    assert "elicited_reply_share" in table and "0.125 [0.05, 0.20]" in table
 
 
 # -- novelty bonuses -------------------------------------------------------------------------------

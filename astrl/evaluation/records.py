@@ -87,6 +87,14 @@ def reply_sample_array(records: Sequence[dict], judge: str) -> np.ndarray | None
     return out
 
 
+def first_reply_records(records: Sequence[dict]) -> list[dict]:
+    """The records with each judge's scores of the first reply only (``reply``, ``probe``,
+    ``combined``): the turn as the conversation went on, e.g. for the results store."""
+    return [
+        {**r, "scores": {j: {part: parts[part] for part in SCORE_PARTS} for j, parts in r["scores"].items()}} for r in records
+    ]
+
+
 def nll_array(records: Sequence[dict]) -> np.ndarray:
     """Probe NLLs as a ``(conversations, turns)`` array, ``nan`` for empty probes."""
     return _grid(records, grid_shape(records), lambda r: None if r["empty_probe"] else r["probe_nll"])

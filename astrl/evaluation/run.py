@@ -23,10 +23,10 @@ import torch
 from astrl.evaluation.agreement import eval_agreement
 from astrl.evaluation.metrics import DEFAULT_THRESHOLD
 from astrl.evaluation.records import (
-    SCORE_PARTS,
     EvaluationError,
     combined_text,
     compute_metrics,
+    first_reply_records,
     successful_probes,
     write_records,
 )
@@ -299,10 +299,8 @@ def run_eval(
     except BaseException:
         recorder.finish(status="failed")
         raise
-    first_reply = [  # the store keeps each turn's first reply (the one the conversation went on with)
-        {**r, "scores": {j: {part: parts[part] for part in SCORE_PARTS} for j, parts in r["scores"].items()}} for r in records
-    ]
-    recorder.turns(first_reply, threshold=config.threshold, tester_version=resolved.source.checkpoint)
+    # the store keeps each turn's first reply (the one the conversation went on with)
+    recorder.turns(first_reply_records(records), threshold=config.threshold, tester_version=resolved.source.checkpoint)
     recorder.finish(metrics)
     return metrics
 

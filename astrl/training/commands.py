@@ -152,9 +152,10 @@ def format_comparison(before: dict, after: dict) -> str:
     lines.append(f"  {'probe NLL under the target':<34}{before['probe_nll']:>22.3f}{after['probe_nll']:>22.3f}")
     for judge in before["judges"]:
         lines.append(f"  judged by {judge}:")
-        for name in ("elicited_success_rate", "toxic_probe_rate", "toxic_reply_rate"):
-            b, a = before["judges"][judge], after["judges"][judge]
-            lines.append(f"    {name:<32}{cell(b, name):>22}{cell(a, name):>22}")
+        b, a = before["judges"][judge], after["judges"][judge]
+        for name in ("elicited_reply_share", "elicited_success_rate", "toxic_probe_rate", "toxic_reply_rate"):
+            if name in b and name in a:  # the reply shares need several replies a probe
+                lines.append(f"    {name:<32}{cell(b, name):>22}{cell(a, name):>22}")
     return "\n".join(lines)
 
 
