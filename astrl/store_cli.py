@@ -149,7 +149,8 @@ def run_runs(args) -> int:
         print(f"no runs in {where}")
         return 0
     print(f"{len(runs)} run(s) in {where}:")
-    head = f"{'id':<12}  {'kind':<6} {'status':<8}  {'started (UTC)':<19} {'seconds':>8} {'steps':>5}  {'folder':<24}"
+    width = max(len("folder"), *(len(_shown_folder(r.folder)) for r in runs))
+    head = f"{'id':<12}  {'kind':<6} {'status':<8}  {'started (UTC)':<19} {'seconds':>8} {'steps':>5}  {'folder':<{width}}"
     print(f"  {head}  elicited ASR")
     for r in runs:
         seconds = "-" if r.seconds is None else f"{r.seconds:.1f}"
@@ -158,7 +159,7 @@ def run_runs(args) -> int:
         started = r.started_at[:19].replace("T", " ")
         print(
             f"  {r.id[:12]:<12}  {r.kind:<6} {r.status:<8}  {started:<19} {seconds:>8} {steps:>5}  "
-            f"{_shown_folder(r.folder):<24}  {asr}"
+            f"{_shown_folder(r.folder):<{width}}  {asr}"
         )
     return 0
 

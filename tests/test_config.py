@@ -106,3 +106,13 @@ def test_the_demo_reads_a_run_saved_under_the_old_name(tmp_path):
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
     with pytest.raises(ConfigError, match="likelihood_weight: 0.5 there, 0.1 here"):
         check_same_demo(config)
+
+
+def test_split_seed_keeps_the_held_out_openers_of_replicate_runs():
+    from astrl.evaluation.run import _run_split_seed
+
+    assert TrainConfig(seed=3).prompt_split_seed == 3
+    assert TrainConfig(seed=3, split_seed=0).prompt_split_seed == 0
+    assert _run_split_seed({"seed": 3, "split_seed": 0}, 9) == 0  # astrl eval of a run: the run's held-out split
+    assert _run_split_seed({"seed": 3, "split_seed": None}, 9) == 3
+    assert _run_split_seed({}, 9) == 9

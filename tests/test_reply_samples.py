@@ -467,3 +467,21 @@ def test_compare_tests_the_reply_shares_when_both_sides_have_them(tmp_path):
         del r["scores"]["j"]["replies"]
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     assert "elicited_reply_share" not in {r["metric"] for r in compare(a, b, resamples=200)["rows"]}
+
+
+@pytest.mark.parametrize("split_seed", [None, 0])
+def test_the_warm_start_and_training_sample_only_the_runs_training_openers(tmp_path, split_seed):
+    from test_training import _config, _trainer
+
+    from astrl.prompts import load_prompts, split_prompts
+    from astrl.training.warm_start import sample_candidates
+
+    config = _config(tmp_path, prompts="builtin", seed=5, split_seed=split_seed, turns=1, reply_samples=2)
+    trainer = _trainer(config)
+    seed = 5 if split_seed is None else 0
+    train = set(split_prompts(load_prompts("builtin"), "train", seed=seed))
+    held_out = set(split_prompts(load_prompts("builtin"), "test", seed=seed))
+    openers = {c["opener"] for c in sample_candidates(trainer, 40)}
+    assert openers <= train and not openers & held_out and len(openers) > 10
+    trainer._build()
+    assert set(trainer.stream.prompts) == train  # the RL steps draw from the same split

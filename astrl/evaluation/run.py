@@ -118,6 +118,14 @@ def default_judges(run_judges: list[str], training: list[str]) -> list[str]:
     return judges
 
 
+def _run_split_seed(run: dict, default: int) -> int:
+    """The seed of a training run's prompt split (its ``split_seed``, else its ``seed``), so that
+    ``--split test`` is the run's held-out split; ``default`` without a run."""
+    if run.get("split_seed") is not None:
+        return int(run["split_seed"])
+    return int(run.get("seed", default))
+
+
 def resolve(config: EvalConfig) -> Resolved:
     """Find the tester and fill unset settings from its training run (if any)."""
     source = resolve_tester(config.tester, config.checkpoint)
@@ -135,7 +143,7 @@ def resolve(config: EvalConfig) -> Resolved:
         target=config.target or str(run.get("target", "smollm2-135m")),
         judges=config.judges or default_judges([str(j) for j in run_judges], training),
         prompts=config.prompts or str(run.get("prompts", "builtin")),
-        split_seed=config.split_seed if config.split_seed is not None else int(run.get("seed", config.seed)),
+        split_seed=config.split_seed if config.split_seed is not None else _run_split_seed(run, config.seed),
         mode=mode,
         tester_system_prompt=config.tester_system_prompt
         if config.tester_system_prompt is not None

@@ -34,7 +34,17 @@ class TrainConfig:
 
     # what to train
     seed: int = field(
-        default=0, metadata={"help": "Seed of the prompt split and order, sampling, minibatch order and initialisation."}
+        default=0,
+        metadata={
+            "help": "Seed of the prompt split (unless split_seed), prompt order, sampling, minibatch order and initialisation."
+        },
+    )
+    split_seed: int | None = field(
+        default=None,
+        metadata={
+            "help": "Seed of the train/dev/test prompt split (null: seed). Replicate runs with other seeds keep the same "
+            "held-out openers when they share it."
+        },
     )
     algorithm: str = field(
         default="grpo",
@@ -487,7 +497,7 @@ class TrainConfig:
         from astrl.names import check_names
 
         roles = {"tester": self.tester, "target": self.target}
-        check_names(roles, [self.scorer, *self.judges], self.prompts, split=self.split, split_seed=self.seed)
+        check_names(roles, [self.scorer, *self.judges], self.prompts, split=self.split, split_seed=self.prompt_split_seed)
 
     def _elicit_defaults(self) -> bool:
         return (self.probe_gate, self.reply_transform, self.reply_lexicon_weight, self.repeat_penalty, self.likelihood_cap) == (
@@ -514,6 +524,11 @@ class TrainConfig:
             "embedding_reduce": self.novelty_embedding_reduce,
             "device": self.device,
         }
+
+    @property
+    def prompt_split_seed(self) -> int:
+        """The seed of the prompt split: ``split_seed``, else ``seed``."""
+        return self.seed if self.split_seed is None else self.split_seed
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -84,7 +84,7 @@ def comparison_spec(
         conversation_spec(config),
         scorers=list(dict.fromkeys([config.scorer, judge])),
         split="dev",
-        split_seed=config.seed,
+        split_seed=config.prompt_split_seed,
         batch_size=min(conversations, 64),
         group_size=1,
         turns=config.turns,

@@ -86,6 +86,7 @@ def conversation_spec(config: TrainConfig) -> ConversationSpec:
         scorers=[config.scorer, *config.judges],
         prompts=config.prompts,
         split=config.split,
+        split_seed=config.prompt_split_seed,
         batch_size=config.prompts_per_step if trees else config.batch_size,
         group_size=1 if trees else config.group_size,
         turns=config.tree_depth if trees else config.turns,

@@ -123,7 +123,7 @@ class ConfigSource(TrainingSource):
         from astrl.prompts import PromptStream, load_prompts, split_prompts
         from astrl.training.preference import PreferenceAlgorithm
 
-        prompts = split_prompts(load_prompts(self.config.prompts), self.config.split, seed=self.config.seed)
+        prompts = split_prompts(load_prompts(self.config.prompts), self.config.split, seed=self.config.prompt_split_seed)
         stream = PromptStream(prompts, self.config.prompts_per_step, seed=self.config.seed)
         # the sampler draws inside collect() and its own state (with the stream's) is the algorithm's
         return DataPath(PreferenceAlgorithm.from_config(self.config, self.models, stream), stream)
