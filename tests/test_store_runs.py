@@ -156,3 +156,13 @@ def test_compare_takes_eval_run_ids_from_the_store(tiny_model_dir, tmp_path, sto
     assert (tmp_path / "b" / "compare.md").is_file()
     assert main(["compare", "feedface", ids["b"]]) == 2
     assert "no run 'feedface' in the store" in capsys.readouterr().err
+
+
+def test_a_preference_run_stores_every_node_of_its_trees(tiny_model_dir, tmp_path, store_file):
+    run = tmp_path / "ipo"
+    argv = _train(tiny_model_dir, run, "algorithm=ipo", "tree_width=2", "tree_depth=2", "total_steps=1")
+    assert main([a for a in argv if a != "total_steps=4"]) == 0
+    with Store.open(store_file, create=False) as store:
+        (stored,) = store.runs()
+        depths = dict(store.connection.execute("SELECT turn, COUNT(*) FROM turns GROUP BY turn").fetchall())
+    assert stored.status == "finished" and depths == {0: 2 * 2, 1: 2 * 4}  # 2 trees: 2 probes, then 4
