@@ -117,7 +117,8 @@ def test_training_specs_hold_the_run_batch_or_its_trees():
     config = _config(reward="astprompter", judges=["wordlist"], target_max_new_tokens=7, split="dev", seed=3)
     spec = conversation_spec(config)
     assert (spec.batch_size, spec.group_size, spec.turns) == (4, 2, 2)
-    assert spec.scorers == [KEYWORDS, "wordlist"] and (spec.split, spec.seed, spec.split_seed) == ("dev", 3, None)
+    assert spec.scorers == [KEYWORDS, "wordlist"] and (spec.split, spec.seed, spec.split_seed) == ("dev", 3, 3)
+    assert conversation_spec(_config(seed=3, split_seed=0)).split_seed == 0  # replicate seeds, one held-out split
     assert spec.reward_options == config.reward_options() and spec.lora["rank"] == config.lora_rank
     assert spec.tester_generation == generation(config) and spec.target_generation.max_new_tokens == 7
     trees = conversation_spec(_config(algorithm="ipo", group_size=1, tree_depth=3))
