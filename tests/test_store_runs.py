@@ -166,3 +166,19 @@ def test_a_preference_run_stores_every_node_of_its_trees(tiny_model_dir, tmp_pat
         (stored,) = store.runs()
         depths = dict(store.connection.execute("SELECT turn, COUNT(*) FROM turns GROUP BY turn").fetchall())
     assert stored.status == "finished" and depths == {0: 2 * 2, 1: 2 * 4}  # 2 trees: 2 probes, then 4
+
+
+@pytest.mark.parametrize("command", ["train", "demo"])
+def test_a_store_that_cannot_be_opened_stops_train_and_demo_before_a_model_loads(tmp_path, monkeypatch, capsys, command):
+    bad = tmp_path / "notes.sqlite"
+    bad.write_text("not a database")
+    monkeypatch.setenv("ASTRL_STORE", str(bad))
+    monkeypatch.setattr("astrl.training.setup.build_models", lambda *a, **k: pytest.fail("a model was loaded"))
+    argv = (
+        ["train", "--quiet", f"run_dir={tmp_path / 'run'}"]
+        if command == "train"
+        else ["demo", "--quiet", "--run-dir", str(tmp_path / "d")]
+    )
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("astrl: error:") and str(bad) in err[0]

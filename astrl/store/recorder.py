@@ -25,6 +25,13 @@ def store_enabled() -> bool:
     return os.environ.get(STORE_ENV, "").strip().lower() not in OFF
 
 
+def check_store(path=None) -> None:
+    """Open the store and close it again: a store that cannot be opened is a :class:`StoreError`
+    naming the file, raised before a command loads its models (nothing when the store is off)."""
+    if store_enabled() or path is not None:
+        Store.open(path).close()
+
+
 class RunRecorder:
     """One command's run in the store (or nothing, when the store is off or a write has failed)."""
 

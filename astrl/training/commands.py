@@ -70,7 +70,10 @@ def run_train(args) -> int:
         print(describe_keys())
         return 0
     overrides = renamed_overrides(train_overrides(args), _warn)
+    from astrl.store.recorder import check_store
+
     if args.resume:
+        check_store()  # the results store before the checkpoint's models load
         from astrl.training.trainer import resume
 
         if args.config:
@@ -83,6 +86,7 @@ def run_train(args) -> int:
             raise ValueError("--trust-checkpoint only applies with --resume RUN_DIR")
         config = load_config(args.config, overrides, on_warning=_warn)
         config.check_names()  # before the trainer's heavy imports and model loads
+        check_store()
         from astrl.training.trainer import Trainer
 
         trainer = Trainer(config, progress=not args.quiet)

@@ -212,7 +212,10 @@ def check_same_demo(config: TrainConfig) -> None:
 
 def run_demo(overrides: dict | None = None, *, progress: bool = True, conversations: int = 256) -> dict:
     """Train (or resume, or reuse a finished run) and return the before/after comparison."""
+    from astrl.store.recorder import check_store
+
     config = demo_config(overrides)
+    check_store()  # a results store that cannot be opened stops the demo before its models load
     if latest_checkpoint(config.run_dir) is not None:
         check_same_demo(config)
         warn = lambda text: print(f"astrl: warning: {text}", file=sys.stderr)  # noqa: E731
