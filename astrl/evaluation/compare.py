@@ -63,13 +63,15 @@ def compare(folder_a: str | Path, folder_b: str | Path, *, resamples: int = 1000
         )
     rows = []
     for offset, judge in enumerate(judges):
-        ratios_a = m.conversation_ratios(*score_arrays(records_a, judge), threshold_a)
-        ratios_b = m.conversation_ratios(*score_arrays(records_b, judge), threshold_a)
+        scores_a, scores_b = score_arrays(records_a, judge), score_arrays(records_b, judge)
+        ratios_a = m.conversation_ratios(*scores_a, threshold_a)
+        ratios_b = m.conversation_ratios(*scores_b, threshold_a)
         for name in TESTED:
             k = m.RATE_METRICS.index(name)  # seeds follow RATE_METRICS, not the table order
             test = m.bootstrap_difference(ratios_a[name], ratios_b[name], resamples=resamples, seed=seed + 97 * offset + k)
             rows.append(_row(judge, name, m.ratio(*ratios_a[name]), m.ratio(*ratios_b[name]), test))
-        rows.extend(_reply_sample_rows(judge, records_a, records_b, threshold_a, resamples, seed + 97 * offset))
+        probes = (scores_a[1], scores_b[1])
+        rows.extend(_reply_sample_rows(judge, (records_a, records_b), probes, threshold_a, resamples, seed + 97 * offset))
         for name in UNTESTED:
             a, b = metrics_a["judges"].get(judge, {}).get(name), metrics_b["judges"].get(judge, {}).get(name)
             rows.append(_row(judge, name, a, b, None))
@@ -87,14 +89,15 @@ def compare(folder_a: str | Path, folder_b: str | Path, *, resamples: int = 1000
 
 
 def _reply_sample_rows(
-    judge: str, records_a: list[dict], records_b: list[dict], threshold: float, resamples: int, seed: int
+    judge: str, records: tuple[list[dict], list[dict]], probes: tuple, threshold: float, resamples: int, seed: int
 ) -> list[dict]:
-    """The reply-share rows, when both evaluations judged several replies per probe (``--reply-samples``)."""
-    replies_a, replies_b = reply_sample_array(records_a, judge), reply_sample_array(records_b, judge)
+    """The reply-share rows, when both evaluations (``records``, with the judge's ``probes`` score
+    grids) judged several replies per probe (``--reply-samples``)."""
+    replies_a, replies_b = (reply_sample_array(r, judge) for r in records)
     if replies_a is None or replies_b is None:
         return []
-    ratios_a = m.reply_sample_ratios(replies_a, score_arrays(records_a, judge)[1], threshold)
-    ratios_b = m.reply_sample_ratios(replies_b, score_arrays(records_b, judge)[1], threshold)
+    ratios_a = m.reply_sample_ratios(replies_a, probes[0], threshold)
+    ratios_b = m.reply_sample_ratios(replies_b, probes[1], threshold)
     rows = []
     for k, name in enumerate(m.REPLY_SAMPLE_METRICS):
         test = m.bootstrap_difference(ratios_a[name], ratios_b[name], resamples=resamples, seed=seed + len(m.RATE_METRICS) + k)

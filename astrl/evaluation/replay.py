@@ -506,10 +506,9 @@ def run_replay(
     out.mkdir(parents=True, exist_ok=True)
     from astrl.store.recorder import RunRecorder
 
-    recorder = RunRecorder.begin(
+    with RunRecorder.begin(
         "replay", out, asdict(config), seed=config.seed, target=",".join(t.label for t in targets), warn=warn
-    )
-    try:
+    ) as recorder:
         result, records = _replay(
             config,
             out,
@@ -523,11 +522,8 @@ def run_replay(
             progress=progress,
             warn=warn,
         )
-    except BaseException:
-        recorder.finish(status="failed")
-        raise
-    recorder.replay({**r, "conversation": attacks[r["attack"]].conversation} for r in records)
-    recorder.finish(result)
+        recorder.replay({**r, "conversation": attacks[r["attack"]].conversation} for r in records)
+        recorder.finish(result)
     return result
 
 
@@ -552,12 +548,8 @@ def _replay(
     from astrl.evaluation.replay_report import write_replay_report
     from astrl.policies import GenerationSettings, input_mode, make_policy
 
-    defaults, training, attacks, samples = (
-        source.defaults,
-        list(source.defaults.get("training_scorers", [])),
-        source.attacks,
-        config.samples,
-    )
+    defaults, attacks, samples = source.defaults, source.attacks, config.samples
+    training = list(defaults.get("training_scorers", []))
     generation = GenerationSettings(max_new, config.temperature, config.top_p, config.top_k, do_sample=not config.greedy)
 
     timing = {"generation": 0.0}

@@ -299,17 +299,13 @@ def run_eval(
     preflight(conversation_spec(config, resolved, resolved.judges))
     from astrl.store.recorder import RunRecorder
 
-    recorder = RunRecorder.begin(
+    with RunRecorder.begin(
         "eval", out, asdict(config), seed=config.seed, tester=config.tester, target=resolved.target, warn=warn
-    )
-    try:
+    ) as recorder:
         metrics, records = _evaluate(config, resolved, out, start=start, progress=progress, warn=warn)
-    except BaseException:
-        recorder.finish(status="failed")
-        raise
-    # the store keeps each turn's first reply (the one the conversation went on with)
-    recorder.turns(first_reply_records(records), threshold=config.threshold, tester_version=resolved.source.checkpoint)
-    recorder.finish(metrics)
+        # the store keeps each turn's first reply (the one the conversation went on with)
+        recorder.turns(first_reply_records(records), threshold=config.threshold, tester_version=resolved.source.checkpoint)
+        recorder.finish(metrics)
     return metrics
 
 

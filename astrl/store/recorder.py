@@ -33,7 +33,8 @@ def check_store(path=None) -> None:
 
 
 class RunRecorder:
-    """One command's run in the store (or nothing, when the store is off or a write has failed)."""
+    """One command's run in the store (or nothing, when the store is off or a write has failed).
+    Use it as a context manager: ``with RunRecorder.begin(...) as recorder: ...``."""
 
     def __init__(self, store: Store | None = None, run_id: str | None = None, warn: Callable[[str], None] | None = None) -> None:
         self.store, self.run_id = store, run_id
@@ -68,6 +69,15 @@ class RunRecorder:
     @property
     def active(self) -> bool:
         return self.store is not None
+
+    def __enter__(self) -> RunRecorder:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        """Leaving a ``with`` block: the run is ``failed`` when the block raised (the exception goes
+        on), else ``finished`` unless :meth:`finish` already ended it."""
+        if self.active:
+            self.finish(status="failed" if kind is not None else "finished")
 
     def _write(self, what: str, call: Callable[[Store], object]) -> None:
         if self.store is None:

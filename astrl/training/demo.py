@@ -66,6 +66,7 @@ DEMO_CONFIG = {
 
 
 DEMO_JUDGE = "wordlist"  # distinct from the training scorer, so that scorer hacking shows up
+SIDE_SUMMARY = ("mean_reward", "probe_nll", "judges")  # what demo_summary.json and the store keep of a side
 COMPARISON_REPLIES = 4  # the target answers each held-out probe this many times: the elicited reply share
 
 
@@ -143,27 +144,14 @@ def compare_testers(
                 rewards += [step_rewards[i] for i in kept]
         score_probes(records, scorers)
         openers = [r["prompt"] for r in records]  # ~4 conversations an opener: the bootstrap resamples openers
-        judged = {
-            name: elicitation_metrics(
-                [r["scores"][name]["probe"] for r in records],
-                [r["scores"][name]["reply"] for r in records],
-                openers,
-                resamples=resamples,
-                seed=seed,
-            )
-            for name in scorers
-        }
-        if replies > 1:
-            for name in scorers:
-                judged[name].update(
-                    reply_share_metrics(
-                        [r["scores"][name]["probe"] for r in records],
-                        [r["scores"][name]["replies"] for r in records],
-                        openers,
-                        resamples=resamples,
-                        seed=seed,
-                    )
-                )
+        judged = {}
+        for name in scorers:
+            probe = [r["scores"][name]["probe"] for r in records]
+            reply = [r["scores"][name]["reply"] for r in records]
+            judged[name] = elicitation_metrics(probe, reply, openers, resamples=resamples, seed=seed)
+            if replies > 1:
+                every = [r["scores"][name]["replies"] for r in records]
+                judged[name].update(reply_share_metrics(probe, every, openers, resamples=resamples, seed=seed))
         nll = [r["probe_nll"] for r in records if r["probe_nll"] is not None]
         elicited = [i for i, r in enumerate(records) if r["scores"][judge]["reply"] > 0.5 >= r["scores"][judge]["probe"]]
         best = max(elicited or range(len(records)), key=lambda i: rewards[i])
@@ -187,11 +175,10 @@ def record_comparison(config: TrainConfig, comparison: dict[str, dict]) -> None:
     for side, values in comparison.items():
         folder = Path(config.run_dir) / "comparison" / side
         settings = {"demo_run": str(config.run_dir), "side": side, "judge": DEMO_JUDGE}
-        recorder = RunRecorder.begin(
-            "eval", folder, settings, seed=config.seed, tester=f"{config.run_dir} ({side})", target=config.target
-        )
-        recorder.turns(first_reply_records(values["records"]))
-        recorder.finish({"judges": values["judges"], "probe_nll": values["probe_nll"], "mean_reward": values["mean_reward"]})
+        tester = f"{config.run_dir} ({side})"
+        with RunRecorder.begin("eval", folder, settings, seed=config.seed, tester=tester, target=config.target) as recorder:
+            recorder.turns(first_reply_records(values["records"]))
+            recorder.finish({k: values[k] for k in SIDE_SUMMARY})
 
 
 def check_same_demo(config: TrainConfig) -> None:
@@ -227,11 +214,6 @@ def run_demo(overrides: dict | None = None, *, progress: bool = True, conversati
     comparison = compare_testers(trainer, conversations=conversations)
     record_comparison(config, comparison)
     summary = {"judge": DEMO_JUDGE, "scorer": config.scorer, "conversations": conversations}
-    summary.update(
-        {
-            side: {k: v for k, v in values.items() if k in ("mean_reward", "probe_nll", "judges")}
-            for side, values in comparison.items()
-        }
-    )
+    summary.update({side: {k: values[k] for k in SIDE_SUMMARY} for side, values in comparison.items()})
     (Path(config.run_dir) / "demo_summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
     return {"config": config, "rows": rows, "comparison": comparison}

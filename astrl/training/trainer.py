@@ -249,16 +249,18 @@ class Trainer:
         """Train until ``total_steps``; returns the metrics rows of this call."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.config.save(self.run_dir / "config.yaml")
-        recorder = self._recorder()
-        try:
-            if not self._built:
-                self._build()
-            self.archive.write(self.run_dir / ARCHIVE_FILE)  # drops attacks found after the checkpoint resumed from
-            if self.step == 0 and self.config.warm_start_probes and self.warm_start is None:
-                self._warm_start()
-        except BaseException:
-            recorder.finish(status="failed")
-            raise
+        with self._recorder() as recorder:  # the run in the results store: failed if this raises
+            rows = self._train(recorder)
+            recorder.finish(rows[-1] if rows else None)
+        return rows
+
+    def _train(self, recorder) -> list[dict]:
+        """The body of :meth:`train`; each finished step's turns go to ``recorder``."""
+        if not self._built:
+            self._build()
+        self.archive.write(self.run_dir / ARCHIVE_FILE)  # drops attacks found after the checkpoint resumed from
+        if self.step == 0 and self.config.warm_start_probes and self.warm_start is None:
+            self._warm_start()
         if self.step > 0 or self.warm_start is not None:  # Ray workers / a vLLM engine start from the untrained weights
             self.algorithm.sync_weights()
         from tqdm.auto import tqdm
@@ -282,7 +284,6 @@ class Trainer:
                     self.save_checkpoint()
         except (KeyboardInterrupt, Exception):
             self.stopped_checkpoint = self._checkpoint_after_failure()
-            recorder.finish(status="failed")
             raise
         finally:
             bar.close()
@@ -293,7 +294,6 @@ class Trainer:
         if self.hardening is not None:
             save_tester(self.models.target.model, self.models.target.tokenizer, self.run_dir / "final" / "target")
         self.archive.write(self.run_dir / ARCHIVE_FILE)
-        recorder.finish(rows[-1] if rows else None)
         return rows
 
     def _recorder(self):
