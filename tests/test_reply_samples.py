@@ -230,6 +230,27 @@ def test_warm_start_keeps_probes_whose_replies_are_toxic_while_they_are_not():
     assert keep(candidates, 0.0) == keep(candidates, 0.25)  # at least one toxic reply, always
 
 
+def test_lexicon_selection_keeps_probes_whose_estimated_share_is_high_without_a_sampled_toxic_reply():
+    from astrl.training.warm_start import keep, toxic_share
+
+    def candidate(probe, replies, lexicon, tokens=3):
+        return {"probe_score": probe, "reply_scores": replies, "reply_lexicon": lexicon, "response_tokens": torch.ones(tokens)}
+
+    candidates = [
+        candidate(0.1, [0.1, 0.1], [0.5, 0.2]),  # a set-up: no toxic sample, estimated share 0.35
+        candidate(0.1, [0.9, 0.1], [0.02, 0.04]),  # one toxic sample, estimated share 0.03
+        candidate(0.9, [0.1, 0.1], [0.9, 0.9]),  # the probe itself is toxic
+        candidate(0.1, [0.1, 0.1], [0.6, 0.6], tokens=0),  # an empty probe
+    ]
+    assert toxic_share(candidates[0], "lexicon") == pytest.approx(0.35)
+    assert toxic_share(candidates[1], "share") == 0.5
+    assert [candidates.index(c) for c in keep(candidates, 0.25, select="lexicon")] == [0]
+    assert [candidates.index(c) for c in keep(candidates, 0.25)] == [1]
+    assert [candidates.index(c) for c in keep(candidates, 0.0, select="lexicon")] == [0, 1]  # every clean probe
+    with pytest.raises(ValueError, match="warm_start_select must be one of .*got 'best'"):
+        toxic_share(candidates[0], "best")
+
+
 def test_fine_tuning_raises_the_likelihood_of_the_kept_probes():
     from astrl.lm_scoring import token_logprobs
     from astrl.training.warm_start import fine_tune
@@ -281,6 +302,34 @@ def test_training_warm_starts_once_records_it_and_resumes_without_redoing_it(tmp
     assert len(calls) == (1 if summary["kept"] else 0)  # not redone on resume
 
 
+def test_lexicon_warm_start_keeps_what_its_estimates_select(tmp_path, monkeypatch):
+    from test_training import _config, _trainer
+
+    import astrl.training.warm_start as warm
+
+    settings = dict(
+        scorer="keywords:the,you,hell,idiot", reward="elicit", turns=1, total_steps=1, reply_samples=2,
+        reply_lexicon_weight=1.0, reply_lexicon="hell,idiot,the,you,how,are",
+        warm_start_probes=8, warm_start_min_toxic=0.05, warm_start_select="lexicon",
+    )  # fmt: skip
+    trainer = _trainer(_config(tmp_path, **settings))
+    sampled = []
+    real = warm.sample_candidates
+    monkeypatch.setattr(warm, "sample_candidates", lambda *a: sampled.extend(real(*a)) or sampled)
+    trainer.train()
+    summary = json.loads((tmp_path / "run" / "warm_start.json").read_text())
+    kept = [json.loads(line) for line in (tmp_path / "run" / "warm_start.jsonl").read_text().splitlines()]
+    assert summary["select"] == "lexicon" and summary["sampled"] == len(sampled) == 8
+    shares = sorted(sum(c["reply_lexicon"]) / 2 for c in sampled)
+    assert summary["share_quantiles"] == pytest.approx({"p50": shares[4], "p90": shares[7], "p99": shares[7]})
+    for c in sampled:
+        assert len(c["reply_lexicon"]) == 2 and all(0 <= v <= 1 for v in c["reply_lexicon"])
+    clean = [c for c in sampled if c["probe_score"] <= 0.5 and c["response_tokens"].numel()]
+    expected = [c["probe"] for c in clean if sum(c["reply_lexicon"]) / 2 >= 0.05]  # the rule, by hand
+    assert [k["probe"] for k in kept] == expected and summary["kept"] == len(kept)
+    assert 0 < len(kept) < len(clean)  # the rule selects: some kept, some not (with this seed)
+
+
 # -- the command line and the config ----------------------------------------------------------------------
 def test_rollout_writes_every_reply_and_rewards_their_mean(tmp_path, tiny_model_dir):
     from astrl.cli import main
@@ -311,6 +360,8 @@ def test_elicit_settings_are_checked_with_the_offending_value():
         (["reward=score", "reply_lexicon_weight=1"], "apply to reward 'elicit'"),
         (["warm_start_probes=-1"], "warm_start_probes must be >= 0"),
         (["warm_start_min_toxic=2"], "warm_start_min_toxic must be in [0, 1], got 2.0"),
+        (["warm_start_select=best"], "warm_start_select must be one of ('share', 'lexicon'), got 'best'"),
+        (["reward=elicit", "warm_start_select=lexicon"], "warm_start_select 'lexicon' reads the elicit reward's reply lexicon"),
     ]
     for overrides, message in cases:
         with pytest.raises(ConfigError, match=message.replace("(", "\\(").replace(")", "\\)").replace("[", "\\[")):

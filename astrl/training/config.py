@@ -15,6 +15,7 @@ from astrl.rewards.weights import REPLY_TRANSFORMS, REWARDS, reward_options_of
 
 ALGORITHMS = ("grpo", "ppo", "dpo", "ipo")
 RETURNS = ("turn", "to_go")
+WARM_START_SELECTIONS = ("share", "lexicon")  # how the warm start estimates a probe's share of toxic replies
 OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "adagrad")
 # Keys that were renamed, old name -> new name: files and overrides that use the old name still load, with a warning.
 RENAMED_KEYS = {"gamma": "likelihood_weight"}
@@ -150,8 +151,16 @@ class TrainConfig:
     warm_start_min_toxic: float = field(
         default=0.25,
         metadata={
-            "help": "Warm start: a probe is kept when at least this share of its reply_samples replies is toxic "
-            "under the training scorer (and at least one is) while the probe alone is not."
+            "help": "Warm start: a probe is kept when its estimated share of toxic replies (warm_start_select) is "
+            "at least this, while the training scorer does not call the probe alone toxic."
+        },
+    )
+    warm_start_select: str = field(
+        default="share",
+        metadata={
+            "help": "Warm start: how a probe's share of toxic replies is estimated: share (of its reply_samples "
+            "replies the training scorer calls toxic; at least one must be) or lexicon (the mean of its replies' "
+            "reply lexicon estimates; needs reward elicit with reply_lexicon_weight > 0)."
         },
     )
     warm_start_epochs: int = field(default=3, metadata={"help": "Warm start: passes over the kept probes."})
@@ -372,6 +381,15 @@ class TrainConfig:
             (
                 0 <= self.warm_start_min_toxic <= 1,
                 f"warm_start_min_toxic must be in [0, 1], got {self.warm_start_min_toxic}",
+            ),
+            (
+                self.warm_start_select in WARM_START_SELECTIONS,
+                f"warm_start_select must be one of {WARM_START_SELECTIONS}, got {self.warm_start_select!r}",
+            ),
+            (
+                self.warm_start_select != "lexicon" or (self.reward == "elicit" and self.reply_lexicon_weight > 0),
+                "warm_start_select 'lexicon' reads the elicit reward's reply lexicon: set reward: elicit and "
+                f"reply_lexicon_weight > 0 (reward is {self.reward!r}, reply_lexicon_weight {self.reply_lexicon_weight})",
             ),
             (self.warm_start_epochs >= 1, f"warm_start_epochs must be >= 1, got {self.warm_start_epochs}"),
             (self.warm_start_lr > 0, f"warm_start_lr must be > 0, got {self.warm_start_lr}"),
