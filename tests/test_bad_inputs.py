@@ -131,6 +131,8 @@ CLI_CASES = [
     ("train-warmup-negative", ["train", "warmup_steps=-1"], "warmup_steps must be >= 0, got -1"),
     ("train-algorithm", ["train", "algorithm=reinforce"], "'reinforce'"),
     ("train-kl-coef-negative", ["train", "kl_coef=-1"], "kl_coef must be >= 0, got -1.0"),
+    ("train-kl-token-cap-0", ["train", "kl_token_cap=0"], "kl_token_cap must be > 0 (or null), got 0"),
+    ("train-warm-start-select", ["train", "warm_start_select=best"], "warm_start_select must be one of"),
     ("train-target-kl-0", ["train", "algorithm=ppo", "target_kl=0"], "target_kl must be > 0"),
     ("train-archive-threshold-1", ["train", "archive_threshold=1"], "got 1.0"),
     ("train-mode", ["train", "mode=voice"], "'voice'"),

@@ -108,6 +108,37 @@ def _update(trainer, batch, steps: int = 3, lr: float = 0.05) -> None:
         optimizer.zero_grad()
 
 
+def test_k3_is_exact_below_its_cap_and_passes_no_gradient_above_it():
+    from astrl.losses.kl import k3
+
+    x = torch.tensor([0.0, 1.0, -2.0, 14.0], requires_grad=True)
+    value = k3(x, cap=10.0)
+    expected = [0.0, math.e - 2, math.exp(-2) + 1, 10.0]
+    torch.testing.assert_close(value.detach(), torch.tensor(expected))
+    value.sum().backward()
+    torch.testing.assert_close(x.grad, torch.tensor([0.0, math.e - 1, math.exp(-2) - 1, 0.0]))
+    assert k3(torch.tensor(14.0)).item() == pytest.approx(math.exp(14) - 15, rel=1e-5)  # no cap: ~1.2e6
+
+
+def test_one_reference_outlier_token_counts_the_cap_not_exp_of_its_log_ratio(tmp_path):
+    from astrl.keys import REF_LOG_PROBS_FULL
+
+    trainer = _trainer(_config(tmp_path, reward="astprompter", kl_coef=0.1))
+    trainer._build()
+    batch, _ = trainer.algorithm.collect()
+    hand = _by_hand(trainer, batch)  # policy == reference: every d_t is 0
+    rows = batch.get(REF_LOG_PROBS_FULL, as_list=True)
+    prompt = len(batch.get(("tokens", "prompt"), as_list=True)[0])
+    rows[0] = rows[0].clone()
+    rows[0][prompt] += 14.0  # the reference finds the first response token e^14 times likelier
+    batch.set(REF_LOG_PROBS_FULL, torch.nested.as_nested_tensor(rows, layout=torch.strided))
+    out = trainer.algorithm.loss(batch)
+    assert out["kl_to_ref"].item() == pytest.approx(10.0 / hand["tokens"], rel=1e-4)
+    trainer.algorithm.loss_module.kl_token_cap = None  # uncapped: the one token outweighs the batch
+    out = trainer.algorithm.loss(batch)
+    assert out["kl_to_ref"].item() == pytest.approx((math.exp(14) - 15) / hand["tokens"], rel=1e-3)
+
+
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
 def test_kl_and_diagnostics_are_zero_before_the_update_and_per_response_token_after(tmp_path, entropy_coef):
     config = _config(tmp_path, reward="astprompter", kl_coef=0.1, entropy_coef=entropy_coef, clip_epsilon=0.2)

@@ -296,6 +296,11 @@ def test_kl_penalty_and_value_clipping_follow_their_formulas(tok):
         out = PPOLoss(model, head, kl_coef=0.5, kl_estimator=estimator)(td)
         assert out["kl_to_ref"].item() == pytest.approx(expected.item(), rel=1e-4, abs=1e-6)
         assert out["loss_kl"].item() == pytest.approx(0.5 * expected.item(), rel=1e-4, abs=1e-6)
+    # a cap below the largest token's k3 term (e - 2 = 0.718 at d = 1) counts that much at most
+    capped = PPOLoss(model, head, kl_coef=0.5, kl_token_cap=0.3)(td)
+    assert capped["kl_to_ref"].item() == pytest.approx((d.exp() - 1 - d).clamp(max=0.3).mean().item(), rel=1e-4)
+    with pytest.raises(ValueError, match="kl_token_cap must be > 0 or None, got 0"):
+        PPOLoss(model, head, kl_token_cap=0)
     # value clipping: with old values 1.0 away from the new ones, the error uses max(|V - R|, |V_old +- c - R|)
     new = torch.cat(rows(td, "state_value"))
     td.set("state_value", torch.nested.as_nested_tensor([v + 1.0 for v in rows(td, "state_value")], layout=torch.strided))

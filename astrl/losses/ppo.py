@@ -39,6 +39,7 @@ from astrl.keys import (
     VALUE_TARGET,
 )
 from astrl.lm_scoring import score_tokens
+from astrl.losses.kl import KL_TOKEN_CAP, k3
 from astrl.ragged import nested, pad_rows, sample_rows, unpad
 
 ADVANTAGE_MODES = ("gae", "one_step")
@@ -281,7 +282,8 @@ class PPOLoss(LossModule):
                          (with value_clip c: max of that and (V_old + clip(V_t - V_old, -c, c) - value_target_t) ** 2)
         loss_entropy   = -entropy_coef * masked_mean(H_t),  H_t = -sum_v p_v log p_v over the whole vocabulary
         loss_kl        = kl_coef * masked_mean(kl_t)   (only when kl_coef > 0)
-                         k3: kl_t = exp(d_t) - 1 - d_t,  k1: kl_t = -d_t,  with d_t = log pi_ref(a_t) - log pi(a_t)
+                         k3: kl_t = min(exp(d_t) - 1 - d_t, kl_token_cap),  k1: kl_t = -d_t,
+                         with d_t = log pi_ref(a_t) - log pi(a_t)
 
     The total loss is the sum of the ``loss_*`` entries. Detached metrics: ``clip_fraction``,
     ``approx_kl`` (k3 estimate of KL(old || new)), ``entropy``, ``value_mean``, ``explained_variance``
@@ -295,6 +297,8 @@ class PPOLoss(LossModule):
         detach_value_input: ``True`` trains the value head alone (the hidden state is detached before
             it); ``False`` (default) lets ``loss_critic`` also train the tester's trainable weights.
         max_length: clip each prompt from the left so that prompt + response fits, as ``TokenLogProbs`` does.
+        kl_token_cap: the most one token's k3 term counts (default 10; None: no cap): it grows like
+            ``exp(d_t)`` (:func:`astrl.losses.kl.k3`).
     """
 
     @dataclass
@@ -326,6 +330,7 @@ class PPOLoss(LossModule):
         value_clip: float | None = None,
         detach_value_input: bool = False,
         max_length: int | None = None,
+        kl_token_cap: float | None = KL_TOKEN_CAP,
     ) -> None:
         super().__init__()
         if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
@@ -343,6 +348,9 @@ class PPOLoss(LossModule):
             raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
         if max_length is not None and max_length < 2:
             raise ValueError(f"max_length must be >= 2 or None, got {max_length}")
+        if kl_token_cap is not None and not kl_token_cap > 0:
+            raise ValueError(f"kl_token_cap must be > 0 or None, got {kl_token_cap}")
+        self.kl_token_cap = kl_token_cap
         self.model, self.value_head = model, value_head
         self.clip_epsilon, self.value_coef, self.entropy_coef = float(clip_epsilon), float(value_coef), float(entropy_coef)
         self.kl_coef, self.kl_estimator, self.value_clip = float(kl_coef), kl_estimator, value_clip
@@ -481,7 +489,7 @@ class PPOLoss(LossModule):
         result = {"loss_objective": loss_objective, "loss_critic": loss_critic, "loss_entropy": loss_entropy}
         if ref_log_probs is not None:
             d = torch.where(mask, ref_log_probs - log_probs, zeros)  # log pi_ref - log pi
-            kl = d.exp() - 1 - d if self.kl_estimator == "k3" else -d
+            kl = k3(d, self.kl_token_cap) if self.kl_estimator == "k3" else -d
             kl_to_ref = masked_mean(kl, mask)
             if self.kl_coef > 0:
                 result["loss_kl"] = self.kl_coef * kl_to_ref

@@ -255,6 +255,14 @@ class TrainConfig:
             "(the start value when target_kl is set)."
         },
     )
+    kl_token_cap: float | None = field(
+        default=10.0,
+        metadata={
+            "help": "grpo: cap on one response token's k3 KL term exp(d) - d - 1, d = log pi_ref - log pi, which grows "
+            "like exp(d): a token the policy samples although it finds it far less likely than the reference "
+            "does can outweigh the batch; above the cap a token counts the cap and passes no gradient; null = no cap."
+        },
+    )
     # DPO / IPO on tree-sampled pairs
     beta: float = field(default=0.01, metadata={"help": "dpo, ipo: the preference loss's beta (> 0)."})
     tree_width: int = field(default=2, metadata={"help": "dpo, ipo: probes written from each state (>= 2)."})
@@ -423,6 +431,10 @@ class TrainConfig:
             (self.lr > 0, f"lr must be > 0, got {self.lr}"),
             (self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}"),
             (self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}"),
+            (
+                self.kl_token_cap is None or self.kl_token_cap > 0,
+                f"kl_token_cap must be > 0 (or null), got {self.kl_token_cap}",
+            ),
             (self.target_kl is None or self.target_kl > 0, f"target_kl must be > 0 (or null: off), got {self.target_kl}"),
             (
                 self.target_kl is None or self.kl_coef > 0,

@@ -48,6 +48,7 @@ from astrl.keys import (
     TOKENS_RESPONSE,
 )
 from astrl.lm_scoring import nested_token_logprobs, response_mask, stop_ids
+from astrl.losses.kl import KL_TOKEN_CAP, k3
 from astrl.losses.ppo import masked_mean
 from astrl.prefill import weights_fingerprint
 from astrl.ragged import nested, pad_rows
@@ -123,11 +124,6 @@ class BehaviourDue:
         self.pending = {id(td) for td in batch.tensordicts}
 
 
-def k3(log_ratio: torch.Tensor) -> torch.Tensor:
-    """``exp(x) - x - 1`` for ``x = log q(a) - log p(a)``, ``a ~ p``: the k3 estimate of KL(p || q) (>= 0)."""
-    return torch.expm1(log_ratio) - log_ratio
-
-
 class ResponseGRPOLoss(GRPOLoss):
     """TorchRL's ``GRPOLoss`` surrogate, with its KL term and diagnostics taken per response token.
 
@@ -137,14 +133,16 @@ class ResponseGRPOLoss(GRPOLoss):
 
         loss_objective = GRPOLoss's clipped surrogate, token mean over M
         loss_kl_to_ref = kl_coef * kl_to_ref                       (only when kl_coef > 0)
-        kl_to_ref      = mean over M of exp(d_t) - d_t - 1         (k3 estimate of KL(pi || pi_ref), >= 0)
+        kl_to_ref      = mean over M of min(exp(d_t) - d_t - 1, cap)  (k3 estimate of KL(pi || pi_ref), >= 0)
         kl_approx      = mean over M of exp(x_t) - x_t - 1         (k3 estimate of KL(pi_old || pi), >= 0)
         clip_fraction  = share of M whose ratio exp(x_t) lies outside [1 - eps_low, 1 + eps_high]
         entropy        = mean over M of the full-vocabulary entropy; loss_entropy = -entropy_coef * entropy
         ESS            = GRPOLoss's effective sample size of the ratios over M, divided by |M|
 
     The KL is a token mean over the minibatch, like the surrogate, so ``kl_coef`` weighs the two
-    per token. ``kl_to_ref`` is logged whenever the data holds reference log-probs. GRPOLoss's own
+    per token; ``kl_token_cap`` (default 10, None: no cap) bounds one token's term, which otherwise
+    grows like ``exp(d_t)`` (see :func:`astrl.losses.kl.k3`). ``kl_to_ref`` is logged whenever the data
+    holds reference log-probs. GRPOLoss's own
     KL path is not used: it pads the reference log-probs its own way and averages the KL,
     ``kl_approx`` and ``clip_fraction`` over every position, prompt included, so longer prompts dilute them.
 
@@ -163,6 +161,7 @@ class ResponseGRPOLoss(GRPOLoss):
         pad_token_id: int,
         max_length: int | None,
         kl_coef: float = 0.0,
+        kl_token_cap: float | None = KL_TOKEN_CAP,
         **kwargs,
     ) -> None:
         unused = [k for k in ("kl_to_ref_coeff", "kl_to_inference_coeff", "kl_mask_threshold") if kwargs.get(k) is not None]
@@ -173,7 +172,9 @@ class ResponseGRPOLoss(GRPOLoss):
         super().__init__(actor_network, **kwargs)
         object.__setattr__(self, "_scored_model", model)  # already registered through actor_network
         self.pad_token_id, self.max_length = pad_token_id, max_length
-        self.kl_coef = kl_coef
+        if kl_token_cap is not None and not kl_token_cap > 0:
+            raise ValueError(f"kl_token_cap must be > 0 or None, got {kl_token_cap}")
+        self.kl_coef, self.kl_token_cap = kl_coef, kl_token_cap
         # set by the caller for a minibatch seen before any update since its collection: its behaviour
         # log-probs are the current ones (ratio exactly 1), taken from this forward into last_behaviour
         self.behaviour_from_current = False
@@ -197,7 +198,7 @@ class ResponseGRPOLoss(GRPOLoss):
         )
         if reference is not None:
             reference = reference.reshape(current.shape).to(current)
-            kl = masked_mean(k3(reference - current), mask)
+            kl = masked_mean(k3(reference - current, self.kl_token_cap), mask)
             out["kl_to_ref"] = kl.detach()
             if self.kl_coef > 0:
                 out["loss_kl_to_ref"] = self.kl_coef * kl
@@ -400,6 +401,7 @@ class GRPOAlgorithm(OnPolicy):
             entropy_bonus=config.entropy_coef > 0,
             entropy_coeff=config.entropy_coef,
             kl_coef=config.kl_coef,
+            kl_token_cap=config.kl_token_cap,
             masking_strategy="sft",
         )
         self.loss_module.set_keys(ref_log_probs=REF_LOG_PROBS_FULL)

@@ -1,0 +1,18 @@
+"""Per-token KL estimates between a policy and another distribution, from the log-probs of sampled tokens."""
+
+from __future__ import annotations
+
+import torch
+
+KL_TOKEN_CAP = 10.0  # default cap on one token's k3 estimate (see k3)
+
+
+def k3(log_ratio: torch.Tensor, cap: float | None = None) -> torch.Tensor:
+    """``exp(x) - x - 1`` for ``x = log q(a) - log p(a)``, ``a ~ p``: the k3 estimate of KL(p || q) (>= 0).
+
+    It grows like ``exp(x)``: one token that ``p`` samples although it finds it far less likely than
+    ``q`` does (``x`` = 14: q/p = 10^6) gives 10^6 and outweighs a whole batch. With ``cap``, a token's
+    estimate is at most ``cap`` and passes no gradient above it (``cap`` 10 is reached at ``x`` ~ 2.6).
+    """
+    value = torch.expm1(log_ratio) - log_ratio
+    return value if cap is None else value.clamp(max=cap)
