@@ -258,9 +258,10 @@ class TrainConfig:
     kl_token_cap: float | None = field(
         default=10.0,
         metadata={
-            "help": "grpo: cap on one response token's k3 KL term exp(d) - d - 1, d = log pi_ref - log pi, which grows "
-            "like exp(d): a token the policy samples although it finds it far less likely than the reference "
-            "does can outweigh the batch; above the cap a token counts the cap and passes no gradient; null = no cap."
+            "help": "grpo (and ppo's logged kl_to_ref): cap on one response token's k3 KL term exp(d) - d - 1, "
+            "d = log pi_ref - log pi, which grows like exp(d): a token the policy samples although it finds it far "
+            "less likely than the reference does can outweigh the batch; above the cap a token counts the cap and "
+            "passes no gradient; null = no cap."
         },
     )
     # DPO / IPO on tree-sampled pairs

@@ -142,9 +142,9 @@ class ResponseGRPOLoss(GRPOLoss):
     The KL is a token mean over the minibatch, like the surrogate, so ``kl_coef`` weighs the two
     per token; ``kl_token_cap`` (default 10, None: no cap) bounds one token's term, which otherwise
     grows like ``exp(d_t)`` (see :func:`astrl.losses.kl.k3`). ``kl_to_ref`` is logged whenever the data
-    holds reference log-probs. GRPOLoss's own
-    KL path is not used: it pads the reference log-probs its own way and averages the KL,
-    ``kl_approx`` and ``clip_fraction`` over every position, prompt included, so longer prompts dilute them.
+    holds reference log-probs. GRPOLoss's own KL path is not used: it pads the reference log-probs its
+    own way and averages the KL, ``kl_approx`` and ``clip_fraction`` over every position, prompt
+    included, so longer prompts dilute them.
 
     The current log-probs are computed for response tokens only: one right-padded forward whose LM
     head runs on the response positions (:func:`astrl.rewards.token_logprobs`), laid out as

@@ -41,6 +41,7 @@ class PPOAlgorithm(OnPolicy):
             value_coef=config.value_coef,
             entropy_coef=config.entropy_coef,
             max_length=window,
+            kl_token_cap=config.kl_token_cap,
         )
         self.reference = TokenLogProbs(
             models.reference, self.tokenizer, out_key=REF_LOG_PROBS, frozen=True, max_length=window, nested=True
