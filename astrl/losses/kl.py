@@ -7,6 +7,13 @@ import torch
 KL_TOKEN_CAP = 10.0  # default cap on one token's k3 estimate (see k3)
 
 
+def checked_cap(cap: float | None) -> float | None:
+    """``cap`` itself, once it is a valid per-token cap (> 0) or None; else a ValueError naming it."""
+    if cap is not None and not cap > 0:
+        raise ValueError(f"kl_token_cap must be > 0 or None, got {cap}")
+    return cap
+
+
 def k3(log_ratio: torch.Tensor, cap: float | None = None) -> torch.Tensor:
     """``exp(x) - x - 1`` for ``x = log q(a) - log p(a)``, ``a ~ p``: the k3 estimate of KL(p || q) (>= 0).
 

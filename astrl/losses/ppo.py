@@ -39,7 +39,7 @@ from astrl.keys import (
     VALUE_TARGET,
 )
 from astrl.lm_scoring import score_tokens
-from astrl.losses.kl import KL_TOKEN_CAP, k3
+from astrl.losses.kl import KL_TOKEN_CAP, checked_cap, k3
 from astrl.ragged import nested, pad_rows, sample_rows, unpad
 
 ADVANTAGE_MODES = ("gae", "one_step")
@@ -348,9 +348,7 @@ class PPOLoss(LossModule):
             raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
         if max_length is not None and max_length < 2:
             raise ValueError(f"max_length must be >= 2 or None, got {max_length}")
-        if kl_token_cap is not None and not kl_token_cap > 0:
-            raise ValueError(f"kl_token_cap must be > 0 or None, got {kl_token_cap}")
-        self.kl_token_cap = kl_token_cap
+        self.kl_token_cap = checked_cap(kl_token_cap)
         self.model, self.value_head = model, value_head
         self.clip_epsilon, self.value_coef, self.entropy_coef = float(clip_epsilon), float(value_coef), float(entropy_coef)
         self.kl_coef, self.kl_estimator, self.value_clip = float(kl_coef), kl_estimator, value_clip

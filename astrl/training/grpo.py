@@ -48,7 +48,7 @@ from astrl.keys import (
     TOKENS_RESPONSE,
 )
 from astrl.lm_scoring import nested_token_logprobs, response_mask, stop_ids
-from astrl.losses.kl import KL_TOKEN_CAP, k3
+from astrl.losses.kl import KL_TOKEN_CAP, checked_cap, k3
 from astrl.losses.ppo import masked_mean
 from astrl.prefill import weights_fingerprint
 from astrl.ragged import nested, pad_rows
@@ -172,9 +172,7 @@ class ResponseGRPOLoss(GRPOLoss):
         super().__init__(actor_network, **kwargs)
         object.__setattr__(self, "_scored_model", model)  # already registered through actor_network
         self.pad_token_id, self.max_length = pad_token_id, max_length
-        if kl_token_cap is not None and not kl_token_cap > 0:
-            raise ValueError(f"kl_token_cap must be > 0 or None, got {kl_token_cap}")
-        self.kl_coef, self.kl_token_cap = kl_coef, kl_token_cap
+        self.kl_coef, self.kl_token_cap = kl_coef, checked_cap(kl_token_cap)
         # set by the caller for a minibatch seen before any update since its collection: its behaviour
         # log-probs are the current ones (ratio exactly 1), taken from this forward into last_behaviour
         self.behaviour_from_current = False
