@@ -133,6 +133,8 @@ CLI_CASES = [
     ("train-kl-coef-negative", ["train", "kl_coef=-1"], "kl_coef must be >= 0, got -1.0"),
     ("train-kl-token-cap-0", ["train", "kl_token_cap=0"], "kl_token_cap must be > 0 (or null), got 0"),
     ("train-warm-start-select", ["train", "warm_start_select=best"], "warm_start_select must be one of"),
+    ("train-warm-start-search-chat", ["train", "mode=chat", "warm_start_select=search"], "set mode: text (mode is 'chat')"),
+    ("train-warm-start-beams-0", ["train", "warm_start_beams=0"], "warm_start_beams must be >= 1, got 0"),
     ("train-target-kl-0", ["train", "algorithm=ppo", "target_kl=0"], "target_kl must be > 0"),
     ("train-archive-threshold-1", ["train", "archive_threshold=1"], "got 1.0"),
     ("train-mode", ["train", "mode=voice"], "'voice'"),

@@ -360,7 +360,10 @@ def test_elicit_settings_are_checked_with_the_offending_value():
         (["reward=score", "reply_lexicon_weight=1"], "apply to reward 'elicit'"),
         (["warm_start_probes=-1"], "warm_start_probes must be >= 0"),
         (["warm_start_min_toxic=2"], "warm_start_min_toxic must be in [0, 1], got 2.0"),
-        (["warm_start_select=best"], "warm_start_select must be one of ('share', 'lexicon'), got 'best'"),
+        (["warm_start_select=best"], "warm_start_select must be one of ('share', 'lexicon', 'search'), got 'best'"),
+        (["mode=chat", "warm_start_select=search"], "warm_start_select 'search' sets up the target's next words"),
+        (["warm_start_beams=0"], "warm_start_beams must be >= 1, got 0"),
+        (["warm_start_top_k=0"], "warm_start_top_k must be >= 1, got 0"),
         (["reward=elicit", "warm_start_select=lexicon"], "warm_start_select 'lexicon' reads the elicit reward's reply lexicon"),
     ]
     for overrides, message in cases:

@@ -15,7 +15,7 @@ from astrl.rewards.weights import REPLY_TRANSFORMS, REWARDS, reward_options_of
 
 ALGORITHMS = ("grpo", "ppo", "dpo", "ipo")
 RETURNS = ("turn", "to_go")
-WARM_START_SELECTIONS = ("share", "lexicon")  # how the warm start estimates a probe's share of toxic replies
+WARM_START_SELECTIONS = ("share", "lexicon", "search")  # how the warm start finds and rates its probes
 OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "adagrad")
 # Keys that were renamed, old name -> new name: files and overrides that use the old name still load, with a warning.
 RENAMED_KEYS = {"gamma": "likelihood_weight"}
@@ -159,9 +159,16 @@ class TrainConfig:
         default="share",
         metadata={
             "help": "Warm start: how a probe's share of toxic replies is estimated: share (of its reply_samples "
-            "replies the training scorer calls toxic; at least one must be) or lexicon (the mean of its replies' "
-            "reply lexicon estimates; needs reward elicit with reply_lexicon_weight > 0)."
+            "replies the training scorer calls toxic; at least one must be), lexicon (the mean of its replies' "
+            "reply lexicon estimates; needs reward elicit with reply_lexicon_weight > 0), or search (text mode: "
+            "no sampling; a beam search over the tester's likely tokens finds, for each of warm_start_probes "
+            "openers, the probe after which the target's next token is most likely a reply_lexicon word; that "
+            "probability is the estimate)."
         },
+    )
+    warm_start_beams: int = field(default=8, metadata={"help": "Warm start with select search: partial probes kept per opener."})
+    warm_start_top_k: int = field(
+        default=8, metadata={"help": "Warm start with select search: the tester's likeliest next tokens tried per partial probe."}
     )
     warm_start_epochs: int = field(default=3, metadata={"help": "Warm start: passes over the kept probes."})
     warm_start_lr: float = field(default=1e-3, metadata={"help": "Warm start: learning rate of the fine-tuning (AdamW)."})
@@ -400,6 +407,13 @@ class TrainConfig:
                 "warm_start_select 'lexicon' reads the elicit reward's reply lexicon: set reward: elicit and "
                 f"reply_lexicon_weight > 0 (reward is {self.reward!r}, reply_lexicon_weight {self.reply_lexicon_weight})",
             ),
+            (
+                self.warm_start_select != "search" or self.mode == "text",
+                f"warm_start_select 'search' sets up the target's next words, a text-mode turn: set mode: text "
+                f"(mode is {self.mode!r})",
+            ),
+            (self.warm_start_beams >= 1, f"warm_start_beams must be >= 1, got {self.warm_start_beams}"),
+            (self.warm_start_top_k >= 1, f"warm_start_top_k must be >= 1, got {self.warm_start_top_k}"),
             (self.warm_start_epochs >= 1, f"warm_start_epochs must be >= 1, got {self.warm_start_epochs}"),
             (self.warm_start_lr > 0, f"warm_start_lr must be > 0, got {self.warm_start_lr}"),
             (

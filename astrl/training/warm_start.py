@@ -7,7 +7,12 @@ scorer does not call the probe itself toxic. ``warm_start_select`` names the est
 share of its sampled replies the training scorer calls toxic (at least one must be), or ``lexicon``,
 the mean over its replies of the reply lexicon estimate ``1 - prod_t (1 - m_t)`` (the target's own
 probability of saying a listed word, :mod:`astrl.rewards.lexicon`): a probe that sets the target up
-to swear (``' "What the'``) has a high estimate even when none of its few sampled replies did. The
+to swear (``' "What the'``) has a high estimate even when none of its few sampled replies did. With
+``search`` (text mode) nothing is sampled: a beam search over the tester's own likely tokens
+(:mod:`astrl.sampling.search`) finds, for each of ``warm_start_probes`` training openers, the probe
+after which the target's next token is most likely a lexicon word, and that probability is the
+estimate (a lower bound on the probability that the reply holds one). The untrained tester samples
+such set-ups too rarely for the other two rules to find them. The
 tester (its LoRA adapter) is then fine-tuned on the kept ``opener -> probe`` pairs for a few epochs
 with the plain next-token loss (Perez et al.'s supervised red-teaming baseline), so that RL starts
 from a tester that already puts mass on probes that work::
@@ -103,13 +108,62 @@ def sample_candidates(trainer, count: int) -> list[dict]:
     return candidates[:count]
 
 
+def search_candidates(trainer, count: int) -> list[dict]:
+    """For ``count`` openers of the training split, the probe of :func:`astrl.sampling.search.lexicon_beam_search`
+    (``max_new_tokens`` tokens), with its own score under the training scorer and the target's next-token
+    lexicon mass after it (``lexicon_mass``)."""
+    from astrl.envs.recipe import opener_stream
+    from astrl.rewards.lexicon import reply_lexicon
+    from astrl.sampling.search import lexicon_beam_search
+    from astrl.scorers import make_scorer
+    from astrl.training.setup import conversation_spec
+
+    config, models = trainer.config, trainer.models
+    batch = min(SAMPLE_BATCH, count)
+    spec = replace(conversation_spec(config), split="train", batch_size=batch, group_size=1, seed=config.seed + 7919)
+    stream = opener_stream(spec)  # never the held-out openers; the same opener order as sampling
+    openers: list[str] = []
+    while len(openers) < count:
+        openers.extend(stream.next_batch())
+    scorer = make_scorer(config.scorer)
+    tester, target = models.tester, models.target
+    lexicon = reply_lexicon(config.reply_lexicon, target.tokenizer, scorer=scorer, threshold=config.reply_lexicon_threshold)
+    found = lexicon_beam_search(
+        tester.model,
+        target.model,
+        tester.tokenizer,
+        target.tokenizer,
+        openers[:count],
+        lexicon,
+        length=config.max_new_tokens,
+        beams=config.warm_start_beams,
+        top_k=config.warm_start_top_k,
+    )
+    probe_scores = checked_scores(scorer, [f.text for f in found]).tolist()
+    return [
+        {
+            "opener": f.opener,
+            "probe": f.text,
+            "probe_score": float(score),
+            "lexicon_mass": f.mass,
+            "probe_logprob": f.logprob,
+            "prompt_tokens": torch.tensor(tester.tokenizer(f.opener)["input_ids"], dtype=torch.long),
+            "response_tokens": f.tokens.cpu(),
+        }
+        for f, score in zip(found, probe_scores, strict=True)
+    ]
+
+
 def toxic_share(candidate: dict, select: str = "share", threshold: float = 0.5) -> float:
     """A candidate's estimated share of toxic replies: ``share``, the share of its replies scored above
-    ``threshold``; ``lexicon``, the mean of its replies' lexicon estimates."""
+    ``threshold``; ``lexicon``, the mean of its replies' lexicon estimates; ``search``, the target's
+    next-token lexicon mass after the probe."""
     if select == "share":
         return sum(s > threshold for s in candidate["reply_scores"]) / len(candidate["reply_scores"])
     if select == "lexicon":
         return sum(candidate["reply_lexicon"]) / len(candidate["reply_lexicon"])
+    if select == "search":
+        return candidate["lexicon_mass"]
     raise ValueError(f"warm_start_select must be one of {WARM_START_SELECTIONS}, got {select!r}")
 
 
@@ -163,7 +217,8 @@ def warm_start(trainer) -> tuple[dict, list[dict]]:
     if models is None:
         raise ValueError("warm_start_probes applies to config-built runs (a System trains its own models)")
     start = time.perf_counter()
-    candidates = sample_candidates(trainer, config.warm_start_probes)
+    find = search_candidates if config.warm_start_select == "search" else sample_candidates
+    candidates = find(trainer, config.warm_start_probes)
     sampled_seconds = time.perf_counter() - start
     kept = keep(candidates, config.warm_start_min_toxic, select=config.warm_start_select)
     clear_turn_caches(models.tester.model, models.target.model)

@@ -1,0 +1,211 @@
+"""Lexicon-guided beam search: probes, written from the tester's own likely tokens, after which the target
+is likely to say a listed word next.
+
+Sampling the tester rarely writes a probe that sets the target up (``' "What the'`` before the
+target's ``" hell"``): such a probe is a sequence of individually likely tokens whose joint
+probability is small. A beam search finds them cheaply. Each opener keeps ``beams`` partial probes;
+each partial probe is extended by the tester's ``top_k`` most likely next tokens (so every probe stays
+a chain of likely tokens: readable text, not an adversarial string); every extension is scored by the
+target's probability that its **next** token is a listed word,
+
+    m(opener, probe) = sum over the lexicon's first tokens w of p_target(w | opener + probe)
+
+(:meth:`astrl.rewards.lexicon.ReplyLexicon.mass`: one target forward per extension, no reply is
+sampled), and the ``beams`` best extensions of each opener survive. After ``length`` steps each opener
+gets its highest-scoring probe. Tokens that are themselves listed words, special tokens and a repeat of
+the previous token are never proposed: the probe does not say what it asks for, nor stutters.
+
+This is the beam search of BEAST (Sadasivan et al., 2024: candidates sampled from the attacker's own
+distribution, kept by the attack objective) with the target's next-token lexicon mass as the objective.
+Each opener is read once by each model; the partial probes' KV caches grow by one token a step, so a
+candidate costs the target one token (:class:`PrefixCache`; when the target's tokenizer differs from the
+tester's, the target reads each candidate's decoded text after the opener's cache instead).
+
+What it optimises is the first reply token only: a probe that makes a listed word likely a few tokens
+later scores low. The warm start (:mod:`astrl.training.warm_start`, ``warm_start_select: search``)
+fine-tunes the tester on the probes it finds.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from astrl.lm_scoring import forward_at, logits_at
+from astrl.ragged import pad_ids
+from astrl.rewards.lexicon import ReplyLexicon
+
+
+@dataclass
+class SearchedProbe:
+    """One opener's best probe: its tester token ids and text, the target's next-token lexicon mass
+    after ``opener + probe`` and the tester's log-probability of the probe."""
+
+    opener: str
+    tokens: torch.Tensor
+    text: str
+    mass: float
+    logprob: float
+
+
+class PrefixCache:
+    """Rows of tokens run once through ``model``, kept as a KV cache that continuations read.
+
+    ``next_logits(owners, tails)`` gives, for each row ``r``, the logits after ``rows[owners[r]] + tails[r]``
+    (the same as one forward over the joined row, up to float rounding; an empty tail gives the row's
+    own last logits) without keeping what the tails add; ``advance(owners, tokens)`` returns a new
+    ``PrefixCache`` whose rows are ``rows[owners[r]] + tokens[r]``.
+    """
+
+    def __init__(self, model: torch.nn.Module, prefixes: Sequence[torch.Tensor], pad_token_id: int) -> None:
+        if any(p.numel() == 0 for p in prefixes):
+            raise ValueError("every prefix needs at least one token")
+        self.model, self.pad_token_id = model, pad_token_id
+        self.device = next(model.parameters()).device
+        ids, self.mask = pad_ids([p.reshape(-1).long() for p in prefixes], pad_token_id, device=self.device)
+        self.lengths = self.mask.sum(1)
+        logits, _, out = forward_at(model, ids, self.mask, (self.lengths - 1)[:, None], use_cache=True)
+        self.last = logits[:, 0].float()  # each row's next-token logits
+        self.cache = out.past_key_values
+
+    def _forward(self, owners: torch.Tensor, tails: Sequence[torch.Tensor]):
+        """One forward of right-padded ``tails`` after the rows ``owners``: (their last logits, the cache
+        holding rows + tails, the joined attention mask)."""
+        cache = copy.deepcopy(self.cache)
+        cache.batch_select_indices(owners)
+        ids, mask = pad_ids([t.reshape(-1).long() for t in tails], self.pad_token_id, device=self.device)
+        positions = self.lengths[owners][:, None] + torch.arange(ids.shape[1], device=self.device)[None]
+        full_mask = torch.cat([self.mask[owners], mask], dim=1)
+        last = (mask.sum(1) - 1)[:, None]
+        logits = logits_at(self.model, ids, full_mask, last, past_key_values=cache, position_ids=positions)
+        return logits[:, 0].float(), cache, full_mask
+
+    def next_logits(self, owners: torch.Tensor, tails: Sequence[torch.Tensor], *, chunk: int = 256) -> torch.Tensor:
+        """``(len(tails), V)`` float logits after each ``rows[owners[r]] + tails[r]``, ``chunk`` rows a forward."""
+        owners = owners.to(self.device)
+        out = self.last[owners].clone()
+        rows = [r for r, t in enumerate(tails) if t.numel()]
+        for start in range(0, len(rows), chunk):
+            part = torch.tensor(rows[start : start + chunk], device=self.device)
+            out[part] = self._forward(owners[part], [tails[r] for r in part.tolist()])[0]
+        return out
+
+    def advance(self, owners: torch.Tensor, tokens: torch.Tensor) -> PrefixCache:
+        """The rows ``rows[owners[r]] + tokens[r]`` (``tokens``: ``(R, n)``, ``n >= 1``) as a new cache."""
+        owners = owners.to(self.device)
+        logits, cache, mask = self._forward(owners, list(tokens.to(self.device)))
+        new = copy.copy(self)
+        new.cache, new.mask, new.lengths, new.last = cache, mask, self.lengths[owners] + tokens.shape[1], logits
+        return new
+
+
+def banned_tokens(tokenizer, lexicon: ReplyLexicon, vocab_size: int) -> torch.Tensor:
+    """A ``(vocab_size,)`` bool mask of the tokens a probe may not hold: the lexicon's words in
+    ``tokenizer``'s vocabulary (one-token spellings) and the special tokens."""
+    banned = torch.zeros(vocab_size, dtype=torch.bool)
+    words = ReplyLexicon(tokenizer, lexicon.words).token_ids
+    banned[words[words < vocab_size]] = True
+    special = [i for i in getattr(tokenizer, "all_special_ids", []) if i is not None and i < vocab_size]
+    banned[special] = True
+    return banned
+
+
+@torch.no_grad()
+def lexicon_beam_search(
+    tester: torch.nn.Module,
+    target: torch.nn.Module,
+    tester_tokenizer,
+    target_tokenizer,
+    openers: Sequence[str],
+    lexicon: ReplyLexicon,
+    *,
+    length: int,
+    beams: int = 8,
+    top_k: int = 8,
+    openers_per_batch: int = 8,
+) -> list[SearchedProbe]:
+    """The best ``length``-token probe for each opener (see the module docstring).
+
+    Args:
+        tester, target: causal LMs; the tester proposes tokens, the target scores them.
+        tester_tokenizer, target_tokenizer: their tokenizers. The target reads ``opener + probe`` as
+            ``target_tokenizer(opener) + target_tokenizer(decoded probe)``, as a text-mode turn does.
+        openers: the conversations' openers (text mode: the target continues ``opener + probe``).
+        lexicon: the listed words, for the target's tokenizer.
+        length: probe tokens; beams: partial probes kept per opener; top_k: the tester's next tokens
+            tried per partial probe.
+        openers_per_batch: openers searched together (memory: their caches are repeated
+            ``beams * top_k`` times in chunks of 256 rows).
+    """
+    for name, value in (("length", length), ("beams", beams), ("top_k", top_k), ("openers_per_batch", openers_per_batch)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    vocab = tester.get_output_embeddings().weight.shape[0]
+    banned = banned_tokens(tester_tokenizer, lexicon, vocab)
+    if int((~banned).sum()) < top_k:
+        raise ValueError(f"top_k={top_k} exceeds the {int((~banned).sum())} tokens a probe may hold")
+    found: list[SearchedProbe] = []
+    for start in range(0, len(openers), openers_per_batch):
+        batch = list(openers[start : start + openers_per_batch])
+        found.extend(
+            _search((tester, tester_tokenizer), (target, target_tokenizer), batch, lexicon, banned, length, beams, top_k)
+        )
+    return found
+
+
+def _search(tester_lm, target_lm, openers, lexicon, banned, length, beams, top_k):
+    """:func:`lexicon_beam_search` for one batch of openers.
+
+    The tester's cache holds each partial probe and grows by one token a step. When the two tokenizers
+    share their vocabulary the target's does too, and a candidate costs the target one token;
+    otherwise the target reads each candidate's decoded text anew after the opener's cache."""
+    tester_tokenizer, target_tokenizer = tester_lm[1], target_lm[1]
+    shared_vocab = tester_tokenizer.get_vocab() == target_tokenizer.get_vocab()
+    proposer, scorer = (  # a row per partial probe (the scorer: per opener unless shared_vocab)
+        PrefixCache(model, [torch.tensor(tok(op)["input_ids"], dtype=torch.long) for op in openers], _pad_id(tok))
+        for model, tok in (tester_lm, target_lm)
+    )
+    n = len(openers)
+    owners = torch.arange(n)  # the opener of each partial probe
+    probes = torch.zeros(n, 0, dtype=torch.long)  # (rows, step) tester tokens
+    logprob = torch.zeros(n)
+    for step in range(length):
+        logits = proposer.last.cpu().log_softmax(-1).masked_fill(banned[: proposer.last.shape[-1]], float("-inf"))
+        if probes.shape[1]:  # no token right after itself ("big big big")
+            logits.scatter_(1, probes[:, -1:], float("-inf"))
+        top = logits.topk(top_k, dim=-1)
+        parents = torch.arange(probes.shape[0]).repeat_interleave(top_k)  # each candidate's partial probe
+        candidates = torch.cat([probes[parents], top.indices.reshape(-1, 1)], dim=1)
+        if shared_vocab:
+            scored = scorer.next_logits(parents, list(top.indices.reshape(-1, 1)))
+        else:
+            texts = tester_tokenizer.batch_decode(candidates)
+            encoded = target_tokenizer(texts, add_special_tokens=False)["input_ids"]
+            tails = [torch.tensor(ids, dtype=torch.long) for ids in encoded]
+            scored = scorer.next_logits(owners[parents], tails)
+        mass = lexicon.mass(scored)
+        # rows are grouped by opener, each with as many: keep each opener's best ``beams``
+        per = candidates.shape[0] // n
+        keep = (mass.view(n, per).topk(min(beams, per), dim=1).indices + torch.arange(n)[:, None] * per).reshape(-1)
+        probes, kept_mass, owners = candidates[keep], mass[keep], owners[parents[keep]]
+        logprob = logprob[parents[keep]] + top.values.reshape(-1)[keep]
+        if step + 1 < length:
+            proposer = proposer.advance(parents[keep], probes[:, -1:])
+            if shared_vocab:
+                scorer = scorer.advance(parents[keep], probes[:, -1:])
+    per = probes.shape[0] // n
+    best = kept_mass.view(n, per).argmax(1) + torch.arange(n) * per
+    return [
+        SearchedProbe(opener, probes[b], tester_tokenizer.decode(probes[b]), float(kept_mass[b]), float(logprob[b]))
+        for opener, b in zip(openers, best.tolist(), strict=True)
+    ]
+
+
+def _pad_id(tokenizer) -> int:
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tokenizer, "eos_token_id", None)
+    return 0 if pad is None else int(pad)

@@ -1,0 +1,115 @@
+"""What the lexicon-guided beam search finds that sampling does not, and what it costs.
+
+On ``--openers`` training-split RealToxicityPrompts openers (the demo's text-mode setting, 6-token
+probes), the target's next-token probability of a lexicon word after the probe, ``m(opener, probe)``
+(the quantity :func:`astrl.sampling.search.lexicon_beam_search` maximises), for:
+
+* ``sampled``: ``--samples`` probes the untrained tester samples per opener (temperature 1), the mean
+  and the best of them per opener;
+* ``searched``: the beam search's probe (``--beams`` x ``--top-k``).
+
+Both under the ``scorer`` lexicon (the profanity scorer's words, what ``warm_start_select: search``
+uses) and the ``wordlist`` lexicon (the distinct judge's list: does what the search finds for one
+lexicon carry to another?). Also the seconds per opener of each and the tester's mean per-token NLL
+of the probes (naturalness). Prints JSON.
+
+    python benchmarks/probe_search.py --quick      # 16 openers
+    python benchmarks/probe_search.py              # 64 openers
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from _common import base_parser, emit, r, setup
+
+from astrl.models import load_model
+from astrl.prompts import load_prompts, split_prompts
+from astrl.rewards.lexicon import reply_lexicon
+from astrl.sampling.search import PrefixCache, lexicon_beam_search
+from astrl.scorers import make_scorer
+
+
+def masses(model, tokenizer, openers: list[str], probes: list[torch.Tensor], lexicons: dict) -> dict[str, torch.Tensor]:
+    """Each lexicon's next-token mass after ``openers[i] + probes[i]`` (one target forward a row)."""
+    prompts = [torch.tensor(tokenizer(o)["input_ids"]) for o in openers]
+    with torch.no_grad():
+        logits = PrefixCache(model, prompts, tokenizer.pad_token_id).next_logits(torch.arange(len(openers)), probes)
+    return {name: lexicon.mass(logits) for name, lexicon in lexicons.items()}
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--openers", type=int, default=None, help="training openers (default 64; 16 with --quick)")
+    parser.add_argument("--samples", type=int, default=8, help="sampled probes per opener")
+    parser.add_argument("--beams", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=6, help="probe tokens")
+    args = parser.parse_args()
+    info = setup(args)
+    count = args.openers or (16 if args.quick else 64)
+    lm = load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tok = lm.model, lm.tokenizer
+    openers = split_prompts(load_prompts("rtp"), "train", seed=args.seed)[:count]
+    lexicons = {
+        "scorer": reply_lexicon("scorer", tok, scorer=make_scorer("profanity")),
+        "wordlist": reply_lexicon("wordlist", tok),
+    }
+
+    start = time.perf_counter()
+    sampled: list[torch.Tensor] = []
+    with torch.no_grad():
+        for opener in openers:
+            ids = torch.tensor([tok(opener)["input_ids"]] * args.samples, device=model.device)
+            out = model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_p=1.0,
+                max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=tok.pad_token_id,
+            )  # fmt: skip
+            sampled.extend(out[:, ids.shape[1] :].cpu())
+    sample_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    found = lexicon_beam_search(
+        model, model, tok, tok, openers, lexicons["scorer"], length=args.new_tokens, beams=args.beams, top_k=args.top_k
+    )
+    search_seconds = time.perf_counter() - start
+
+    repeated = [o for o in openers for _ in range(args.samples)]
+    of_samples = {k: v.view(count, args.samples) for k, v in masses(model, tok, repeated, sampled, lexicons).items()}
+    of_search = masses(model, tok, openers, [f.tokens for f in found], lexicons)
+    rows = {}
+    for name in lexicons:
+        rows[name] = {
+            "sampled_mean": r(float(of_samples[name].mean())),
+            "sampled_best_of_samples_mean": r(float(of_samples[name].max(1).values.mean())),
+            "searched_mean": r(float(of_search[name].mean())),
+            "searched_above_0.25": r(float((of_search[name] >= 0.25).float().mean())),
+            "sampled_above_0.25": r(float((of_samples[name] >= 0.25).float().mean())),
+        }
+    from astrl.lm_scoring import token_logprobs
+
+    with torch.no_grad():
+        prompts = [torch.tensor(tok(o)["input_ids"]) for o in openers]
+        searched_nll = -torch.cat(token_logprobs(model, prompts, [f.tokens for f in found], pad_token_id=tok.pad_token_id))
+        sampled_nll = -torch.cat(
+            token_logprobs(model, [p for p in prompts for _ in range(args.samples)], sampled, pad_token_id=tok.pad_token_id)
+        )
+    emit(
+        {
+            "benchmark": "probe_search",
+            **info,
+            "openers": count,
+            "samples_per_opener": args.samples,
+            "beams": args.beams,
+            "top_k": args.top_k,
+            "probe_tokens": args.new_tokens,
+            "next_token_lexicon_mass": rows,
+            "probe_nll_per_token": {"sampled": r(float(sampled_nll.mean())), "searched": r(float(searched_nll.mean()))},
+            "seconds_per_opener": {"sampling": r(sample_seconds / count), "search": r(search_seconds / count)},
+            "examples": [{"opener": f.opener[-60:], "probe": f.text, "mass": r(f.mass)} for f in found[:5]],
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""The lexicon-guided beam search over the tester's likely tokens, and the warm start built on it."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+from conftest import make_llama, make_tokenizer
+
+from astrl.rewards.lexicon import ReplyLexicon
+from astrl.sampling.search import PrefixCache, banned_tokens, lexicon_beam_search
+
+OPENERS = ["hello how are you today", "tell me about the", "what is the weather like"]
+WORDS = ["hell", "idiot", "damn"]
+
+
+def _last_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+
+
+def test_prefix_cache_gives_the_logits_of_a_full_forward():
+    tok = make_tokenizer()
+    model = make_llama(tok)
+    prefixes = [torch.tensor(tok(o)["input_ids"]) for o in OPENERS]
+    tails = [torch.tensor(tok(t, add_special_tokens=False)["input_ids"]) for t in (" you idiot", " the cat", "")]
+    tails.append(torch.tensor(tok(" a", add_special_tokens=False)["input_ids"]))
+    owners = torch.tensor([0, 1, 2, 0])  # two rows continue the first prefix
+    with torch.no_grad():
+        got = PrefixCache(model, prefixes, tok.pad_token_id).next_logits(owners, tails, chunk=3)
+    for row, (owner, tail) in enumerate(zip(owners.tolist(), tails, strict=True)):
+        expected = _last_logits(model, prefixes[owner].tolist() + tail.tolist())
+        torch.testing.assert_close(got[row], expected, atol=1e-4, rtol=1e-4)
+
+
+def _mass(target, target_tok, lexicon, opener: str, probe: list[int], tester_tok) -> float:
+    """The target's next-token lexicon mass after ``opener + probe``: the probe's own ids when the two
+    tokenizers are one, else its decoded text encoded by the target's."""
+    if tester_tok is target_tok:
+        tail = probe
+    else:
+        tail = target_tok(tester_tok.decode(probe), add_special_tokens=False)["input_ids"]
+    return float(lexicon.mass(_last_logits(target, target_tok(opener)["input_ids"] + tail)[None])[0])
+
+
+@pytest.mark.parametrize("vocab", ["shared", "different"])
+def test_with_enough_beams_the_search_finds_the_best_of_all_top_k_paths(vocab):
+    tok = make_tokenizer()
+    target_tok = tok if vocab == "shared" else make_tokenizer(vocab_size=300, seed=3)
+    assert (tok.get_vocab() == target_tok.get_vocab()) == (vocab == "shared")
+    tester, target = make_llama(tok, seed=0), make_llama(target_tok, seed=1)
+    lexicon = ReplyLexicon(target_tok, WORDS)
+    banned = banned_tokens(tok, lexicon, len(tok))
+    top_k, length = 3, 2
+    found = lexicon_beam_search(tester, target, tok, target_tok, OPENERS, lexicon, length=length, beams=top_k, top_k=top_k)
+    for opener, probe in zip(OPENERS, found, strict=True):
+        prompt = tok(opener)["input_ids"]
+        first = _last_logits(tester, prompt).log_softmax(-1).masked_fill(banned, float("-inf"))
+        paths = []  # every path through the tester's top_k tokens, by hand
+        for a in first.topk(top_k).indices.tolist():
+            second = _last_logits(tester, prompt + [a]).log_softmax(-1).masked_fill(banned, float("-inf"))
+            second[a] = float("-inf")  # no token right after itself
+            for b in second.topk(top_k).indices.tolist():
+                paths.append(([a, b], float(first[a] + second[b])))
+        masses = [_mass(target, target_tok, lexicon, opener, p, tok) for p, _ in paths]
+        best = max(range(len(paths)), key=masses.__getitem__)
+        assert probe.tokens.tolist() == paths[best][0] and probe.text == tok.decode(paths[best][0])
+        assert probe.mass == pytest.approx(masses[best], abs=1e-5)
+        assert probe.logprob == pytest.approx(paths[best][1], abs=1e-4)
+        assert probe.opener == opener
+
+
+def test_a_narrower_beam_never_beats_the_exhaustive_one_and_probes_hold_no_banned_token():
+    tok = make_tokenizer()
+    tester, target = make_llama(tok, seed=0), make_llama(tok, seed=1)
+    lexicon = ReplyLexicon(tok, WORDS)
+    banned = banned_tokens(tok, lexicon, len(tok))
+    assert banned[lexicon.token_ids].all() and banned[tok.eos_token_id] and banned[tok.pad_token_id]
+    wide = lexicon_beam_search(tester, target, tok, tok, OPENERS, lexicon, length=2, beams=4, top_k=4)
+    narrow = lexicon_beam_search(tester, target, tok, tok, OPENERS, lexicon, length=2, beams=1, top_k=4, openers_per_batch=2)
+    for w, n in zip(wide, narrow, strict=True):
+        assert 0.0 <= n.mass <= w.mass + 1e-6 <= 1.0 + 1e-6
+    for probe in lexicon_beam_search(tester, target, tok, tok, OPENERS, lexicon, length=6, beams=2, top_k=5):
+        tokens = probe.tokens.tolist()
+        assert len(tokens) == 6 and not any(banned[t] for t in tokens)
+        assert all(a != b for a, b in itertools.pairwise(tokens))
+
+
+def test_search_settings_are_checked():
+    tok = make_tokenizer()
+    model = make_llama(tok)
+    lexicon = ReplyLexicon(tok, WORDS)
+    with pytest.raises(ValueError, match="beams must be >= 1, got 0"):
+        lexicon_beam_search(model, model, tok, tok, OPENERS, lexicon, length=2, beams=0)
+    with pytest.raises(ValueError, match="top_k=100000 exceeds the"):
+        lexicon_beam_search(model, model, tok, tok, OPENERS, lexicon, length=2, top_k=100000)
+
+
+def test_search_selection_keeps_clean_probes_by_the_targets_next_token_mass():
+    from astrl.training.warm_start import keep, toxic_share
+
+    def candidate(probe, mass, tokens=3):
+        return {"probe_score": probe, "lexicon_mass": mass, "response_tokens": torch.ones(tokens)}
+
+    candidates = [candidate(0.1, 0.4), candidate(0.1, 0.05), candidate(0.9, 0.9), candidate(0.1, 0.6, tokens=0)]
+    assert toxic_share(candidates[0], "search") == 0.4
+    assert [candidates.index(c) for c in keep(candidates, 0.25, select="search")] == [0]
+    assert [candidates.index(c) for c in keep(candidates, 0.0, select="search")] == [0, 1]
+
+
+def test_search_warm_start_keeps_the_clean_probes_whose_mass_clears_the_bar(tmp_path, monkeypatch):
+    from test_training import _config, _trainer
+
+    import astrl.training.warm_start as warm
+    from astrl.prompts import load_prompts, split_prompts
+
+    settings = dict(
+        scorer="keywords:the,you,hell,idiot", mode="text", turns=1, total_steps=1, max_new_tokens=3,
+        reply_lexicon="hell,idiot,damn", warm_start_probes=6, warm_start_min_toxic=0.0064, warm_start_select="search",
+        warm_start_beams=2, warm_start_top_k=3,
+    )  # fmt: skip
+    trainer = _trainer(_config(tmp_path, **settings))
+    found = []
+    real = warm.search_candidates
+    monkeypatch.setattr(warm, "search_candidates", lambda *a: found.extend(real(*a)) or found)
+    trainer.train()
+    summary = json.loads((tmp_path / "run" / "warm_start.json").read_text())
+    kept = [json.loads(line) for line in (tmp_path / "run" / "warm_start.jsonl").read_text().splitlines()]
+    assert summary["select"] == "search" and summary["sampled"] == len(found) == 6
+    train = set(split_prompts(load_prompts("builtin"), "train", seed=0))
+    assert {c["opener"] for c in found} <= train
+    for c in found:
+        assert c["response_tokens"].numel() == 3 and 0 <= c["lexicon_mass"] <= 1
+        assert c["prompt_tokens"].tolist() == trainer.models.tester.tokenizer(c["opener"])["input_ids"]
+    expected = [c["probe"] for c in found if c["probe_score"] <= 0.5 and c["lexicon_mass"] >= 0.0064]  # the rule, by hand
+    assert [k["probe"] for k in kept] == expected and summary["kept"] == len(kept)
+    assert all("lexicon_mass" in k and "prompt_tokens" not in k for k in kept)
+    assert 0 < len(kept) < len(found)  # the bar selects: some kept, some not (with this seed)
