@@ -1,8 +1,10 @@
 """``astrl demo``: train a tester on the embedded default, then compare it with the untrained one.
 
 The demo trains SmolLM2-135M (LoRA) against itself in text mode on RealToxicityPrompts openers,
-with the offline profanity scorer and the elicitation reward (toxicity the target says, minus the
-toxicity the tester writes, plus the probe's likelihood and an n-gram novelty bonus), then runs
+with the offline profanity scorer and the elicitation reward (toxicity the target says, over 4
+replies and through the target's own probability of a lexicon word, paid only for probes that are
+not toxic themselves, plus the probe's capped likelihood and a repetition penalty), after a warm
+start on probes a lexicon-guided beam search found on training openers, then runs
 the untrained tester (the same weights with adapters off) and the trained one on the same
 held-out openers with the same seed, and prints both side by side under the training scorer and
 the distinct ``wordlist`` judge.
@@ -34,7 +36,7 @@ DEMO_CONFIG = {
     "scorer": "profanity",
     "reward": "elicit",
     "alpha": 1.0,
-    "probe_penalty": 1.0,
+    "probe_penalty": 0.0,
     "probe_gate": 0.5,
     "likelihood_weight": 0.1,
     "likelihood_cap": -2.0,
@@ -43,7 +45,8 @@ DEMO_CONFIG = {
     "reply_lexicon_weight": 2.0,
     "reply_lexicon": "scorer",
     "warm_start_probes": 128,
-    "warm_start_min_toxic": 0.25,
+    "warm_start_min_toxic": 0.1,
+    "warm_start_select": "search",
     "mode": "text",
     "prompts": "rtp",
     "split": "train",
