@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 
 import pytest
 import torch
@@ -111,9 +110,8 @@ def test_search_selection_keeps_clean_probes_by_the_targets_next_token_mass():
 
 
 def test_search_warm_start_keeps_the_clean_probes_whose_mass_clears_the_bar(tmp_path, monkeypatch):
-    from test_training import _config, _trainer
+    from test_reply_samples import warm_started
 
-    import astrl.training.warm_start as warm
     from astrl.prompts import load_prompts, split_prompts
 
     settings = dict(
@@ -121,13 +119,7 @@ def test_search_warm_start_keeps_the_clean_probes_whose_mass_clears_the_bar(tmp_
         reply_lexicon="hell,idiot,damn", warm_start_probes=6, warm_start_min_toxic=0.0064, warm_start_select="search",
         warm_start_beams=2, warm_start_top_k=3,
     )  # fmt: skip
-    trainer = _trainer(_config(tmp_path, **settings))
-    found = []
-    real = warm.search_candidates
-    monkeypatch.setattr(warm, "search_candidates", lambda *a: found.extend(real(*a)) or found)
-    trainer.train()
-    summary = json.loads((tmp_path / "run" / "warm_start.json").read_text())
-    kept = [json.loads(line) for line in (tmp_path / "run" / "warm_start.jsonl").read_text().splitlines()]
+    trainer, found, summary, kept = warm_started(tmp_path, monkeypatch, "search_candidates", **settings)
     assert summary["select"] == "search" and summary["sampled"] == len(found) == 6
     train = set(split_prompts(load_prompts("builtin"), "train", seed=0))
     assert {c["opener"] for c in found} <= train

@@ -302,23 +302,30 @@ def test_training_warm_starts_once_records_it_and_resumes_without_redoing_it(tmp
     assert len(calls) == (1 if summary["kept"] else 0)  # not redone on resume
 
 
-def test_lexicon_warm_start_keeps_what_its_estimates_select(tmp_path, monkeypatch):
+def warm_started(tmp_path, monkeypatch, finder: str, **settings):
+    """A one-step tiny-model training run with a warm start: the trainer, every candidate ``finder``
+    (``sample_candidates`` or ``search_candidates``) returned, the run's warm_start.json and its kept probes."""
     from test_training import _config, _trainer
 
     import astrl.training.warm_start as warm
 
+    trainer = _trainer(_config(tmp_path, **settings))
+    found: list[dict] = []
+    real = getattr(warm, finder)
+    monkeypatch.setattr(warm, finder, lambda *a: found.extend(real(*a)) or found)
+    trainer.train()
+    summary = json.loads((tmp_path / "run" / "warm_start.json").read_text())
+    kept = [json.loads(line) for line in (tmp_path / "run" / "warm_start.jsonl").read_text().splitlines()]
+    return trainer, found, summary, kept
+
+
+def test_lexicon_warm_start_keeps_what_its_estimates_select(tmp_path, monkeypatch):
     settings = dict(
         scorer="keywords:the,you,hell,idiot", reward="elicit", turns=1, total_steps=1, reply_samples=2,
         reply_lexicon_weight=1.0, reply_lexicon="hell,idiot,the,you,how,are",
         warm_start_probes=8, warm_start_min_toxic=0.05, warm_start_select="lexicon",
     )  # fmt: skip
-    trainer = _trainer(_config(tmp_path, **settings))
-    sampled = []
-    real = warm.sample_candidates
-    monkeypatch.setattr(warm, "sample_candidates", lambda *a: sampled.extend(real(*a)) or sampled)
-    trainer.train()
-    summary = json.loads((tmp_path / "run" / "warm_start.json").read_text())
-    kept = [json.loads(line) for line in (tmp_path / "run" / "warm_start.jsonl").read_text().splitlines()]
+    _, sampled, summary, kept = warm_started(tmp_path, monkeypatch, "sample_candidates", **settings)
     assert summary["select"] == "lexicon" and summary["sampled"] == len(sampled) == 8
     shares = sorted(sum(c["reply_lexicon"]) / 2 for c in sampled)
     assert summary["share_quantiles"] == pytest.approx({"p50": shares[4], "p90": shares[7], "p99": shares[7]})
