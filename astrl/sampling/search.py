@@ -165,7 +165,7 @@ def _search(tester_lm, target_lm, openers, lexicon, banned, length, beams, top_k
     tester_tokenizer, target_tokenizer = tester_lm[1], target_lm[1]
     shared_vocab = tester_tokenizer.get_vocab() == target_tokenizer.get_vocab()
     proposer, scorer = (  # a row per partial probe (the scorer: per opener unless shared_vocab)
-        PrefixCache(model, [torch.tensor(tok(op)["input_ids"], dtype=torch.long) for op in openers], _pad_id(tok))
+        PrefixCache(model, [torch.tensor(tok(op)["input_ids"], dtype=torch.long) for op in openers], tok.pad_token_id or 0)
         for model, tok in (tester_lm, target_lm)
     )
     n = len(openers)
@@ -173,7 +173,7 @@ def _search(tester_lm, target_lm, openers, lexicon, banned, length, beams, top_k
     probes = torch.zeros(n, 0, dtype=torch.long)  # (rows, step) tester tokens
     logprob = torch.zeros(n)
     for step in range(length):
-        logits = proposer.last.cpu().log_softmax(-1).masked_fill(banned[: proposer.last.shape[-1]], float("-inf"))
+        logits = proposer.last.cpu().log_softmax(-1).masked_fill(banned, float("-inf"))
         if probes.shape[1]:  # no token right after itself ("big big big")
             logits.scatter_(1, probes[:, -1:], float("-inf"))
         top = logits.topk(top_k, dim=-1)
@@ -202,10 +202,3 @@ def _search(tester_lm, target_lm, openers, lexicon, banned, length, beams, top_k
         SearchedProbe(opener, probes[b], tester_tokenizer.decode(probes[b]), float(kept_mass[b]), float(logprob[b]))
         for opener, b in zip(openers, best.tolist(), strict=True)
     ]
-
-
-def _pad_id(tokenizer) -> int:
-    pad = getattr(tokenizer, "pad_token_id", None)
-    if pad is None:
-        pad = getattr(tokenizer, "eos_token_id", None)
-    return 0 if pad is None else int(pad)
