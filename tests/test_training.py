@@ -1,5 +1,6 @@
 import csv
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -171,6 +172,24 @@ def test_run_directory_and_exact_resume(tmp_path, monkeypatch):
     assert len({r["loss"] for r in uninterrupted}) > 1  # the run does learn something
     keys = ["reward_mean", "loss", "loss_objective", "grad_norm", "lr"] + [k for k in uninterrupted[0] if k.startswith("score_")]
     assert [{k: r[k] for k in keys} for r in after] == [{k: r[k] for k in keys} for r in uninterrupted]
+
+
+def test_a_resume_that_changes_the_learning_rates_trains_at_them_from_the_saved_position(tmp_path):
+    import shutil
+
+    config = _config(tmp_path, algorithm="ppo", reward="astprompter", turns=1, total_steps=2, save_every=2, warmup_steps=2)
+    _trainer(replace(config, value_lr=1e-2)).train()
+    tok = make_tokenizer()
+    rows, rates = {}, {}
+    for label, overrides in (("same", []), ("changed", ["lr=1e-3", "value_lr=5e-3"])):
+        run = tmp_path / label
+        shutil.copytree(tmp_path / "run", run)
+        again = resume(run, ["total_steps=4", *overrides], progress=False, tester_lm=loaded(make_llama(tok), tok, name="tiny"))
+        rows[label] = [float(r["lr"]) for r in again.train()]
+        rates[label] = [group["initial_lr"] for group in again.optimizer.param_groups]
+    assert rates == {"same": [3e-3, 1e-2], "changed": [1e-3, 5e-3]}
+    assert len(rows["same"]) == 2 and rows["same"][0] > 0  # the schedule goes on from step 2, not from its start
+    assert rows["changed"] == pytest.approx([lr / 3 for lr in rows["same"]])  # the same schedule, at the new rate
 
 
 LEARNING = {  # per algorithm: settings under which a tiny model learns to say the keywords

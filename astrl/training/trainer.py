@@ -530,8 +530,12 @@ class Trainer:
             if "hardening" not in state:
                 raise ConfigError(f"checkpoint {str(folder)!r} has no hardening state (it was saved with harden_every: 0)")
             self.hardening.load_state_dict(state["hardening"])
+        rates = list(self.scheduler.base_lrs)  # this run's settings: a resume may change lr
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.scheduler.load_state_dict(state["scheduler"])  # its position; the saved base rates are replaced
+        self.scheduler.base_lrs = rates
+        for group, rate, factor in zip(self.optimizer.param_groups, rates, self.scheduler.lr_lambdas, strict=True):
+            group["initial_lr"], group["lr"] = rate, rate * factor(self.scheduler.last_epoch)
         self.generator.set_state(state["generator"])
         set_rng_state(state["rng"])
         self.warm_start = state.get("warm_start")
