@@ -6,7 +6,9 @@ probes), the target's next-token probability of a lexicon word after the probe, 
 
 * ``sampled``: ``--samples`` probes the untrained tester samples per opener (temperature 1), the mean
   and the best of them per opener;
-* ``searched``: the beam search's probe (``--beams`` x ``--top-k``).
+* ``searched``: the beam search's probe (``--beams`` x ``--top-k``);
+* ``bounded``: the same search with the naturalness bound ``--max-nll`` (every partial probe's mean
+  per-token NLL under the target at most it; ``warm_start_max_nll``), when given.
 
 Both under the ``scorer`` lexicon (the profanity scorer's words, what ``warm_start_select: search``
 uses) and the ``wordlist`` lexicon (the distinct judge's list: does what the search finds for one
@@ -15,6 +17,7 @@ of the probes (naturalness). Prints JSON.
 
     python benchmarks/probe_search.py --quick      # 16 openers
     python benchmarks/probe_search.py              # 64 openers
+    python benchmarks/probe_search.py --quick --max-nll 3.5
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ def main() -> None:
     parser.add_argument("--beams", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=6, help="probe tokens")
+    parser.add_argument("--max-nll", type=float, default=None, help="also search with this naturalness bound")
     args = parser.parse_args()
     info = setup(args)
     count = args.openers or (16 if args.quick else 64)
@@ -73,24 +77,36 @@ def main() -> None:
         model, model, tok, tok, openers, lexicons["scorer"], length=args.new_tokens, beams=args.beams, top_k=args.top_k
     )
     search_seconds = time.perf_counter() - start
+    searches = {"searched": found}
+    if args.max_nll is not None:
+        start = time.perf_counter()
+        searches["bounded"] = lexicon_beam_search(
+            model, model, tok, tok, openers, lexicons["scorer"], length=args.new_tokens, beams=args.beams, top_k=args.top_k,
+            max_nll=args.max_nll,
+        )  # fmt: skip
+        bounded_seconds = time.perf_counter() - start
 
     repeated = [o for o in openers for _ in range(args.samples)]
     of_samples = {k: v.view(count, args.samples) for k, v in masses(model, tok, repeated, sampled, lexicons).items()}
-    of_search = masses(model, tok, openers, [f.tokens for f in found], lexicons)
+    of_search = {label: masses(model, tok, openers, [f.tokens for f in fs], lexicons) for label, fs in searches.items()}
     rows = {}
     for name in lexicons:
         rows[name] = {
             "sampled_mean": r(float(of_samples[name].mean())),
             "sampled_best_of_samples_mean": r(float(of_samples[name].max(1).values.mean())),
-            "searched_mean": r(float(of_search[name].mean())),
-            "searched_above_0.25": r(float((of_search[name] >= 0.25).float().mean())),
             "sampled_above_0.25": r(float((of_samples[name] >= 0.25).float().mean())),
         }
+        for label, of in of_search.items():
+            rows[name][f"{label}_mean"] = r(float(of[name].mean()))
+            rows[name][f"{label}_above_0.25"] = r(float((of[name] >= 0.25).float().mean()))
     from astrl.lm_scoring import token_logprobs
 
     with torch.no_grad():
         prompts = [torch.tensor(tok(o)["input_ids"]) for o in openers]
-        searched_nll = -torch.cat(token_logprobs(model, prompts, [f.tokens for f in found], pad_token_id=tok.pad_token_id))
+        nll = {}  # per probe: its mean per-token NLL
+        for label, fs in searches.items():
+            per_token = token_logprobs(model, prompts, [f.tokens for f in fs], pad_token_id=tok.pad_token_id)
+            nll[label] = torch.stack([-row.mean() for row in per_token])
         sampled_nll = -torch.cat(
             token_logprobs(model, [p for p in prompts for _ in range(args.samples)], sampled, pad_token_id=tok.pad_token_id)
         )
@@ -104,8 +120,16 @@ def main() -> None:
             "top_k": args.top_k,
             "probe_tokens": args.new_tokens,
             "next_token_lexicon_mass": rows,
-            "probe_nll_per_token": {"sampled": r(float(sampled_nll.mean())), "searched": r(float(searched_nll.mean()))},
-            "seconds_per_opener": {"sampling": r(sample_seconds / count), "search": r(search_seconds / count)},
+            "probe_nll_per_token": {"sampled": r(float(sampled_nll.mean())), **{k: r(float(v.mean())) for k, v in nll.items()}},
+            "max_nll": args.max_nll,
+            "probes_within_max_nll": (
+                {k: r(float((v <= args.max_nll).float().mean())) for k, v in nll.items()} if args.max_nll is not None else None
+            ),
+            "seconds_per_opener": {
+                "sampling": r(sample_seconds / count),
+                "search": r(search_seconds / count),
+                **({"bounded_search": r(bounded_seconds / count)} if args.max_nll is not None else {}),
+            },
             "examples": [{"opener": f.opener[-60:], "probe": f.text, "mass": r(f.mass)} for f in found[:5]],
         }
     )

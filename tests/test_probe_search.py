@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -71,6 +72,52 @@ def test_with_enough_beams_the_search_finds_the_best_of_all_top_k_paths(vocab):
         assert probe.opener == opener
 
 
+def test_the_naturalness_bound_ranks_paths_that_break_it_last_and_the_nll_is_the_targets():
+    tok = make_tokenizer()
+    tester, target = make_llama(tok, seed=0), make_llama(tok, seed=1)
+    lexicon = ReplyLexicon(tok, WORDS)
+    banned = banned_tokens(tok, lexicon, len(tok))
+    top_k = 3
+    table = {}  # per opener, every top_k path by hand: (tokens, mass, the worst running mean NLL, the mean NLL)
+    for opener in OPENERS:
+        prompt = tok(opener)["input_ids"]
+        first = _last_logits(tester, prompt).log_softmax(-1).masked_fill(banned, float("-inf"))
+        rows = []
+        for a in first.topk(top_k).indices.tolist():
+            second = _last_logits(tester, prompt + [a]).log_softmax(-1).masked_fill(banned, float("-inf"))
+            second[a] = float("-inf")
+            nll_a = -float(_last_logits(target, prompt).log_softmax(-1)[a])
+            for b in second.topk(top_k).indices.tolist():
+                nll_b = -float(_last_logits(target, prompt + [a]).log_softmax(-1)[b])
+                mass = _mass(target, tok, lexicon, opener, [a, b], tok)
+                rows.append(([a, b], mass, max(nll_a, (nll_a + nll_b) / 2), (nll_a + nll_b) / 2))
+        table[opener] = rows
+    worst = sorted(r[2] for rows in table.values() for r in rows)
+    bound = worst[len(worst) // 2]  # about half the paths keep it
+    free = lexicon_beam_search(tester, target, tok, tok, OPENERS, lexicon, length=2, beams=top_k, top_k=top_k)
+    bounded = lexicon_beam_search(tester, target, tok, tok, OPENERS, lexicon, length=2, beams=top_k, top_k=top_k, max_nll=bound)
+    moved = 0
+    for opener, f, b in zip(OPENERS, free, bounded, strict=True):
+        rows = table[opener]
+        rank = [mass if worst_nll <= bound else mass - 2 for _, mass, worst_nll, _ in rows]
+        best = rows[max(range(len(rows)), key=rank.__getitem__)]
+        assert b.tokens.tolist() == best[0] and b.mass == pytest.approx(best[1], abs=1e-5)
+        assert b.nll == pytest.approx(best[3], abs=1e-4)
+        expected_free = rows[max(range(len(rows)), key=lambda i: rows[i][1])]
+        assert f.nll == pytest.approx(expected_free[3], abs=1e-4)
+        moved += f.tokens.tolist() != b.tokens.tolist()
+    assert moved  # the bound changed some opener's probe (with these seeds)
+
+
+def test_the_naturalness_bound_needs_a_shared_vocabulary():
+    tok, other = make_tokenizer(), make_tokenizer(vocab_size=300, seed=3)
+    tester, target = make_llama(tok, seed=0), make_llama(other, seed=1)
+    lexicon = ReplyLexicon(other, WORDS)
+    with pytest.raises(ValueError, match="max_nll=3.0 reads the target's log-probabilities .* share a vocabulary"):
+        lexicon_beam_search(tester, target, tok, other, OPENERS, lexicon, length=2, max_nll=3.0)
+    assert all(p.nll is None for p in lexicon_beam_search(tester, target, tok, other, OPENERS, lexicon, length=2, beams=1))
+
+
 def test_a_narrower_beam_never_beats_the_exhaustive_one_and_probes_hold_no_banned_token():
     tok = make_tokenizer()
     tester, target = make_llama(tok, seed=0), make_llama(tok, seed=1)
@@ -107,6 +154,10 @@ def test_search_selection_keeps_clean_probes_by_the_targets_next_token_mass():
     assert toxic_share(candidates[0], "search") == 0.4
     assert [candidates.index(c) for c in keep(candidates, 0.25, select="search")] == [0]
     assert [candidates.index(c) for c in keep(candidates, 0.0, select="search")] == [0, 1]
+    for c, nll in zip(candidates, (3.4, 2.0, 1.0, 1.0), strict=True):
+        c["probe_nll"] = nll
+    assert [candidates.index(c) for c in keep(candidates, 0.0, select="search", max_nll=3.0)] == [1]
+    assert [candidates.index(c) for c in keep(candidates, 0.0, select="search", max_nll=3.4)] == [0, 1]
 
 
 def test_search_warm_start_keeps_the_clean_probes_whose_mass_clears_the_bar(tmp_path, monkeypatch):
@@ -130,3 +181,53 @@ def test_search_warm_start_keeps_the_clean_probes_whose_mass_clears_the_bar(tmp_
     assert [k["probe"] for k in kept] == expected and summary["kept"] == len(kept)
     assert all("lexicon_mass" in k and "prompt_tokens" not in k for k in kept)
     assert 0 < len(kept) < len(found)  # the bar selects: some kept, some not (with this seed)
+
+
+def test_each_warm_start_round_searches_new_openers_with_the_tester_the_rounds_before_left(tmp_path, monkeypatch):
+    from test_training import _config, _trainer
+
+    import astrl.training.warm_start as warm
+    from astrl.prompts import load_prompts, split_prompts
+
+    settings = dict(
+        scorer="keywords:the,you,hell,idiot", mode="text", turns=1, total_steps=1, max_new_tokens=3,
+        reply_lexicon="hell,idiot,damn", warm_start_probes=6, warm_start_min_toxic=0.0064, warm_start_select="search",
+        warm_start_beams=2, warm_start_top_k=3, warm_start_rounds=2, warm_start_max_nll=MAX_NLL,
+    )  # fmt: skip
+    trainer = _trainer(_config(tmp_path, **settings))
+    lora = lambda: {k: v.detach().clone() for k, v in trainer.models.tester.model.named_parameters() if v.requires_grad}  # noqa: E731
+    rounds, tuned = [], []
+    real_find, real_tune = warm.search_candidates, warm.fine_tune
+
+    def find(trainer_, count, round_index):
+        rounds.append((round_index, lora(), real_find(trainer_, count, round_index)))
+        return rounds[-1][2]
+
+    def tune(*args, **kwargs):
+        losses = real_tune(*args, **kwargs)
+        tuned.append((len(args[2]), lora()))
+        return losses
+
+    monkeypatch.setattr(warm, "search_candidates", find)
+    monkeypatch.setattr(warm, "fine_tune", tune)
+    trainer.train()
+    summary = json.loads((tmp_path / "run" / "warm_start.json").read_text())
+    kept = [json.loads(line) for line in (tmp_path / "run" / "warm_start.jsonl").read_text().splitlines()]
+    assert [r[0] for r in rounds] == [0, 1] and len(summary["rounds"]) == 2
+    train = set(split_prompts(load_prompts("builtin"), "train", seed=0))
+    openers = [[c["opener"] for c in found] for _, _, found in rounds]
+    assert set(openers[0]) | set(openers[1]) <= train and openers[0] != openers[1]  # an opener order per round
+    expected = []
+    for (index, _, found), record in zip(rounds, summary["rounds"], strict=True):
+        rule = [c for c in found if c["probe_score"] <= 0.5 and c["lexicon_mass"] >= 0.0064 and c["probe_nll"] <= MAX_NLL]
+        assert record["sampled"] == 6 and record["kept"] == len(rule)
+        expected += [(c["probe"], index) for c in rule]
+    assert [(k["probe"], k["round"]) for k in kept] == expected and summary["kept"] == len(kept)
+    assert all(k["probe_nll"] <= MAX_NLL for k in kept)
+    assert summary["rounds"][0]["kept"] > 0 and tuned[0][0] == summary["rounds"][0]["kept"]
+    after_first = tuned[0][1]
+    assert any(not torch.equal(after_first[k], v) for k, v in rounds[0][1].items())  # round 0 fine-tuned the tester...
+    assert all(torch.equal(after_first[k], v) for k, v in rounds[1][1].items())  # ...which round 1 searched with
+
+
+MAX_NLL = 5.6

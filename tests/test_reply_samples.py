@@ -371,6 +371,9 @@ def test_elicit_settings_are_checked_with_the_offending_value():
         (["mode=chat", "warm_start_select=search"], "warm_start_select 'search' sets up the target's next words"),
         (["warm_start_beams=0"], "warm_start_beams must be >= 1, got 0"),
         (["warm_start_top_k=0"], "warm_start_top_k must be >= 1, got 0"),
+        (["warm_start_rounds=0"], "warm_start_rounds must be >= 1, got 0"),
+        (["mode=text", "warm_start_select=search", "warm_start_max_nll=0"], "warm_start_max_nll must be > 0 (or null), got 0"),
+        (["warm_start_max_nll=3"], "warm_start_max_nll bounds the search's probes: set warm_start_select: search"),
         (["reward=elicit", "warm_start_select=lexicon"], "warm_start_select 'lexicon' reads the elicit reward's reply lexicon"),
     ]
     for overrides, message in cases:

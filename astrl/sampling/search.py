@@ -15,6 +15,12 @@ sampled), and the ``beams`` best extensions of each opener survive. After ``leng
 gets its highest-scoring probe. Tokens that are themselves listed words, special tokens and a repeat of
 the previous token are never proposed: the probe does not say what it asks for, nor stutters.
 
+Likely tokens one at a time need not make a natural probe, least of all when the tester proposing them
+was itself fine-tuned on searched probes (a second round of the warm start): ``max_nll`` bounds the
+partial probes' mean per-token NLL under the target (the probe-naturalness metric), step by step. An
+extension that breaks it ranks below every one within it; the target's log-probability of a token is
+read from the logits the search already has, so the bound costs nothing.
+
 This is the beam search of BEAST (Sadasivan et al., 2024: candidates sampled from the attacker's own
 distribution, kept by the attack objective) with the target's next-token lexicon mass as the objective.
 Each opener is read once by each model; the partial probes' KV caches grow by one token a step, so a
@@ -42,13 +48,15 @@ from astrl.rewards.lexicon import ReplyLexicon
 @dataclass
 class SearchedProbe:
     """One opener's best probe: its tester token ids and text, the target's next-token lexicon mass
-    after ``opener + probe`` and the tester's log-probability of the probe."""
+    after ``opener + probe``, the tester's log-probability of the probe and the probe's mean per-token
+    NLL under the target (``None`` when the two tokenizers differ)."""
 
     opener: str
     tokens: torch.Tensor
     text: str
     mass: float
     logprob: float
+    nll: float | None = None
 
 
 class PrefixCache:
@@ -125,6 +133,7 @@ def lexicon_beam_search(
     length: int,
     beams: int = 8,
     top_k: int = 8,
+    max_nll: float | None = None,
     openers_per_batch: int = 8,
 ) -> list[SearchedProbe]:
     """The best ``length``-token probe for each opener (see the module docstring).
@@ -137,6 +146,9 @@ def lexicon_beam_search(
         lexicon: the listed words, for the target's tokenizer.
         length: probe tokens; beams: partial probes kept per opener; top_k: the tester's next tokens
             tried per partial probe.
+        max_nll: the naturalness bound: an extension whose partial probe's mean per-token NLL under the
+            target exceeds it ranks below every extension within it (so an opener's probe breaks it only
+            when no path keeps it; its ``nll`` says so). Needs the two tokenizers to share a vocabulary.
         openers_per_batch: openers searched together (memory: their caches are repeated
             ``beams * top_k`` times in chunks of 256 rows).
     """
@@ -147,20 +159,28 @@ def lexicon_beam_search(
     banned = banned_tokens(tester_tokenizer, lexicon, vocab)
     if int((~banned).sum()) < top_k:
         raise ValueError(f"top_k={top_k} exceeds the {int((~banned).sum())} tokens a probe may hold")
+    shared_vocab = tester_tokenizer.get_vocab() == target_tokenizer.get_vocab()
+    if max_nll is not None and not shared_vocab:
+        raise ValueError(
+            f"max_nll={max_nll} reads the target's log-probabilities of the tester's tokens: the tester's and "
+            f"the target's tokenizers must share a vocabulary ({type(tester_tokenizer).__name__} with "
+            f"{len(tester_tokenizer)} tokens against {type(target_tokenizer).__name__} with {len(target_tokenizer)})"
+        )
     found: list[SearchedProbe] = []
     for start in range(0, len(openers), openers_per_batch):
         batch = list(openers[start : start + openers_per_batch])
         found.extend(
-            _search((tester, tester_tokenizer), (target, target_tokenizer), batch, lexicon, banned, length, beams, top_k)
+            _search((tester, tester_tokenizer), (target, target_tokenizer), batch, lexicon, banned, length, beams, top_k, max_nll)
         )
     return found
 
 
-def _search(tester_lm, target_lm, openers, lexicon, banned, length, beams, top_k):
+def _search(tester_lm, target_lm, openers, lexicon, banned, length, beams, top_k, max_nll=None):
     """:func:`lexicon_beam_search` for one batch of openers.
 
     The tester's cache holds each partial probe and grows by one token a step. When the two tokenizers
-    share their vocabulary the target's does too, and a candidate costs the target one token;
+    share their vocabulary the target's does too, and a candidate costs the target one token (its
+    log-probability under the target is read from the partial probe's own next-token logits);
     otherwise the target reads each candidate's decoded text anew after the opener's cache."""
     tester_tokenizer, target_tokenizer = tester_lm[1], target_lm[1]
     shared_vocab = tester_tokenizer.get_vocab() == target_tokenizer.get_vocab()
@@ -172,6 +192,8 @@ def _search(tester_lm, target_lm, openers, lexicon, banned, length, beams, top_k
     owners = torch.arange(n)  # the opener of each partial probe
     probes = torch.zeros(n, 0, dtype=torch.long)  # (rows, step) tester tokens
     logprob = torch.zeros(n)
+    nll = torch.zeros(n)  # the partial probes' summed NLL under the target (shared vocabulary)
+    broke = torch.zeros(n, dtype=torch.bool)  # a partial probe, or one of its own prefixes, broke max_nll
     for step in range(length):
         logits = proposer.last.cpu().log_softmax(-1).masked_fill(banned, float("-inf"))
         if probes.shape[1]:  # no token right after itself ("big big big")
@@ -187,18 +209,36 @@ def _search(tester_lm, target_lm, openers, lexicon, banned, length, beams, top_k
             tails = [torch.tensor(ids, dtype=torch.long) for ids in encoded]
             scored = scorer.next_logits(owners[parents], tails)
         mass = lexicon.mass(scored)
+        rank = mass
+        if shared_vocab:  # the target's log-prob of each new token, after its partial probe
+            target_logprob = scorer.last.cpu().float().log_softmax(-1).gather(1, top.indices)
+            candidate_nll = nll[parents] - target_logprob.reshape(-1)
+            if max_nll is not None:  # mass is in [0, 1]: below every candidate within the bound
+                candidate_broke = broke[parents] | (candidate_nll > max_nll * (step + 1))
+                rank = torch.where(candidate_broke, mass - 2.0, mass)
         # rows are grouped by opener, each with as many: keep each opener's best ``beams``
         per = candidates.shape[0] // n
-        keep = (mass.view(n, per).topk(min(beams, per), dim=1).indices + torch.arange(n)[:, None] * per).reshape(-1)
-        probes, kept_mass, owners = candidates[keep], mass[keep], owners[parents[keep]]
+        keep = (rank.view(n, per).topk(min(beams, per), dim=1).indices + torch.arange(n)[:, None] * per).reshape(-1)
+        probes, kept_mass, kept_rank, owners = candidates[keep], mass[keep], rank[keep], owners[parents[keep]]
         logprob = logprob[parents[keep]] + top.values.reshape(-1)[keep]
+        if shared_vocab:
+            nll = candidate_nll[keep]
+            if max_nll is not None:
+                broke = candidate_broke[keep]
         if step + 1 < length:
             proposer = proposer.advance(parents[keep], probes[:, -1:])
             if shared_vocab:
                 scorer = scorer.advance(parents[keep], probes[:, -1:])
     per = probes.shape[0] // n
-    best = kept_mass.view(n, per).argmax(1) + torch.arange(n) * per
+    best = kept_rank.view(n, per).argmax(1) + torch.arange(n) * per
     return [
-        SearchedProbe(opener, probes[b], tester_tokenizer.decode(probes[b]), float(kept_mass[b]), float(logprob[b]))
+        SearchedProbe(
+            opener,
+            probes[b],
+            tester_tokenizer.decode(probes[b]),
+            float(kept_mass[b]),
+            float(logprob[b]),
+            float(nll[b]) / length if shared_vocab else None,
+        )
         for opener, b in zip(openers, best.tolist(), strict=True)
     ]

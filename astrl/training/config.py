@@ -170,6 +170,23 @@ class TrainConfig:
     warm_start_top_k: int = field(
         default=8, metadata={"help": "Warm start with select search: the tester's likeliest next tokens tried per partial probe."}
     )
+    warm_start_max_nll: float | None = field(
+        default=None,
+        metadata={
+            "help": "Warm start with select search: the naturalness bound, the largest mean per-token NLL under "
+            "the target a searched probe may have (checked at every step of the search; a probe above it is not "
+            "kept); null = no bound. Needs the tester and the target to share a tokenizer."
+        },
+    )
+    warm_start_rounds: int = field(
+        default=1,
+        metadata={
+            "help": "Warm start: rounds of find-keep-fine-tune. Each round draws warm_start_probes new candidates "
+            "(training openers in an order of its own) with the tester as the rounds before left it, keeps by the "
+            "same rule and fine-tunes on what it kept: expert iteration, each round's tester proposing set-ups "
+            "the untrained one rarely writes."
+        },
+    )
     warm_start_epochs: int = field(default=3, metadata={"help": "Warm start: passes over the kept probes."})
     warm_start_lr: float = field(default=1e-3, metadata={"help": "Warm start: learning rate of the fine-tuning (AdamW)."})
     # novelty bonuses (0 = off)
@@ -415,6 +432,16 @@ class TrainConfig:
             (self.warm_start_beams >= 1, f"warm_start_beams must be >= 1, got {self.warm_start_beams}"),
             (self.warm_start_top_k >= 1, f"warm_start_top_k must be >= 1, got {self.warm_start_top_k}"),
             (self.warm_start_epochs >= 1, f"warm_start_epochs must be >= 1, got {self.warm_start_epochs}"),
+            (self.warm_start_rounds >= 1, f"warm_start_rounds must be >= 1, got {self.warm_start_rounds}"),
+            (
+                self.warm_start_max_nll is None or self.warm_start_max_nll > 0,
+                f"warm_start_max_nll must be > 0 (or null), got {self.warm_start_max_nll}",
+            ),
+            (
+                self.warm_start_max_nll is None or self.warm_start_select == "search",
+                f"warm_start_max_nll bounds the search's probes: set warm_start_select: search "
+                f"(warm_start_select is {self.warm_start_select!r})",
+            ),
             (self.warm_start_lr > 0, f"warm_start_lr must be > 0, got {self.warm_start_lr}"),
             (
                 self.reward == "elicit" or self._elicit_defaults(),

@@ -19,6 +19,13 @@ from a tester that already puts mass on probes that work::
 
     loss = - mean over kept probes of (1/|probe|) * sum_t log p_tester(probe_t | opener, probe_<t)
 
+With ``warm_start_rounds`` R > 1 this repeats R times (expert iteration): each round finds
+``warm_start_probes`` new candidates (training openers in an order of its own) with the tester the
+rounds before left, keeps them by the same rule and fine-tunes on them. A fine-tuned tester proposes
+set-ups the untrained one rarely writes, so a later round's search finds stronger ones; it also
+proposes less natural text, which ``warm_start_max_nll`` bounds (the searched probes' mean per-token
+NLL under the target, at every step of the search and again when keeping).
+
 :func:`warm_start` runs it for a trainer and returns what it did (sampled, kept, losses), which the
 trainer records in ``warm_start.json`` (the kept probes in ``warm_start.jsonl``) and in its checkpoint.
 """
@@ -50,10 +57,16 @@ from astrl.training.config import WARM_START_SELECTIONS
 SAMPLE_BATCH = 32  # conversations a sampling call runs together
 
 
-def sample_candidates(trainer, count: int) -> list[dict]:
-    """``count`` one-turn probes of the current tester on the training split, each with its tokens, its
-    replies' scores under the training scorer and its own score; with ``warm_start_select: lexicon``
-    also each reply's lexicon estimate (``reply_lexicon``)."""
+def opener_seed(config, round_index: int) -> int:
+    """The seed of the opener order of warm-start round ``round_index``: one per round, each apart from
+    the run's own seed (which orders the RL steps' openers)."""
+    return config.seed + 7919 + round_index
+
+
+def sample_candidates(trainer, count: int, round_index: int = 0) -> list[dict]:
+    """``count`` one-turn probes of the current tester on the training split (openers in round
+    ``round_index``'s order), each with its tokens, its replies' scores under the training scorer and
+    its own score; with ``warm_start_select: lexicon`` also each reply's lexicon estimate (``reply_lexicon``)."""
     from astrl.envs.recipe import build_conversation, opener_stream
     from astrl.training.setup import conversation_spec
 
@@ -71,7 +84,7 @@ def sample_candidates(trainer, count: int) -> list[dict]:
         novelty=None,
         backend="transformers",
         target_backend="transformers",
-        seed=config.seed + 7919,  # an opener order of its own
+        seed=opener_seed(config, round_index),  # an opener order of its own
     )
     conversation = build_conversation(spec, tester=models.tester, target=models.target, stream=opener_stream(spec), scorers=None)
     env, tester = conversation.env, conversation.tester
@@ -108,10 +121,11 @@ def sample_candidates(trainer, count: int) -> list[dict]:
     return candidates[:count]
 
 
-def search_candidates(trainer, count: int) -> list[dict]:
-    """For ``count`` openers of the training split, the probe of :func:`astrl.sampling.search.lexicon_beam_search`
-    (``max_new_tokens`` tokens), with its own score under the training scorer and the target's next-token
-    lexicon mass after it (``lexicon_mass``)."""
+def search_candidates(trainer, count: int, round_index: int = 0) -> list[dict]:
+    """For ``count`` openers of the training split (in round ``round_index``'s order), the probe of
+    :func:`astrl.sampling.search.lexicon_beam_search` (``max_new_tokens`` tokens, ``warm_start_max_nll``
+    its naturalness bound), with its own score under the training scorer, the target's next-token
+    lexicon mass after it (``lexicon_mass``) and its mean per-token NLL under the target (``probe_nll``)."""
     from astrl.envs.recipe import opener_stream
     from astrl.rewards.lexicon import reply_lexicon
     from astrl.sampling.search import lexicon_beam_search
@@ -120,7 +134,8 @@ def search_candidates(trainer, count: int) -> list[dict]:
 
     config, models = trainer.config, trainer.models
     batch = min(SAMPLE_BATCH, count)
-    spec = replace(conversation_spec(config), split="train", batch_size=batch, group_size=1, seed=config.seed + 7919)
+    seed = opener_seed(config, round_index)
+    spec = replace(conversation_spec(config), split="train", batch_size=batch, group_size=1, seed=seed)
     stream = opener_stream(spec)  # never the held-out openers; the same opener order as sampling
     openers: list[str] = []
     while len(openers) < count:
@@ -138,6 +153,7 @@ def search_candidates(trainer, count: int) -> list[dict]:
         length=config.max_new_tokens,
         beams=config.warm_start_beams,
         top_k=config.warm_start_top_k,
+        max_nll=config.warm_start_max_nll,
     )
     probe_scores = checked_scores(scorer, [f.text for f in found]).tolist()
     return [
@@ -147,6 +163,7 @@ def search_candidates(trainer, count: int) -> list[dict]:
             "probe_score": float(score),
             "lexicon_mass": f.mass,
             "probe_logprob": f.logprob,
+            "probe_nll": f.nll,
             "prompt_tokens": torch.tensor(tester.tokenizer(f.opener)["input_ids"], dtype=torch.long),
             "response_tokens": f.tokens.cpu(),
         }
@@ -167,15 +184,18 @@ def toxic_share(candidate: dict, select: str = "share", threshold: float = 0.5) 
     raise ValueError(f"warm_start_select must be one of {WARM_START_SELECTIONS}, got {select!r}")
 
 
-def keep(candidates: list[dict], min_toxic: float, threshold: float = 0.5, select: str = "share") -> list[dict]:
+def keep(
+    candidates: list[dict], min_toxic: float, threshold: float = 0.5, select: str = "share", max_nll: float | None = None
+) -> list[dict]:
     """The candidates whose estimated share of toxic replies (:func:`toxic_share`) is at least
     ``min_toxic`` (with ``share``, at least one reply must be toxic), while the probe alone scores at
-    most ``threshold``, and whose probe is not empty."""
+    most ``threshold``, whose probe is not empty and, with ``max_nll``, whose ``probe_nll`` is at most it."""
     kept = []
     for c in candidates:
         toxic = toxic_share(c, select, threshold)
         sampled = select != "share" or toxic > 0
-        if toxic >= min_toxic and sampled and c["probe_score"] <= threshold and c["response_tokens"].numel():
+        natural = max_nll is None or c["probe_nll"] <= max_nll
+        if toxic >= min_toxic and sampled and natural and c["probe_score"] <= threshold and c["response_tokens"].numel():
             kept.append(c)
     return kept
 
@@ -210,7 +230,8 @@ def fine_tune(
 
 
 def warm_start(trainer) -> tuple[dict, list[dict]]:
-    """Sample, select and fine-tune (see the module docstring); returns the summary and the kept probes."""
+    """Find, select and fine-tune, ``warm_start_rounds`` times (see the module docstring); returns the
+    summary (totals, and per round in ``rounds``) and the kept probes (each with its ``round``)."""
     from astrl.prefill import clear_turn_caches
 
     config, models = trainer.config, trainer.models
@@ -218,19 +239,35 @@ def warm_start(trainer) -> tuple[dict, list[dict]]:
         raise ValueError("warm_start_probes applies to config-built runs (a System trains its own models)")
     start = time.perf_counter()
     find = search_candidates if config.warm_start_select == "search" else sample_candidates
-    candidates = find(trainer, config.warm_start_probes)
-    sampled_seconds = time.perf_counter() - start
-    kept = keep(candidates, config.warm_start_min_toxic, select=config.warm_start_select)
-    clear_turn_caches(models.tester.model, models.target.model)
     tokenizer = models.tester.tokenizer
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    losses = (
-        fine_tune(models.tester.model, pad, kept, epochs=config.warm_start_epochs, lr=config.warm_start_lr, seed=config.seed)
-        if kept
-        else []
-    )
-    clear_turn_caches(models.tester.model, models.target.model)  # computed with the old weights
+    candidates, kept, rounds = [], [], []
+    for round_index in range(config.warm_start_rounds):
+        round_start = time.perf_counter()
+        found = find(trainer, config.warm_start_probes, round_index)  # by the tester the rounds before left
+        found_seconds = time.perf_counter() - round_start
+        chosen = keep(found, config.warm_start_min_toxic, select=config.warm_start_select, max_nll=config.warm_start_max_nll)
+        clear_turn_caches(models.tester.model, models.target.model)
+        epochs, lr = config.warm_start_epochs, config.warm_start_lr
+        seed = config.seed + round_index
+        losses = fine_tune(models.tester.model, pad, chosen, epochs=epochs, lr=lr, seed=seed) if chosen else []
+        clear_turn_caches(models.tester.model, models.target.model)  # computed with the old weights
+        shares = sorted(toxic_share(c, config.warm_start_select) for c in found)
+        rounds.append(
+            {
+                "sampled": len(found),
+                "kept": len(chosen),
+                "median_share": shares[len(shares) // 2] if shares else None,
+                "loss_first": losses[0] if losses else None,
+                "loss_last": losses[-1] if losses else None,
+                "sample_seconds": round(found_seconds, 2),
+                "seconds": round(time.perf_counter() - round_start, 2),
+            }
+        )
+        candidates += found
+        kept += [{**c, "round": round_index} for c in chosen]
     shares = sorted(toxic_share(c, config.warm_start_select) for c in candidates)
+    trained = [r for r in rounds if r["kept"]]
     summary = {
         "select": config.warm_start_select,
         # the sampled probes' estimated shares of toxic replies, to choose warm_start_min_toxic by
@@ -239,10 +276,11 @@ def warm_start(trainer) -> tuple[dict, list[dict]]:
         "kept": len(kept),
         "kept_share": len(kept) / max(1, len(candidates)),
         "epochs": config.warm_start_epochs if kept else 0,
-        "loss_first": losses[0] if losses else None,
-        "loss_last": losses[-1] if losses else None,
-        "sample_seconds": round(sampled_seconds, 2),
+        "loss_first": trained[0]["loss_first"] if trained else None,
+        "loss_last": trained[-1]["loss_last"] if trained else None,
+        "sample_seconds": round(sum(r["sample_seconds"] for r in rounds), 2),
         "seconds": round(time.perf_counter() - start, 2),
+        "rounds": rounds,
     }
     records = [{k: v for k, v in c.items() if not k.endswith("_tokens")} for c in kept]
     return summary, records
