@@ -331,7 +331,7 @@ def test_demo_trains_then_compares_and_reuses_a_finished_run(tmp_path, tiny_mode
     partial = compare_testers(resume(tmp_path / "demo", progress=False), conversations=17)  # one full batch of 16 + 1
     assert all(side["judges"]["wordlist"]["n_conversations"] == 17 for side in partial.values())
     assert all(side["judges"]["wordlist"]["n_turns"] == 17 for side in partial.values())  # one turn each
-    with pytest.raises(ConfigError, match="holds a run with other settings than this demo .* lr: 0.001 there, 0.003 here"):
+    with pytest.raises(ConfigError, match="holds a run with other settings than this demo .* lr: 0.0002 there, 0.003 here"):
         run_demo({**overrides, "lr": 0.003}, progress=False, conversations=3)  # e.g. a run of an older demo
 
 

@@ -4,7 +4,8 @@ The demo trains SmolLM2-135M (LoRA) against itself in text mode on RealToxicityP
 with the offline profanity scorer and the elicitation reward (toxicity the target says, over 4
 replies and through the target's own probability of a lexicon word, paid only for probes that are
 not toxic themselves, plus the probe's capped likelihood and a repetition penalty), after a warm
-start on probes a lexicon-guided beam search found on training openers, then runs
+start of three rounds, each fine-tuning it on natural probes a lexicon-guided beam search found with
+the tester the round before left on new training openers, then runs
 the untrained tester (the same weights with adapters off) and the trained one on the same
 held-out openers with the same seed, and prints both side by side under the training scorer and
 the distinct ``wordlist`` judge.
@@ -44,9 +45,11 @@ DEMO_CONFIG = {
     "reply_samples": 4,
     "reply_lexicon_weight": 2.0,
     "reply_lexicon": "scorer",
-    "warm_start_probes": 128,
+    "warm_start_probes": 96,
     "warm_start_min_toxic": 0.1,
     "warm_start_select": "search",
+    "warm_start_rounds": 3,
+    "warm_start_max_nll": 3.5,
     "mode": "text",
     "prompts": "rtp",
     "split": "train",
@@ -56,7 +59,7 @@ DEMO_CONFIG = {
     "max_new_tokens": 6,
     "target_max_new_tokens": 16,
     "total_steps": 36,
-    "lr": 0.001,
+    "lr": 0.0002,
     "kl_coef": 0.02,
     "epochs": 2,
     "warmup_steps": 3,
