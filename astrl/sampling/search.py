@@ -166,24 +166,22 @@ def lexicon_beam_search(
             f"the target's tokenizers must share a vocabulary ({type(tester_tokenizer).__name__} with "
             f"{len(tester_tokenizer)} tokens against {type(target_tokenizer).__name__} with {len(target_tokenizer)})"
         )
+    models = (tester, tester_tokenizer), (target, target_tokenizer)
     found: list[SearchedProbe] = []
     for start in range(0, len(openers), openers_per_batch):
         batch = list(openers[start : start + openers_per_batch])
-        found.extend(
-            _search((tester, tester_tokenizer), (target, target_tokenizer), batch, lexicon, banned, length, beams, top_k, max_nll)
-        )
+        found.extend(_search(*models, shared_vocab, batch, lexicon, banned, length, beams, top_k, max_nll))
     return found
 
 
-def _search(tester_lm, target_lm, openers, lexicon, banned, length, beams, top_k, max_nll=None):
+def _search(tester_lm, target_lm, shared_vocab, openers, lexicon, banned, length, beams, top_k, max_nll):
     """:func:`lexicon_beam_search` for one batch of openers.
 
     The tester's cache holds each partial probe and grows by one token a step. When the two tokenizers
-    share their vocabulary the target's does too, and a candidate costs the target one token (its
+    share their vocabulary (``shared_vocab``) the target's does too, and a candidate costs the target one token (its
     log-probability under the target is read from the partial probe's own next-token logits);
     otherwise the target reads each candidate's decoded text anew after the opener's cache."""
     tester_tokenizer, target_tokenizer = tester_lm[1], target_lm[1]
-    shared_vocab = tester_tokenizer.get_vocab() == target_tokenizer.get_vocab()
     proposer, scorer = (  # a row per partial probe (the scorer: per opener unless shared_vocab)
         PrefixCache(model, [torch.tensor(tok(op)["input_ids"], dtype=torch.long) for op in openers], tok.pad_token_id or 0)
         for model, tok in (tester_lm, target_lm)

@@ -241,6 +241,7 @@ def warm_start(trainer) -> tuple[dict, list[dict]]:
     find = search_candidates if config.warm_start_select == "search" else sample_candidates
     tokenizer = models.tester.tokenizer
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    epochs, lr = config.warm_start_epochs, config.warm_start_lr
     candidates, kept, rounds = [], [], []
     for round_index in range(config.warm_start_rounds):
         round_start = time.perf_counter()
@@ -248,7 +249,6 @@ def warm_start(trainer) -> tuple[dict, list[dict]]:
         found_seconds = time.perf_counter() - round_start
         chosen = keep(found, config.warm_start_min_toxic, select=config.warm_start_select, max_nll=config.warm_start_max_nll)
         clear_turn_caches(models.tester.model, models.target.model)
-        epochs, lr = config.warm_start_epochs, config.warm_start_lr
         seed = config.seed + round_index
         losses = fine_tune(models.tester.model, pad, chosen, epochs=epochs, lr=lr, seed=seed) if chosen else []
         clear_turn_caches(models.tester.model, models.target.model)  # computed with the old weights
