@@ -302,6 +302,81 @@ def test_training_warm_starts_once_records_it_and_resumes_without_redoing_it(tmp
     assert len(calls) == (1 if summary["kept"] else 0)  # not redone on resume
 
 
+def test_a_warm_start_stopped_in_a_round_resumes_after_the_last_round_it_finished(tmp_path, monkeypatch, capsys):
+    from test_training import _config, _trainer
+
+    import astrl.training.warm_start as warm
+    from astrl.training import resume
+    from astrl.training.commands import _continue_from
+    from astrl.training.state_io import load_state
+    from astrl.training.trainer import WARM_START_PARTIAL
+
+    settings = dict(
+        scorer="keywords:the,you,hell,idiot", reward="elicit", turns=1, total_steps=1, save_every=1, reply_samples=2,
+        warm_start_probes=4, warm_start_min_toxic=0.0, warm_start_rounds=3,
+    )  # fmt: skip
+    real = warm.sample_candidates
+    rounds: list[int] = []
+
+    def find(trainer_, count, round_index):
+        rounds.append(round_index)
+        if crash and round_index == 2:
+            raise RuntimeError("stopped in round 2")
+        return real(trainer_, count, round_index)
+
+    monkeypatch.setattr(warm, "sample_candidates", find)
+    crash = False
+    whole = _trainer(_config(tmp_path / "whole", **settings))
+    whole.train()  # the same run, never stopped
+    crash = True
+    stopped = _trainer(_config(tmp_path / "stopped", **settings))
+    with pytest.raises(RuntimeError, match="stopped in round 2"):
+        stopped.train()
+    run = tmp_path / "stopped" / "run"
+    partial = load_state(run / WARM_START_PARTIAL)
+    assert [len(partial["done"]["rounds"]), stopped.step] == [2, 0] and not (run / "checkpoints").exists()
+    assert "astrl train --resume" in _continue_from(stopped)
+    rounds.clear()
+    crash = False
+    tok = make_tokenizer()
+    again = resume(run, progress=True, tester_lm=loaded(make_llama(tok), tok))
+    again.train()
+    assert rounds == [2]  # rounds 0 and 1 are not redone
+    assert "2 of 3 rounds done" in capsys.readouterr().out
+    assert not (run / WARM_START_PARTIAL).exists()  # step 0 holds the warm start now
+    timing = ("seconds", "sample_seconds")
+    summaries = [json.loads((d / "run" / "warm_start.json").read_text()) for d in (tmp_path / "whole", tmp_path / "stopped")]
+    for summary in summaries:
+        summary.pop("seconds"), summary.pop("sample_seconds")
+        summary["rounds"] = [{k: v for k, v in r.items() if k not in timing} for r in summary["rounds"]]
+    assert summaries[0] == summaries[1] and summaries[0]["sampled"] == 12
+    kept = [(d / "run" / "warm_start.jsonl").read_text() for d in (tmp_path / "whole", tmp_path / "stopped")]
+    assert kept[0] == kept[1]
+    runs = (tmp_path / "whole", tmp_path / "stopped")
+    states = [torch.load(d / "run" / "checkpoints" / "step_000000" / "state.pt", weights_only=True)["trainable"] for d in runs]
+    assert states[0].keys() == states[1].keys()
+    assert all(torch.allclose(states[0][k], states[1][k]) for k in states[0])  # the same tester as the run never stopped
+
+
+def test_a_new_run_in_the_directory_of_a_stopped_warm_start_starts_again(tmp_path, monkeypatch):
+    from test_training import _config, _trainer
+
+    import astrl.training.warm_start as warm
+    from astrl.training.trainer import WARM_START_PARTIAL
+
+    settings = dict(
+        scorer="keywords:the,you,hell,idiot", reward="elicit", turns=1, total_steps=1, save_every=1, reply_samples=2,
+        warm_start_probes=4, warm_start_min_toxic=0.0, warm_start_rounds=2,
+    )  # fmt: skip
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / WARM_START_PARTIAL).write_bytes(b"another run's rounds")
+    rounds: list[int] = []
+    real = warm.sample_candidates
+    monkeypatch.setattr(warm, "sample_candidates", lambda t, c, r: rounds.append(r) or real(t, c, r))
+    _trainer(_config(tmp_path, **settings)).train()
+    assert rounds == [0, 1] and not (tmp_path / "run" / WARM_START_PARTIAL).exists()
+
+
 def warm_started(tmp_path, monkeypatch, finder: str, **settings):
     """A one-step tiny-model training run with a warm start: the trainer, every candidate ``finder``
     (``sample_candidates`` or ``search_candidates``) returned, the run's warm_start.json and its kept probes."""

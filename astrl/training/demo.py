@@ -26,7 +26,7 @@ from astrl.keys import NEXT, QUERY, REWARD
 from astrl.rewards.reference import AdaptersDisabled
 from astrl.training.config import ConfigError, TrainConfig, read_yaml_mapping, renamed_keys
 from astrl.training.setup import conversation_spec
-from astrl.training.trainer import Trainer, latest_checkpoint, resume
+from astrl.training.trainer import WARM_START_PARTIAL, Trainer, latest_checkpoint, resume
 
 # Mirrors configs/demo.yaml (a test keeps the two equal).
 DEMO_CONFIG = {
@@ -209,7 +209,7 @@ def run_demo(overrides: dict | None = None, *, progress: bool = True, conversati
 
     config = demo_config(overrides)
     check_store()  # a results store that cannot be opened stops the demo before its models load
-    if latest_checkpoint(config.run_dir) is not None:
+    if latest_checkpoint(config.run_dir) is not None or (Path(config.run_dir) / WARM_START_PARTIAL).is_file():
         check_same_demo(config)
         warn = lambda text: print(f"astrl: warning: {text}", file=sys.stderr)  # noqa: E731
         trainer = resume(config.run_dir, [f"total_steps={config.total_steps}"], progress=progress, on_warning=warn)

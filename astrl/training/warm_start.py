@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -51,6 +52,7 @@ from astrl.keys import (
     TOKENS_RESPONSE,
 )
 from astrl.lm_scoring import response_mask, token_logprobs
+from astrl.prefill import clear_turn_caches
 from astrl.scorers import checked_scores
 from astrl.training.config import WARM_START_SELECTIONS
 
@@ -229,21 +231,24 @@ def fine_tune(
     return losses
 
 
-def warm_start(trainer) -> tuple[dict, list[dict]]:
+def warm_start(trainer, done: dict | None = None, on_round: Callable[[dict], None] | None = None) -> tuple[dict, list[dict]]:
     """Find, select and fine-tune, ``warm_start_rounds`` times (see the module docstring); returns the
-    summary (totals, and per round in ``rounds``) and the kept probes (each with its ``round``)."""
-    from astrl.prefill import clear_turn_caches
+    summary (totals, and per round in ``rounds``) and the kept probes (each with its ``round``).
 
+    ``done`` is what earlier rounds did (a dict that ``on_round`` was given after a round, with the
+    tester's weights as they left it): the warm start goes on with the next round. ``on_round(done)``
+    is called after each round, so that a caller can save it and a stopped warm start loses at most
+    the round it was in."""
     config, models = trainer.config, trainer.models
     if models is None:
         raise ValueError("warm_start_probes applies to config-built runs (a System trains its own models)")
-    start = time.perf_counter()
     find = search_candidates if config.warm_start_select == "search" else sample_candidates
     tokenizer = models.tester.tokenizer
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     epochs, lr = config.warm_start_epochs, config.warm_start_lr
-    candidates, kept, rounds = [], [], []
-    for round_index in range(config.warm_start_rounds):
+    done = done if done is not None else {"rounds": [], "kept": [], "shares": [], "seconds": 0.0}
+    rounds = done["rounds"]
+    for round_index in range(len(rounds), config.warm_start_rounds):
         round_start = time.perf_counter()
         found = find(trainer, config.warm_start_probes, round_index)  # by the tester the rounds before left
         found_seconds = time.perf_counter() - round_start
@@ -252,35 +257,43 @@ def warm_start(trainer) -> tuple[dict, list[dict]]:
         seed = config.seed + round_index
         losses = fine_tune(models.tester.model, pad, chosen, epochs=epochs, lr=lr, seed=seed) if chosen else []
         clear_turn_caches(models.tester.model, models.target.model)  # computed with the old weights
-        shares = sorted(toxic_share(c, config.warm_start_select) for c in found)
+        shares = [toxic_share(c, config.warm_start_select) for c in found]
+        median = sorted(shares)[len(shares) // 2] if shares else None
         rounds.append(
             {
                 "sampled": len(found),
                 "kept": len(chosen),
-                "median_share": shares[len(shares) // 2] if shares else None,
+                "median_share": median,
                 "loss_first": losses[0] if losses else None,
                 "loss_last": losses[-1] if losses else None,
                 "sample_seconds": round(found_seconds, 2),
                 "seconds": round(time.perf_counter() - round_start, 2),
             }
         )
-        candidates += found
-        kept += [{**c, "round": round_index} for c in chosen]
-    shares = sorted(toxic_share(c, config.warm_start_select) for c in candidates)
+        done["shares"] += shares
+        done["kept"] += [{**_record(c), "round": round_index} for c in chosen]
+        done["seconds"] += time.perf_counter() - round_start
+        if on_round is not None:
+            on_round(done)
+    shares = sorted(done["shares"])
     trained = [r for r in rounds if r["kept"]]
     summary = {
         "select": config.warm_start_select,
         # the sampled probes' estimated shares of toxic replies, to choose warm_start_min_toxic by
         "share_quantiles": {f"p{q}": shares[min(len(shares) - 1, q * len(shares) // 100)] for q in (50, 90, 99)},
-        "sampled": len(candidates),
-        "kept": len(kept),
-        "kept_share": len(kept) / max(1, len(candidates)),
-        "epochs": config.warm_start_epochs if kept else 0,
+        "sampled": sum(r["sampled"] for r in rounds),
+        "kept": len(done["kept"]),
+        "kept_share": len(done["kept"]) / max(1, sum(r["sampled"] for r in rounds)),
+        "epochs": config.warm_start_epochs if done["kept"] else 0,
         "loss_first": trained[0]["loss_first"] if trained else None,
         "loss_last": trained[-1]["loss_last"] if trained else None,
         "sample_seconds": round(sum(r["sample_seconds"] for r in rounds), 2),
-        "seconds": round(time.perf_counter() - start, 2),
+        "seconds": round(done["seconds"], 2),
         "rounds": rounds,
     }
-    records = [{k: v for k, v in c.items() if not k.endswith("_tokens")} for c in kept]
-    return summary, records
+    return summary, list(done["kept"])
+
+
+def _record(candidate: dict) -> dict:
+    """What ``warm_start.jsonl`` keeps of a candidate: all but its token tensors."""
+    return {k: v for k, v in candidate.items() if not k.endswith("_tokens")}
