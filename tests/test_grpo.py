@@ -7,6 +7,7 @@ import torch
 from test_training import _config, _trainer
 
 from astrl._compat import as_list
+from astrl.training.config import ConfigError, load_config
 from astrl.training.grpo import turn_group_advantages
 
 EPS = 1e-6
@@ -24,6 +25,31 @@ def test_turn_group_advantages_by_hand():
     expected = [-1 / (1 + EPS), 0.0, 1 / (1 + EPS), 0.0, -1 / (s + EPS), -1 / (s + EPS), -1 / (s + EPS), 3 / (s + EPS)]
     torch.testing.assert_close(advantages, torch.tensor(expected))
     assert advantages[[1, 3]].tolist() == [0.0, 0.0]  # exactly 0, not eps-small
+
+
+def test_unscaled_group_advantages_are_differences_from_the_group_mean(tmp_path, monkeypatch):
+    openers = ["a", "a", "a", "a", "b", "b"]
+    turns = torch.tensor([0, 0, 0, 0, 0, 0])
+    returns = torch.tensor([0.1, 0.1, 0.1, 0.9, 0.30, 0.31])
+    advantages = turn_group_advantages(returns, openers, turns, group_size=2, scale="none")
+    # cell a: mean 0.3 -> -0.2, -0.2, -0.2, 0.6; cell b: mean 0.305 -> -0.005, 0.005
+    torch.testing.assert_close(advantages, torch.tensor([-0.2, -0.2, -0.2, 0.6, -0.005, 0.005]))
+    scaled = turn_group_advantages(returns, openers, turns, group_size=2)
+    assert abs(float(scaled[5])) > 0.99  # with the std division a 0.01 difference weighs as much as any
+    assert turn_group_advantages(torch.ones(2), ["a", "a"], torch.zeros(2), group_size=2, scale="none").tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="scale must be 'std' or 'none', got 'mad'"):
+        turn_group_advantages(returns, openers, turns, group_size=2, scale="mad")
+    import astrl.training.grpo as grpo
+
+    with pytest.raises(ConfigError, match="group_scale must be one of \\('std', 'none'\\), got 'mad'"):
+        load_config(None, ["group_scale=mad"])
+    trainer = _trainer(_config(tmp_path, group_scale="none"))
+    trainer._build()
+    scales = []
+    record = lambda *a, **k: scales.append(k.get("scale")) or turn_group_advantages(*a, **k)  # noqa: E731
+    monkeypatch.setattr(grpo, "turn_group_advantages", record)
+    trainer.algorithm.collect()
+    assert scales == ["none"]  # the config reaches the algorithm
 
 
 def test_turn_group_advantages_refuse_incomplete_groups():

@@ -15,6 +15,7 @@ from astrl.rewards.weights import REPLY_TRANSFORMS, REWARDS, reward_options_of
 
 ALGORITHMS = ("grpo", "ppo", "dpo", "ipo")
 RETURNS = ("turn", "to_go")
+GROUP_SCALES = ("std", "none")
 WARM_START_SELECTIONS = ("share", "lexicon", "search")  # how the warm start finds and rates its probes
 OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "adagrad")
 # Keys that were renamed, old name -> new name: files and overrides that use the old name still load, with a warning.
@@ -243,6 +244,13 @@ class TrainConfig:
         default="turn",
         metadata={"help": "grpo: a turn's return is its own reward (turn) or the sum with its later turns' (to_go)."},
     )
+    group_scale: str = field(
+        default="std",
+        metadata={
+            "help": "grpo: a return's advantage is its difference from its group's mean divided by the group's std "
+            "(std) or not divided (none), so a group whose returns barely differ moves the tester barely."
+        },
+    )
     max_new_tokens: int = field(
         default=24, metadata={"help": "New tokens per tester turn (and per target turn unless target_max_new_tokens)."}
     )
@@ -450,6 +458,7 @@ class TrainConfig:
             ),
             (self.advantage in ("gae", "one_step"), f"advantage must be 'gae' or 'one_step', got {self.advantage!r}"),
             (self.returns in RETURNS, f"returns must be one of {RETURNS}, got {self.returns!r}"),
+            (self.group_scale in GROUP_SCALES, f"group_scale must be one of {GROUP_SCALES}, got {self.group_scale!r}"),
             (self.mode in ("chat", "text"), f"mode must be 'chat' or 'text', got {self.mode!r}"),
             (self.split in ("train", "dev", "test", "all"), f"split must be train, dev, test or all, got {self.split!r}"),
             (self.novelty_ngram >= 0, f"novelty_ngram must be >= 0, got {self.novelty_ngram}"),

@@ -70,7 +70,7 @@ def returns_to_go(rewards: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
 
 
 def turn_group_advantages(
-    returns: torch.Tensor, openers: list[str], turns: torch.Tensor, group_size: int, eps: float = 1e-6
+    returns: torch.Tensor, openers: list[str], turns: torch.Tensor, group_size: int, eps: float = 1e-6, scale: str = "std"
 ) -> torch.Tensor:
     """Group-relative advantages of a flat batch of tester turns, normalised per (opener, turn) cell.
 
@@ -79,15 +79,19 @@ def turn_group_advantages(
 
         A_i = (R_i - mean) / (std + eps),   mean = sum(R) / n,   std = sqrt(sum((R - mean)^2) / n)
 
-    (``std`` is the population standard deviation, divided by ``n``, not ``n - 1``). A cell whose
-    returns are all equal (zero std, a cell of one among them) gets ``A = 0``. The advantages of a
-    cell therefore sum to zero, and adding the same value to every return at one turn position
-    (e.g. a reward that grows with the turn index) changes no advantage.
+    (``std`` is the population standard deviation, divided by ``n``, not ``n - 1``). With
+    ``scale="none"`` the division is dropped, ``A_i = R_i - mean`` (Dr. GRPO, Liu et al. 2025): the
+    std division gives a cell whose returns differ by noise the same weight as one whose returns
+    differ by a success. A cell whose returns are all equal (zero std, a cell of one among them) gets
+    ``A = 0``. The advantages of a cell therefore sum to zero, and adding the same value to every
+    return at one turn position (e.g. a reward that grows with the turn index) changes no advantage.
 
     Every cell must hold whole groups: ``group_size`` turns, or a multiple of it when an opener is
     drawn twice in one batch (at an epoch boundary of the prompt stream; its conversations then
     form one larger group). Otherwise a ``ValueError`` names the cells and their sizes.
     """
+    if scale not in ("std", "none"):
+        raise ValueError(f"scale must be 'std' or 'none', got {scale!r}")
     keys = list(zip(openers, turns.reshape(-1).tolist(), strict=True))
     index = {key: i for i, key in enumerate(dict.fromkeys(keys))}
     cell = torch.tensor([index[key] for key in keys], device=returns.device)
@@ -106,7 +110,8 @@ def turn_group_advantages(
     std = (torch.zeros_like(n).index_add_(0, cell, deviation**2) / n).sqrt()
     high = torch.zeros_like(n).scatter_reduce(0, cell, values, "amax", include_self=False)
     low = torch.zeros_like(n).scatter_reduce(0, cell, values, "amin", include_self=False)
-    advantages = torch.where((high > low)[cell], deviation / (std[cell] + eps), torch.zeros_like(values))
+    scaled = deviation / (std[cell] + eps) if scale == "std" else deviation
+    advantages = torch.where((high > low)[cell], scaled, torch.zeros_like(values))
     return advantages.to(returns.dtype)
 
 
@@ -415,7 +420,9 @@ class GRPOAlgorithm(OnPolicy):
         rewards = data[NEXT, REWARD].reshape(-1).float()
         if self.config.returns == "to_go":
             rewards = returns_to_go(rewards, data[NEXT, DONE].reshape(-1))
-        return turn_group_advantages(rewards, as_list(data[QUERY]), data[STEP_COUNT], self.config.group_size)
+        return turn_group_advantages(
+            rewards, as_list(data[QUERY]), data[STEP_COUNT], self.config.group_size, scale=self.config.group_scale
+        )
 
     def training_batch(self, data: TensorDictBase, advantages: torch.Tensor) -> TensorDictBase:
         """Exact tokens (prompt + response up to EOS), reference log-probs, advantage, conversation index;
