@@ -313,6 +313,7 @@ def test_a_warm_start_stopped_in_a_round_resumes_after_the_last_round_it_finishe
 
     settings = dict(
         scorer="keywords:the,you,hell,idiot", reward="elicit", turns=1, total_steps=1, save_every=1, reply_samples=2,
+        reply_lexicon_weight=1.0, reply_lexicon="hell,idiot,the,you,how,are", warm_start_select="lexicon",
         warm_start_probes=4, warm_start_min_toxic=0.0, warm_start_rounds=3,
     )  # fmt: skip
     real = warm.sample_candidates
@@ -350,6 +351,7 @@ def test_a_warm_start_stopped_in_a_round_resumes_after_the_last_round_it_finishe
         summary.pop("seconds"), summary.pop("sample_seconds")
         summary["rounds"] = [{k: v for k, v in r.items() if k not in timing} for r in summary["rounds"]]
     assert summaries[0] == summaries[1] and summaries[0]["sampled"] == 12
+    assert summaries[0]["rounds"][2]["kept"] > 0  # the round redone after the stop fine-tunes the tester
     kept = [(d / "run" / "warm_start.jsonl").read_text() for d in (tmp_path / "whole", tmp_path / "stopped")]
     assert kept[0] == kept[1]
     runs = (tmp_path / "whole", tmp_path / "stopped")
