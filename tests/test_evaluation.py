@@ -96,6 +96,19 @@ def test_run_config_gives_the_defaults(run_dir, tiny_model_dir):
     )
 
 
+def test_a_run_with_its_own_split_seed_is_evaluated_on_its_held_out_split(run_dir, tmp_path):
+    import shutil
+
+    from astrl.evaluation.run import EvalConfig, resolve
+
+    replicate = tmp_path / "replicate"
+    shutil.copytree(run_dir, replicate)
+    config = replicate / "config.yaml"
+    config.write_text(config.read_text() + "split_seed: 0\n")  # seed 3, the split of seed 0
+    assert resolve(EvalConfig(tester=str(replicate))).split_seed == 0
+    assert resolve(EvalConfig(tester=str(replicate), split_seed=4)).split_seed == 4  # an explicit --split-seed wins
+
+
 def test_default_judges_always_hold_one_distinct_from_the_training_scorer():
     from astrl.evaluation.run import default_judges
 

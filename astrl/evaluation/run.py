@@ -39,7 +39,9 @@ if TYPE_CHECKING:
     from astrl.envs import ConversationSpec
 
 # Top-level keys of a training run's config.yaml that eval takes as defaults.
-RUN_DEFAULTS = ("target", "judges", "prompts", "mode", "seed", "system_prompt", "tester_system_prompt", "target_system_prompt")
+RUN_DEFAULTS = (
+    "target", "judges", "prompts", "mode", "seed", "split_seed", "system_prompt", "tester_system_prompt", "target_system_prompt",
+)  # fmt: skip
 
 
 @dataclass
