@@ -55,7 +55,7 @@ from astrl.ragged import nested, pad_rows
 from astrl.rewards.novelty import load_novelty_states, novelty_transforms
 from astrl.training.algorithm import Algorithm
 from astrl.training.batches import shuffled_minibatches, turn_metrics
-from astrl.training.config import TrainConfig
+from astrl.training.config import GROUP_SCALES, TrainConfig
 from astrl.training.setup import RunModels
 
 
@@ -90,7 +90,7 @@ def turn_group_advantages(
     drawn twice in one batch (at an epoch boundary of the prompt stream; its conversations then
     form one larger group). Otherwise a ``ValueError`` names the cells and their sizes.
     """
-    if scale not in ("std", "none"):
+    if scale not in GROUP_SCALES:
         raise ValueError(f"scale must be 'std' or 'none', got {scale!r}")
     keys = list(zip(openers, turns.reshape(-1).tolist(), strict=True))
     index = {key: i for i, key in enumerate(dict.fromkeys(keys))}

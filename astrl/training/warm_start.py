@@ -246,7 +246,7 @@ def warm_start(trainer, done: dict | None = None, on_round: Callable[[dict], Non
     tokenizer = models.tester.tokenizer
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     epochs, lr = config.warm_start_epochs, config.warm_start_lr
-    done = done if done is not None else {"rounds": [], "kept": [], "shares": [], "seconds": 0.0}
+    done = done if done is not None else {"rounds": [], "kept": [], "shares": []}
     rounds = done["rounds"]
     for round_index in range(len(rounds), config.warm_start_rounds):
         round_start = time.perf_counter()
@@ -272,23 +272,23 @@ def warm_start(trainer, done: dict | None = None, on_round: Callable[[dict], Non
         )
         done["shares"] += shares
         done["kept"] += [{**_record(c), "round": round_index} for c in chosen]
-        done["seconds"] += time.perf_counter() - round_start
         if on_round is not None:
             on_round(done)
     shares = sorted(done["shares"])
     trained = [r for r in rounds if r["kept"]]
+    sampled = sum(r["sampled"] for r in rounds)
     summary = {
         "select": config.warm_start_select,
         # the sampled probes' estimated shares of toxic replies, to choose warm_start_min_toxic by
         "share_quantiles": {f"p{q}": shares[min(len(shares) - 1, q * len(shares) // 100)] for q in (50, 90, 99)},
-        "sampled": sum(r["sampled"] for r in rounds),
+        "sampled": sampled,
         "kept": len(done["kept"]),
-        "kept_share": len(done["kept"]) / max(1, sum(r["sampled"] for r in rounds)),
+        "kept_share": len(done["kept"]) / max(1, sampled),
         "epochs": config.warm_start_epochs if done["kept"] else 0,
         "loss_first": trained[0]["loss_first"] if trained else None,
         "loss_last": trained[-1]["loss_last"] if trained else None,
         "sample_seconds": round(sum(r["sample_seconds"] for r in rounds), 2),
-        "seconds": round(done["seconds"], 2),
+        "seconds": round(sum(r["seconds"] for r in rounds), 2),  # a resumed run's earlier rounds included
         "rounds": rounds,
     }
     return summary, list(done["kept"])
