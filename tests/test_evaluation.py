@@ -362,6 +362,36 @@ def test_compare_prints_and_writes_the_differences(eval_dirs, capsys, tmp_path):
     assert "different thresholds (0.0 and 0.5)" in capsys.readouterr().err
 
 
+def test_compare_resamples_openers_so_repeated_openers_do_not_shrink_the_interval(tmp_path):
+    from astrl.evaluation.compare import compare, format_text
+
+    def folder(name: str, toxic_openers: set[int], openers: int = 8, repeats: int = 4):
+        out = tmp_path / name
+        out.mkdir()
+        records = []
+        for c in range(openers * repeats):  # conversation c starts from opener c // repeats
+            toxic = 0.9 if c // repeats in toxic_openers else 0.1
+            scores = {"j": {"reply": toxic, "probe": 0.0, "combined": toxic}}
+            record = {"conversation": c, "turn": 0, "prompt": f"opener {c // repeats}", "probe": "p", "response": "r"}
+            records.append({**record, "empty_probe": False, "probe_nll": 2.0, "scores": scores})
+        (out / "conversations.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        (out / "metrics.json").write_text(json.dumps({"threshold": 0.5, "judges": {"j": {}}}))
+        return out
+
+    none, one = folder("none", set()), folder("one", {3})
+    result = compare(none, one, resamples=2000)
+    row = next(r for r in result["rows"] if r["metric"] == "asr")
+    # 1 toxic opener of 8 (4 of 32 conversations): as 32 independent conversations a resample holds
+    # none of them with probability (28/32)^32 = 1.4%, so the difference would look significant;
+    # as 8 openers, (7/8)^8 = 34%: it is not
+    assert row["difference"] == pytest.approx(1 / 8) and row["significant"] is False and row["ci"][0] == 0.0
+    assert result["n_openers"] == [8, 8] and result["bootstrap"]["unit"] == "opener"
+    assert "32 conversations, 8 openers" in format_text(result)
+    spread = folder("spread", {0, 1, 2, 3}, openers=32, repeats=1)  # the same 4 of 32, each its own opener
+    row = next(r for r in compare(none, spread, resamples=2000)["rows"] if r["metric"] == "asr")
+    assert row["difference"] == pytest.approx(1 / 8) and row["significant"] is True
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

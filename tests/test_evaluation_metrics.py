@@ -56,6 +56,31 @@ def test_bootstrap_resamples_conversations_not_turns():
     assert 0.1 < low < 0.5 < high < 0.9
 
 
+def test_grouped_sums_conversations_per_opener_and_keeps_the_rate():
+    num, den = np.array([1.0, 0.0, 2.0, 1.0]), np.array([1.0, 2.0, 2.0, 3.0])
+    g_num, g_den = m.grouped(num, den, ["b", "a", "b", "c"])  # units in sorted label order: a, b, c
+    assert g_num.tolist() == [0.0, 3.0, 1.0] and g_den.tolist() == [2.0, 3.0, 3.0]
+    assert m.ratio(g_num, g_den) == m.ratio(num, den) == 0.5
+    assert all(np.array_equal(x, y) for x, y in zip(m.grouped(num, den), (num, den), strict=True))  # no groups: as is
+    with pytest.raises(ValueError, match="got 3 group labels for 4 conversations"):
+        m.grouped(num, den, ["a", "b", "c"])
+
+
+def test_the_bootstrap_resamples_openers_when_conversations_share_them():
+    # 8 openers x 4 conversations each; an opener's conversations all succeed or all fail. Resampled
+    # as 32 independent conversations the interval is half as wide as it should be.
+    reply = np.repeat(np.array([1.0, 0, 0, 1, 0, 0, 1, 0]), 4)[:, None]
+    openers = np.repeat(np.arange(8), 4)
+    by_conversation = m.judge_metrics(reply, reply * 0, reply, resamples=4000, seed=1)["asr_ci"]
+    by_opener = m.judge_metrics(reply, reply * 0, reply, resamples=4000, seed=1, groups=openers)
+    assert by_opener["asr"] == 3 / 8
+    width = lambda ci: ci[1] - ci[0]  # noqa: E731
+    assert width(by_opener["asr_ci"]) > 1.6 * width(by_conversation)
+    # the same 8 openers as 8 single conversations: the same interval as the grouped 32
+    single = m.judge_metrics(reply[::4], reply[::4] * 0, reply[::4], resamples=4000, seed=1)["asr_ci"]
+    assert width(single) == pytest.approx(width(by_opener["asr_ci"]), abs=0.07)
+
+
 def test_bootstrap_ratio_drops_resamples_without_denominator():
     num, den = np.array([3.0, 0.0, 0.0]), np.array([1.0, 0.0, 0.0])  # only one conversation has data
     assert m.bootstrap_ratio(num, den, resamples=300) == [3.0, 3.0]

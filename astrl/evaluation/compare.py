@@ -1,10 +1,11 @@
 """``astrl compare``: two evaluations side by side, with the difference and whether it is significant.
 
 Rates are recomputed from each folder's ``conversations.jsonl``; the difference ``B - A`` gets a
-95% bootstrap interval from resampling the conversations of each evaluation independently, and
+95% bootstrap interval from resampling the openers of each evaluation independently (the
+conversations that share an opener together: they are not independent draws), and
 is called significant when that interval excludes 0 (the two-sided bootstrap p-value is shown
 too); when both evaluations judged K replies per probe (``--reply-samples``) the reply shares are
-tested too; with fewer than 5 conversations contributing on a side no verdict is given. Diversity
+tested too; with fewer than 5 openers contributing on a side no verdict is given. Diversity
 metrics are compared as numbers only: they are not rates over conversations.
 """
 
@@ -14,7 +15,15 @@ import json
 from pathlib import Path
 
 from astrl.evaluation import metrics as m
-from astrl.evaluation.records import EvaluationError, judge_names, nll_array, read_records, reply_sample_array, score_arrays
+from astrl.evaluation.records import (
+    EvaluationError,
+    judge_names,
+    nll_array,
+    opener_groups,
+    read_records,
+    reply_sample_array,
+    score_arrays,
+)
 
 # the rates tested, in table order (each elicitation metric beside its plain counterpart)
 TESTED = (
@@ -61,21 +70,22 @@ def compare(folder_a: str | Path, folder_b: str | Path, *, resamples: int = 1000
         raise EvaluationError(
             f"no judge in common: {folder_a} has {judge_names(records_a)}, {folder_b} has {judge_names(records_b)}"
         )
+    groups = (opener_groups(records_a), opener_groups(records_b))
     rows = []
     for offset, judge in enumerate(judges):
         scores_a, scores_b = score_arrays(records_a, judge), score_arrays(records_b, judge)
-        ratios_a = m.conversation_ratios(*scores_a, threshold_a)
-        ratios_b = m.conversation_ratios(*scores_b, threshold_a)
+        ratios_a = _grouped(m.conversation_ratios(*scores_a, threshold_a), groups[0])
+        ratios_b = _grouped(m.conversation_ratios(*scores_b, threshold_a), groups[1])
         for name in TESTED:
             k = m.RATE_METRICS.index(name)  # seeds follow RATE_METRICS, not the table order
             test = m.bootstrap_difference(ratios_a[name], ratios_b[name], resamples=resamples, seed=seed + 97 * offset + k)
             rows.append(_row(judge, name, m.ratio(*ratios_a[name]), m.ratio(*ratios_b[name]), test))
         probes = (scores_a[1], scores_b[1])
-        rows.extend(_reply_sample_rows(judge, (records_a, records_b), probes, threshold_a, resamples, seed + 97 * offset))
+        rows.extend(_reply_sample_rows(judge, (records_a, records_b), probes, groups, threshold_a, resamples, seed + 97 * offset))
         for name in UNTESTED:
             a, b = metrics_a["judges"].get(judge, {}).get(name), metrics_b["judges"].get(judge, {}).get(name)
             rows.append(_row(judge, name, a, b, None))
-    nll_a, nll_b = m.nll_ratio(nll_array(records_a)), m.nll_ratio(nll_array(records_b))
+    nll_a, nll_b = (m.grouped(*m.nll_ratio(nll_array(r)), g) for r, g in zip((records_a, records_b), groups, strict=True))
     test = m.bootstrap_difference(nll_a, nll_b, resamples=resamples, seed=seed + 7919)
     rows.append(_row("(all)", "probe_nll_mean", m.ratio(*nll_a), m.ratio(*nll_b), test))
     return {
@@ -83,21 +93,27 @@ def compare(folder_a: str | Path, folder_b: str | Path, *, resamples: int = 1000
         "b": str(folder_b),
         "threshold": threshold_a,
         "n_conversations": [len({r["conversation"] for r in records_a}), len({r["conversation"] for r in records_b})],
-        "bootstrap": {"resamples": resamples, "confidence": 0.95, "seed": seed},
+        "n_openers": [len(set(g.tolist())) for g in groups],
+        "bootstrap": {"resamples": resamples, "confidence": 0.95, "unit": "opener", "seed": seed},
         "rows": rows,
     }
 
 
+def _grouped(ratios: dict, groups) -> dict:
+    """Each metric's per-conversation ``(num, den)`` summed per opener (:func:`astrl.evaluation.metrics.grouped`)."""
+    return {name: m.grouped(num, den, groups) for name, (num, den) in ratios.items()}
+
+
 def _reply_sample_rows(
-    judge: str, records: tuple[list[dict], list[dict]], probes: tuple, threshold: float, resamples: int, seed: int
+    judge: str, records: tuple[list[dict], list[dict]], probes: tuple, groups: tuple, threshold: float, resamples: int, seed: int
 ) -> list[dict]:
     """The reply-share rows, when both evaluations (``records``, with the judge's ``probes`` score
-    grids) judged several replies per probe (``--reply-samples``)."""
+    grids and their conversations' ``groups``) judged several replies per probe (``--reply-samples``)."""
     replies_a, replies_b = (reply_sample_array(r, judge) for r in records)
     if replies_a is None or replies_b is None:
         return []
-    ratios_a = m.reply_sample_ratios(replies_a, probes[0], threshold)
-    ratios_b = m.reply_sample_ratios(replies_b, probes[1], threshold)
+    ratios_a = _grouped(m.reply_sample_ratios(replies_a, probes[0], threshold), groups[0])
+    ratios_b = _grouped(m.reply_sample_ratios(replies_b, probes[1], threshold), groups[1])
     rows = []
     for k, name in enumerate(m.REPLY_SAMPLE_METRICS):
         test = m.bootstrap_difference(ratios_a[name], ratios_b[name], resamples=resamples, seed=seed + len(m.RATE_METRICS) + k)
@@ -151,12 +167,18 @@ def table_cells(result: dict) -> tuple[list[str], list[list[str]]]:
     return header, body
 
 
+def _sizes(result: dict, side: int) -> str:
+    """``"256 conversations, 62 openers"`` for side 0 (A) or 1 (B)."""
+    openers = result.get("n_openers")
+    tail = f", {openers[side]} openers" if openers else ""
+    return f"{result['n_conversations'][side]} conversations{tail}"
+
+
 def format_text(result: dict) -> str:
     """An aligned plain-text table."""
     header, body = table_cells(result)
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
-    lines = [f"A: {result['a']} ({result['n_conversations'][0]} conversations)"]
-    lines.append(f"B: {result['b']} ({result['n_conversations'][1]} conversations)")
+    lines = [f"{side}: {result[side.lower()]} ({_sizes(result, i)})" for i, side in enumerate("AB")]
     for row in [header, ["-" * w for w in widths], *body]:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     return "\n".join(lines) + "\n"
@@ -165,15 +187,16 @@ def format_text(result: dict) -> str:
 def format_markdown(result: dict) -> str:
     header, body = table_cells(result)
     esc = [[c.replace("|", "\\|") for c in row] for row in [header, *body]]
-    lines = ["# astrl comparison", "", f"- A: `{result['a']}` ({result['n_conversations'][0]} conversations)"]
-    lines += [f"- B: `{result['b']}` ({result['n_conversations'][1]} conversations)", ""]
+    lines = ["# astrl comparison", ""]
+    lines += [f"- {side}: `{result[side.lower()]}` ({_sizes(result, i)})" for i, side in enumerate("AB")] + [""]
     lines += ["| " + " | ".join(esc[0]) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in esc[1:]]
     lines += [
         "",
-        f"Differences are B - A. Intervals: 95% bootstrap over conversations ({result['bootstrap']['resamples']} "
-        "resamples of each evaluation); significant when the interval excludes 0 "
-        f"(no verdict with fewer than {m.MIN_TEST_UNITS} contributing conversations on a side). "
+        f"Differences are B - A. Intervals: 95% bootstrap over openers ({result['bootstrap']['resamples']} "
+        "resamples of each evaluation; the conversations that share an opener are resampled together); "
+        "significant when the interval excludes 0 "
+        f"(no verdict with fewer than {m.MIN_TEST_UNITS} contributing openers on a side). "
         "Diversity metrics are not tested.",
     ]
     return "\n".join(lines) + "\n"

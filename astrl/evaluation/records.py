@@ -95,6 +95,18 @@ def first_reply_records(records: Sequence[dict]) -> list[dict]:
     ]
 
 
+def opener_groups(records: Sequence[dict]) -> np.ndarray:
+    """Each conversation's opener (the ``prompt`` of its first turn), in conversation order: the unit
+    the bootstrap resamples, since conversations that share an opener are not independent draws. A
+    conversation without a recorded prompt is a unit of its own."""
+    n, _ = grid_shape(records)
+    labels = [f"#{i}" for i in range(n)]  # no prompt: its own unit
+    for r in records:
+        if r["turn"] == 0 and isinstance(r.get("prompt"), str):
+            labels[r["conversation"]] = "=" + r["prompt"]  # prefixes keep the two kinds apart
+    return np.asarray(labels, dtype=object)
+
+
 def nll_array(records: Sequence[dict]) -> np.ndarray:
     """Probe NLLs as a ``(conversations, turns)`` array, ``nan`` for empty probes."""
     return _grid(records, grid_shape(records), lambda r: None if r["empty_probe"] else r["probe_nll"])
@@ -150,13 +162,15 @@ def compute_metrics(
     n_empty = int(sum(r["empty_probe"] for r in records))
     if n_empty:
         warnings.append(f"{n_empty} empty probe(s) left out of probe_nll")
+    groups = opener_groups(records)
     out: dict = {
         "n_conversations": n,
+        "n_openers": len(set(groups.tolist())),
         "turns": t,
         "threshold": threshold,
-        "probe_nll": m.probe_nll_metrics(nll, resamples=resamples, seed=seed),
+        "probe_nll": m.probe_nll_metrics(nll, resamples=resamples, seed=seed, groups=groups),
         "n_empty_probes": n_empty,
-        "bootstrap": {"resamples": resamples, "confidence": 0.95, "unit": "conversation", "seed": seed},
+        "bootstrap": {"resamples": resamples, "confidence": 0.95, "unit": "opener", "seed": seed},
         "judges": {},
     }
     for judge in judge_names(records):
@@ -169,6 +183,7 @@ def compute_metrics(
             resamples=resamples,
             seed=seed,
             replies=reply_sample_array(records, judge),
+            groups=groups,
         )
         diversity, notes = diversity_metrics(successful_probes(records, judge, threshold), embeddings, why_no_embeddings)
         result.update(diversity)

@@ -300,8 +300,17 @@ def setting_rows(metrics: dict) -> list[tuple[str, str]]:
             f"mean {fmt(nll['mean'])} {fmt_ci(nll['mean_ci'])}, median {fmt(nll['median'])}, "
             f"{nll['n_probes']} probes, {metrics['n_empty_probes']} empty left out",
         ),
-        ("intervals", f"95% bootstrap over conversations, {metrics['bootstrap']['resamples']} resamples"),
+        ("intervals", f"95% bootstrap over {_units(metrics)}, {metrics['bootstrap']['resamples']} resamples"),
     ]
+
+
+def _units(metrics: dict) -> str:
+    """What the bootstrap resampled: the openers (the conversations sharing one together), or, in
+    metrics of older releases, conversations."""
+    if metrics.get("bootstrap", {}).get("unit") == "opener":
+        openers = metrics.get("n_openers")
+        return f"openers ({openers} of them; the conversations that share one are resampled together)" if openers else "openers"
+    return "conversations"
 
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
@@ -325,7 +334,7 @@ def render_markdown(
 ) -> str:
     lines = ["# astrl evaluation report", ""]
     lines += [f"- {_md_cell(line)}" for line in headline_rows(metrics)]
-    lines += ["", f"95% bootstrap intervals over conversations; {HEADLINE_NOTE}.", "", "| setting | value |", "| --- | --- |"]
+    lines += ["", f"95% bootstrap intervals over {_units(metrics)}; {HEADLINE_NOTE}.", "", "| setting | value |", "| --- | --- |"]
     lines += [f"| {k} | {_md_cell(v)} |" for k, v in setting_rows(metrics)]
     judges = list(metrics["judges"])
     lines += ["", "## Success and diversity", "", "| judge | " + " | ".join(label for _, label in TRADEOFF_COLUMNS) + " |"]
@@ -333,7 +342,7 @@ def render_markdown(
     lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in tradeoff_rows(metrics)]
     lines += ["", "## Summary", "", "| metric | " + " | ".join(map(_md_cell, judges)) + " |", "|---" * (len(judges) + 1) + "|"]
     lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in summary_rows(metrics)]
-    lines += ["", "Intervals in brackets are 95% bootstrap intervals over conversations."]
+    lines += ["", f"Intervals in brackets are 95% bootstrap intervals over {_units(metrics)}."]
     agreement = agreement_markdown(metrics.get("judge_agreement"))
     if agreement:
         lines += ["", *agreement]
@@ -390,13 +399,13 @@ def render_html(
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', "<title>astrl evaluation report</title>"]
     parts += [f"<style>{_CSS}</style></head><body>", "<h1>astrl evaluation report</h1>"]
     items = "".join(f"<li>{html.escape(line)}</li>" for line in headline_rows(metrics))
-    parts.append(f"<ul>{items}</ul><p>95% bootstrap intervals over conversations; {html.escape(HEADLINE_NOTE)}.</p>")
+    parts.append(f"<ul>{items}</ul><p>95% bootstrap intervals over {_units(metrics)}; {html.escape(HEADLINE_NOTE)}.</p>")
     parts.append(_table(["setting", "value"], setting_rows(metrics)))
     parts.append("<h2>Success and diversity</h2>")
     parts.append(_table(["judge", *(label for _, label in TRADEOFF_COLUMNS)], tradeoff_rows(metrics)))
     parts.append("<h2>Summary</h2>")
     parts.append(_table(["metric", *metrics["judges"]], [[label, *cells] for label, cells in summary_rows(metrics)]))
-    parts.append("<p>Intervals in brackets are 95% bootstrap intervals over conversations.</p>")
+    parts.append(f"<p>Intervals in brackets are 95% bootstrap intervals over {_units(metrics)}.</p>")
     if metrics.get("judge_agreement"):
         parts.append(agreement_html(metrics["judge_agreement"]))
     if metrics.get("warnings"):
