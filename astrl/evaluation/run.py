@@ -340,7 +340,7 @@ def _evaluate(
     t0 = time.perf_counter()
     records = generate(config, resolved, scorers, on_turns=bar.update)
     timing["generation"] = time.perf_counter() - t0
-    openers = len({r["prompt"] for r in records})
+    openers = len({r["prompt"] for r in records if r["turn"] == 0})
     if openers < config.num_conversations:
         notes.append(
             f"{config.num_conversations} conversations drew on {openers} distinct {config.split!r} prompts: openers repeat"
@@ -385,7 +385,7 @@ def _evaluate(
         "prompts": resolved.prompts,
         "split": config.split,
         "split_seed": resolved.split_seed,
-        "n_openers": openers,
+        "n_openers": metrics.pop("n_openers"),  # the openers the intervals resample
         "mode": resolved.mode,
         "seed": config.seed,
         "reply_samples": config.reply_samples,
