@@ -444,14 +444,16 @@ def test_elicit_settings_are_checked_with_the_offending_value():
         (["reward=score", "reply_lexicon_weight=1"], "apply to reward 'elicit'"),
         (["warm_start_probes=-1"], "warm_start_probes must be >= 0"),
         (["warm_start_min_toxic=2"], "warm_start_min_toxic must be in [0, 1], got 2.0"),
-        (["warm_start_select=best"], "warm_start_select must be one of ('share', 'lexicon', 'search'), got 'best'"),
+        (["warm_start_select=best"], "warm_start_select must be one of ('share', 'lexicon', 'search', 'best_of'), got 'best'"),
         (["mode=chat", "warm_start_select=search"], "warm_start_select 'search' sets up the target's next words"),
         (["warm_start_beams=0"], "warm_start_beams must be >= 1, got 0"),
         (["warm_start_top_k=0"], "warm_start_top_k must be >= 1, got 0"),
         (["warm_start_rounds=0"], "warm_start_rounds must be >= 1, got 0"),
         (["mode=text", "warm_start_select=search", "warm_start_max_nll=0"], "warm_start_max_nll must be > 0 (or null), got 0"),
-        (["warm_start_max_nll=3"], "warm_start_max_nll bounds the search's probes: set warm_start_select: search"),
+        (["warm_start_max_nll=3"], "warm_start_max_nll bounds searched or best-of probes: set warm_start_select: search or"),
         (["reward=elicit", "warm_start_select=lexicon"], "warm_start_select 'lexicon' reads the elicit reward's reply lexicon"),
+        (["reward=elicit", "warm_start_select=best_of"], "warm_start_select 'best_of' reads the elicit reward's reply lexicon"),
+        (["warm_start_samples=0"], "warm_start_samples must be >= 1, got 0"),
     ]
     for overrides, message in cases:
         with pytest.raises(ConfigError, match=message.replace("(", "\\(").replace(")", "\\)").replace("[", "\\[")):
@@ -583,7 +585,7 @@ def test_compare_tests_the_reply_shares_when_both_sides_have_them(tmp_path):
                 {
                     "conversation": c,
                     "turn": 0,
-                    "prompt": "o",
+                    "prompt": f"o{c}",
                     "probe": "p",
                     "response": "r",
                     "empty_probe": False,
@@ -626,3 +628,54 @@ def test_the_warm_start_and_training_sample_only_the_runs_training_openers(tmp_p
     assert openers <= train and not openers & held_out and len(openers) > 10
     trainer._build()
     assert set(trainer.stream.prompts) == train  # the RL steps draw from the same split
+
+
+def test_best_of_warm_start_keeps_each_openers_best_clean_sample(tmp_path, monkeypatch):
+    from torchrl.envs import EnvBase
+
+    from astrl.keys import NEXT, PROBE, PROBE_LOGPROB, QUERY
+    from astrl.scorers import checked_scores
+
+    rollouts: list = []
+    real_rollout = EnvBase.rollout
+    monkeypatch.setattr(EnvBase, "rollout", lambda *a, **k: rollouts.append(real_rollout(*a, **k)) or rollouts[-1])
+    settings = dict(
+        scorer="keywords:the,you,hell,idiot", reward="elicit", mode="text", turns=1, total_steps=1,
+        reply_lexicon_weight=1.0, reply_lexicon="hell,idiot,the,you,how,are",
+        warm_start_probes=6, warm_start_samples=4, warm_start_min_toxic=0.015, warm_start_select="best_of",
+        warm_start_max_nll=5.75,
+    )  # fmt: skip
+    trainer, found, summary, kept = warm_started(tmp_path, monkeypatch, "best_of_candidates", **settings)
+    assert summary["select"] == "best_of" and summary["sampled"] == len(found) == 6
+    # every sample the warm start drew (its first rollouts; the training step's come later), by hand
+    samples = [r.reshape(-1) for r in rollouts[: math.ceil(6 / 32)]]
+    rows = [
+        {"opener": o, "probe": p, "mass": float(m), "nll": -float(lp)}
+        for r in samples
+        for o, p, m, lp in zip(
+            as_list(r[QUERY]),
+            as_list(r[NEXT, PROBE]),
+            r[NEXT, TARGET_LEXICON].reshape(-1),
+            r[NEXT, PROBE_LOGPROB].reshape(-1),
+            strict=True,
+        )
+    ]
+    lexicon = ReplyLexicon(trainer.models.target.tokenizer, ["hell", "idiot", "the", "you", "how", "are"])
+    target = trainer.models.target
+    for row in rows[: len(found) * 4]:  # the mass is the target's next-token probability of a listed word
+        ids = target.tokenizer(row["opener"] + row["probe"], return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            logits = target.model(input_ids=ids).logits[0, -1]
+        assert row["mass"] == pytest.approx(float(lexicon.mass(logits)), rel=1e-4, abs=1e-6)
+    bounded = 0  # openers whose likeliest-to-elicit sample breaks the NLL bound
+    for i, candidate in enumerate(found):  # each opener's 4 samples are rows 4i .. 4i+3
+        group = rows[4 * i : 4 * i + 4]
+        assert {g["opener"] for g in group} == {candidate["opener"]}
+        usable = [g for g in group if float(checked_scores(SCORER, [g["probe"]])[0]) <= 0.5 and g["nll"] <= 5.75 and g["probe"]]
+        best = max(usable or group, key=lambda g: g["mass"])
+        bounded += best is not max(group, key=lambda g: g["mass"])
+        assert candidate["probe"] == best["probe"] and candidate["lexicon_mass"] == pytest.approx(best["mass"])
+        assert candidate["probe_nll"] == pytest.approx(best["nll"])
+    assert bounded > 0  # the bound chose (with this seed)
+    expected = [c["probe"] for c in found if c["lexicon_mass"] >= 0.015 and c["probe_score"] <= 0.5 and c["probe_nll"] <= 5.75]
+    assert [k["probe"] for k in kept] == expected and 0 < summary["kept"] == len(kept) < len(found)

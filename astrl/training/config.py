@@ -16,7 +16,7 @@ from astrl.rewards.weights import REPLY_TRANSFORMS, REWARDS, reward_options_of
 ALGORITHMS = ("grpo", "ppo", "dpo", "ipo")
 RETURNS = ("turn", "to_go")
 GROUP_SCALES = ("std", "none")
-WARM_START_SELECTIONS = ("share", "lexicon", "search")  # how the warm start finds and rates its probes
+WARM_START_SELECTIONS = ("share", "lexicon", "search", "best_of")  # how the warm start finds and rates its probes
 OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "adagrad")
 # Keys that were renamed, old name -> new name: files and overrides that use the old name still load, with a warning.
 RENAMED_KEYS = {"gamma": "likelihood_weight"}
@@ -161,11 +161,17 @@ class TrainConfig:
         metadata={
             "help": "Warm start: how a probe's share of toxic replies is estimated: share (of its reply_samples "
             "replies the training scorer calls toxic; at least one must be), lexicon (the mean of its replies' "
-            "reply lexicon estimates; needs reward elicit with reply_lexicon_weight > 0), or search (text mode: "
+            "reply lexicon estimates; needs reward elicit with reply_lexicon_weight > 0), search (text mode: "
             "no sampling; a beam search over the tester's likely tokens finds, for each of warm_start_probes "
             "openers, the probe after which the target's next token is most likely a reply_lexicon word; that "
-            "probability is the estimate)."
+            "probability is the estimate) or best_of (the tester samples warm_start_samples probes per opener; "
+            "the one with the highest such probability is the opener's candidate; needs reward elicit with "
+            "reply_lexicon_weight > 0)."
         },
+    )
+    warm_start_samples: int = field(
+        default=16,
+        metadata={"help": "Warm start with select best_of: probes the tester samples per opener, of which the best is kept."},
     )
     warm_start_beams: int = field(default=8, metadata={"help": "Warm start with select search: partial probes kept per opener."})
     warm_start_top_k: int = field(
@@ -174,9 +180,10 @@ class TrainConfig:
     warm_start_max_nll: float | None = field(
         default=None,
         metadata={
-            "help": "Warm start with select search: the naturalness bound, the largest mean per-token NLL under "
-            "the target a searched probe may have (checked at every step of the search; a probe above it is not "
-            "kept); null = no bound. Needs the tester and the target to share a tokenizer."
+            "help": "Warm start with select search or best_of: the naturalness bound, the largest mean per-token "
+            "NLL under the target a probe may have (search: checked at every step; best_of: a sample above it is "
+            "not chosen; a probe above it is never kept); null = no bound. search needs the tester and the "
+            "target to share a tokenizer."
         },
     )
     warm_start_rounds: int = field(
@@ -428,8 +435,9 @@ class TrainConfig:
                 f"warm_start_select must be one of {WARM_START_SELECTIONS}, got {self.warm_start_select!r}",
             ),
             (
-                self.warm_start_select != "lexicon" or (self.reward == "elicit" and self.reply_lexicon_weight > 0),
-                "warm_start_select 'lexicon' reads the elicit reward's reply lexicon: set reward: elicit and "
+                self.warm_start_select not in ("lexicon", "best_of")
+                or (self.reward == "elicit" and self.reply_lexicon_weight > 0),
+                f"warm_start_select {self.warm_start_select!r} reads the elicit reward's reply lexicon: set reward: elicit and "
                 f"reply_lexicon_weight > 0 (reward is {self.reward!r}, reply_lexicon_weight {self.reply_lexicon_weight})",
             ),
             (
@@ -437,6 +445,7 @@ class TrainConfig:
                 f"warm_start_select 'search' sets up the target's next words, a text-mode turn: set mode: text "
                 f"(mode is {self.mode!r})",
             ),
+            (self.warm_start_samples >= 1, f"warm_start_samples must be >= 1, got {self.warm_start_samples}"),
             (self.warm_start_beams >= 1, f"warm_start_beams must be >= 1, got {self.warm_start_beams}"),
             (self.warm_start_top_k >= 1, f"warm_start_top_k must be >= 1, got {self.warm_start_top_k}"),
             (self.warm_start_epochs >= 1, f"warm_start_epochs must be >= 1, got {self.warm_start_epochs}"),
@@ -446,8 +455,8 @@ class TrainConfig:
                 f"warm_start_max_nll must be > 0 (or null), got {self.warm_start_max_nll}",
             ),
             (
-                self.warm_start_max_nll is None or self.warm_start_select == "search",
-                f"warm_start_max_nll bounds the search's probes: set warm_start_select: search "
+                self.warm_start_max_nll is None or self.warm_start_select in ("search", "best_of"),
+                f"warm_start_max_nll bounds searched or best-of probes: set warm_start_select: search or best_of "
                 f"(warm_start_select is {self.warm_start_select!r})",
             ),
             (self.warm_start_lr > 0, f"warm_start_lr must be > 0, got {self.warm_start_lr}"),

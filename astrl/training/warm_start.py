@@ -43,6 +43,7 @@ from astrl._compat import as_list
 from astrl.keys import (
     NEXT,
     PROBE,
+    PROBE_LOGPROB,
     QUERY,
     REPLY_SCORES,
     SCORES,
@@ -173,6 +174,69 @@ def search_candidates(trainer, count: int, round_index: int = 0) -> list[dict]:
     ]
 
 
+def best_of_candidates(trainer, count: int, round_index: int = 0) -> list[dict]:
+    """For ``count`` openers of the training split (in round ``round_index``'s order), the best of
+    ``warm_start_samples`` probes the current tester samples for it: the one after which the target's
+    next token is most likely a lexicon word (``lexicon_mass``, read from a one-token target reply),
+    among those the training scorer calls clean and, with ``warm_start_max_nll``, within that bound
+    (``probe_nll``, the probe's mean per-token NLL under the target). An opener none of whose samples
+    qualifies gets its likeliest-to-elicit sample anyway, marked by its score or NLL, so ``keep`` drops it."""
+    from astrl.envs.recipe import build_conversation, opener_stream
+    from astrl.training.setup import conversation_spec
+
+    config, models = trainer.config, trainer.models
+    samples = config.warm_start_samples
+    per_call = min(count, max(1, SAMPLE_BATCH * 4 // samples))  # openers a call: 128 conversations at 16 samples
+    base = conversation_spec(config)
+    spec = replace(
+        base,
+        split="train",  # never the held-out openers
+        batch_size=per_call * samples,
+        group_size=samples,
+        turns=1,
+        target_generation=replace(base.target_generation, max_new_tokens=1),  # the mass needs no longer reply
+        reward=config.reward,  # elicit with the reply lexicon (checked by the config)
+        reward_options=config.reward_options(),
+        reply_samples=1,
+        novelty=None,
+        backend="transformers",
+        target_backend="transformers",
+        seed=opener_seed(config, round_index),  # the openers in this round's order
+    )
+    conversation = build_conversation(spec, tester=models.tester, target=models.target, stream=opener_stream(spec), scorers=None)
+    env, tester = conversation.env, conversation.tester
+    scorer = conversation.scorers[next(iter(conversation.scorers))]
+    stops = {t for t in (tester.tokenizer.eos_token_id, tester.tokenizer.pad_token_id) if t is not None}
+    bound = math.inf if config.warm_start_max_nll is None else config.warm_start_max_nll
+    best: list[dict] = []
+    with torch.no_grad():
+        while len(best) < count:
+            rollout = env.rollout(1, tester).reshape(-1)
+            nxt = rollout[NEXT]
+            probes = as_list(nxt[PROBE])
+            mass = nxt[TARGET_LEXICON].reshape(-1)
+            nll = -nxt[PROBE_LOGPROB].reshape(-1)
+            probe_scores = checked_scores(scorer, probes)
+            prompts = rollout.get(TOKENS_PROMPT, as_list=True)
+            responses = rollout.get(TOKENS_RESPONSE, as_list=True)
+            lengths = torch.tensor([int(response_mask(r, stops).sum()) for r in responses])
+            usable = (probe_scores.reshape(-1) <= 0.5) & (nll <= bound) & (lengths > 0)
+            rank = torch.where(usable, mass, mass - 2.0).view(per_call, samples)  # mass is in [0, 1]
+            for i in (rank.argmax(1) + torch.arange(per_call) * samples).tolist():
+                best.append(
+                    {
+                        "opener": as_list(rollout[QUERY])[i],
+                        "probe": probes[i],
+                        "probe_score": float(probe_scores[i]),
+                        "lexicon_mass": float(mass[i]),
+                        "probe_nll": float(nll[i]),
+                        "prompt_tokens": prompts[i].cpu(),
+                        "response_tokens": responses[i][: int(lengths[i])].cpu(),
+                    }
+                )
+    return best[:count]
+
+
 def toxic_share(candidate: dict, select: str = "share", threshold: float = 0.5) -> float:
     """A candidate's estimated share of toxic replies: ``share``, the share of its replies scored above
     ``threshold``; ``lexicon``, the mean of its replies' lexicon estimates; ``search``, the target's
@@ -181,7 +245,7 @@ def toxic_share(candidate: dict, select: str = "share", threshold: float = 0.5) 
         return sum(s > threshold for s in candidate["reply_scores"]) / len(candidate["reply_scores"])
     if select == "lexicon":
         return sum(candidate["reply_lexicon"]) / len(candidate["reply_lexicon"])
-    if select == "search":
+    if select in ("search", "best_of"):
         return candidate["lexicon_mass"]
     raise ValueError(f"warm_start_select must be one of {WARM_START_SELECTIONS}, got {select!r}")
 
@@ -242,7 +306,7 @@ def warm_start(trainer, done: dict | None = None, on_round: Callable[[dict], Non
     config, models = trainer.config, trainer.models
     if models is None:
         raise ValueError("warm_start_probes applies to config-built runs (a System trains its own models)")
-    find = search_candidates if config.warm_start_select == "search" else sample_candidates
+    find = {"search": search_candidates, "best_of": best_of_candidates}.get(config.warm_start_select, sample_candidates)
     tokenizer = models.tester.tokenizer
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     epochs, lr = config.warm_start_epochs, config.warm_start_lr
