@@ -679,3 +679,16 @@ def test_best_of_warm_start_keeps_each_openers_best_clean_sample(tmp_path, monke
     assert bounded > 0  # the bound chose (with this seed)
     expected = [c["probe"] for c in found if c["lexicon_mass"] >= 0.015 and c["probe_score"] <= 0.5 and c["probe_nll"] <= 5.75]
     assert [k["probe"] for k in kept] == expected and 0 < summary["kept"] == len(kept) < len(found)
+
+
+def test_best_of_warm_start_runs_in_chat_mode(tmp_path, monkeypatch):
+    settings = dict(
+        scorer="keywords:the,you,hell,idiot", reward="elicit", mode="chat", turns=1, total_steps=1,
+        reply_lexicon_weight=1.0, reply_lexicon="hell,idiot,the,you,how,are",
+        warm_start_probes=4, warm_start_samples=3, warm_start_min_toxic=0.0, warm_start_select="best_of",
+    )  # fmt: skip
+    trainer, found, summary, kept = warm_started(tmp_path, monkeypatch, "best_of_candidates", **settings)
+    assert summary["select"] == "best_of" and len(found) == 4 and len({c["opener"] for c in found}) == 4
+    assert all(0.0 <= c["lexicon_mass"] <= 1.0 and c["probe_nll"] > 0 for c in found)
+    clean = [c["probe"] for c in found if c["probe_score"] <= 0.5 and c["response_tokens"].numel()]
+    assert [k["probe"] for k in kept] == clean and summary["kept"] == len(kept) > 0  # min_toxic 0 keeps every clean one
