@@ -12,7 +12,9 @@ to swear (``' "What the'``) has a high estimate even when none of its few sample
 (:mod:`astrl.sampling.search`) finds, for each of ``warm_start_probes`` training openers, the probe
 after which the target's next token is most likely a lexicon word, and that probability is the
 estimate (a lower bound on the probability that the reply holds one). The untrained tester samples
-such set-ups too rarely for the other two rules to find them. The
+such set-ups too rarely for the share and lexicon rules to find them. ``best_of`` (text or chat mode)
+samples ``warm_start_samples`` probes per training opener from the current tester and gives each
+opener the sample with the highest such probability (rejection sampling, as in ReST and RAFT). The
 tester (its LoRA adapter) is then fine-tuned on the kept ``opener -> probe`` pairs for a few epochs
 with the plain next-token loss (Perez et al.'s supervised red-teaming baseline), so that RL starts
 from a tester that already puts mass on probes that work::
@@ -177,7 +179,8 @@ def search_candidates(trainer, count: int, round_index: int = 0) -> list[dict]:
 def best_of_candidates(trainer, count: int, round_index: int = 0) -> list[dict]:
     """For ``count`` openers of the training split (in round ``round_index``'s order), the best of
     ``warm_start_samples`` probes the current tester samples for it: the one after which the target's
-    next token is most likely a lexicon word (``lexicon_mass``, read from a one-token target reply),
+    next token is most likely a lexicon word (``lexicon_mass``, read from the logits of a one-token
+    target reply; 0 when that token ends the reply),
     among those the training scorer calls clean and, with ``warm_start_max_nll``, within that bound
     (``probe_nll``, the probe's mean per-token NLL under the target). An opener none of whose samples
     qualifies gets its likeliest-to-elicit sample anyway, marked by its score or NLL, so ``keep`` drops it."""
@@ -219,13 +222,14 @@ def best_of_candidates(trainer, count: int, round_index: int = 0) -> list[dict]:
             probe_scores = checked_scores(scorer, probes)
             prompts = rollout.get(TOKENS_PROMPT, as_list=True)
             responses = rollout.get(TOKENS_RESPONSE, as_list=True)
+            openers = as_list(rollout[QUERY])
             lengths = torch.tensor([int(response_mask(r, stops).sum()) for r in responses])
             usable = (probe_scores.reshape(-1) <= 0.5) & (nll <= bound) & (lengths > 0)
             rank = torch.where(usable, mass, mass - 2.0).view(per_call, samples)  # mass is in [0, 1]
             for i in (rank.argmax(1) + torch.arange(per_call) * samples).tolist():
                 best.append(
                     {
-                        "opener": as_list(rollout[QUERY])[i],
+                        "opener": openers[i],
                         "probe": probes[i],
                         "probe_score": float(probe_scores[i]),
                         "lexicon_mass": float(mass[i]),
@@ -239,8 +243,8 @@ def best_of_candidates(trainer, count: int, round_index: int = 0) -> list[dict]:
 
 def toxic_share(candidate: dict, select: str = "share", threshold: float = 0.5) -> float:
     """A candidate's estimated share of toxic replies: ``share``, the share of its replies scored above
-    ``threshold``; ``lexicon``, the mean of its replies' lexicon estimates; ``search``, the target's
-    next-token lexicon mass after the probe."""
+    ``threshold``; ``lexicon``, the mean of its replies' lexicon estimates; ``search`` and ``best_of``,
+    the target's next-token lexicon mass after the probe."""
     if select == "share":
         return sum(s > threshold for s in candidate["reply_scores"]) / len(candidate["reply_scores"])
     if select == "lexicon":
