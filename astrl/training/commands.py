@@ -118,8 +118,8 @@ def _continue_from(trainer) -> str:
     from astrl.training.trainer import WARM_START_PARTIAL
 
     checkpoint = getattr(trainer, "stopped_checkpoint", None)
-    if checkpoint is None and (trainer.run_dir / WARM_START_PARTIAL).is_file():
-        saved = trainer.run_dir / WARM_START_PARTIAL
+    saved = trainer.run_dir / WARM_START_PARTIAL
+    if checkpoint is None and saved.is_file():
         return f"warm start rounds saved in {saved}; continue with: astrl train --resume {trainer.run_dir}"
     if checkpoint is None:
         return f"no checkpoint was written; start again with the same command (run directory {trainer.run_dir})"
