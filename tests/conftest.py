@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
+import shutil
 import tempfile
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 
 # the commands write their runs into a results store: each test process gets its own, never the user's
 os.environ["ASTRL_STORE"] = tempfile.mkdtemp(prefix="astrl-store-")
+atexit.register(shutil.rmtree, os.environ["ASTRL_STORE"], ignore_errors=True)  # removed when the process ends
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one torch thread per test worker: the workers share the cores
     torch.set_num_threads(1)
