@@ -1,4 +1,4 @@
-"""The arithmetic of benchmarks/train_loop.py (the benchmark itself is run by hand, never timed here)."""
+"""The arithmetic of benchmarks/train_loop.py and probe_search.py (the benchmarks are run by hand, never timed here)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from tensordict import TensorDict, lazy_stack
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import probe_search  # noqa: E402
 import train_loop  # noqa: E402
 
 
@@ -53,3 +54,12 @@ def test_minibatch_rows_of_pairs_give_chosen_then_rejected_under_the_shared_prom
     prompts, responses = train_loop._minibatch_rows(lazy_stack([pair]), set())
     assert [p.tolist() for p in prompts] == [[1, 2], [1, 2]]
     assert [q.tolist() for q in responses] == [[3, 4], [5]]
+
+
+def test_elicited_counts_only_toxic_replies_to_clean_probes():
+    replies = torch.tensor([[True, False, True, False], [True, True, True, True], [False, False, False, False]])
+    probes = torch.tensor([False, True, False])  # the second opener's probe is toxic itself: its replies do not count
+    result = probe_search.elicited(replies, probes)
+    assert result["elicited_reply_share"] == round(2 / 12, 4)
+    assert result["first_reply_elicited"] == round(1 / 3, 4)
+    assert result["openers_without"] == 2
