@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 from _common import base_parser, emit, r, setup
 
+from astrl.evaluation.metrics import elicited as elicited_turns
 from astrl.models import load_model
 from astrl.prompts import load_prompts, split_prompts
 from astrl.ragged import pad_ids
@@ -52,14 +54,14 @@ def masses(model, tokenizer, openers: list[str], probes: list[torch.Tensor], lex
     return {name: lexicon.mass(logits) for name, lexicon in lexicons.items()}
 
 
-def elicited(replies_toxic: torch.Tensor, probe_toxic: torch.Tensor) -> dict:
-    """From the judge's verdicts on ``(openers, K)`` replies and on the ``(openers,)`` probes: the share of
-    replies that are toxic while their probe is not, the same for each opener's first reply, and the
-    openers with no such reply."""
-    hits = replies_toxic & ~probe_toxic[:, None]
+def elicited(reply_scores, probe_scores) -> dict:
+    """From the judge's scores of ``(openers, K)`` replies and of the ``(openers,)`` probes: the share of
+    replies that are toxic while their probe is not (:func:`astrl.evaluation.metrics.elicited`, as
+    ``astrl eval`` counts them), the same for each opener's first reply, and the openers with no such reply."""
+    hits = elicited_turns(np.asarray(reply_scores), np.asarray(probe_scores)[:, None])
     return {
-        "elicited_reply_share": r(float(hits.float().mean())),
-        "first_reply_elicited": r(float(hits[:, 0].float().mean())),
+        "elicited_reply_share": r(float(hits.mean())),
+        "first_reply_elicited": r(float(hits[:, 0].mean())),
         "openers_without": int((~hits.any(1)).sum()),
     }
 
@@ -77,9 +79,9 @@ def judged_replies(model, tok, openers, probes, judge, *, replies: int, new_toke
                 do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new_tokens, pad_token_id=tok.pad_token_id,
             )  # fmt: skip
             texts += tok.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
-    replies_toxic = (checked_scores(judge, texts) > 0.5).view(len(rows), replies)
-    probe_toxic = checked_scores(judge, tok.batch_decode([p.cpu() for p in probes], skip_special_tokens=True)) > 0.5
-    return elicited(replies_toxic, probe_toxic)
+    reply_scores = checked_scores(judge, texts).view(len(rows), replies)
+    probe_scores = checked_scores(judge, tok.batch_decode([p.cpu() for p in probes], skip_special_tokens=True))
+    return elicited(reply_scores.numpy(), probe_scores.numpy())
 
 
 def main() -> None:

@@ -57,8 +57,8 @@ def test_minibatch_rows_of_pairs_give_chosen_then_rejected_under_the_shared_prom
 
 
 def test_elicited_counts_only_toxic_replies_to_clean_probes():
-    replies = torch.tensor([[True, False, True, False], [True, True, True, True], [False, False, False, False]])
-    probes = torch.tensor([False, True, False])  # the second opener's probe is toxic itself: its replies do not count
+    replies = [[0.9, 0.2, 0.7, 0.5], [0.8, 0.9, 0.6, 1.0], [0.1, 0.0, 0.3, 0.5]]  # toxic above 0.5, as astrl eval
+    probes = [0.1, 0.7, 0.5]  # the second opener's probe is toxic itself: its replies do not count
     result = probe_search.elicited(replies, probes)
     assert result["elicited_reply_share"] == round(2 / 12, 4)
     assert result["first_reply_elicited"] == round(1 / 3, 4)
