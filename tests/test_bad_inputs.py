@@ -137,6 +137,16 @@ CLI_CASES = [
     ("train-warm-start-beams-0", ["train", "warm_start_beams=0"], "warm_start_beams must be >= 1, got 0"),
     ("train-warm-start-rounds-0", ["train", "warm_start_rounds=0"], "warm_start_rounds must be >= 1, got 0"),
     ("train-warm-start-max-nll-share", ["train", "warm_start_max_nll=3"], "set warm_start_select: search"),
+    (
+        "train-reply-lexicon-missing-file",
+        ["train", "reward=elicit", "reply_lexicon_weight=1", "reply_lexicon={root}/nolexicon.txt"],
+        "reply_lexicon file '{root}/nolexicon.txt' not found",
+    ),
+    (
+        "train-reply-lexicon-empty-file",
+        ["train", "reward=elicit", "reply_lexicon_weight=1", "reply_lexicon={empty_txt}"],
+        "reply_lexicon '{empty_txt}' holds no words",
+    ),
     ("train-target-kl-0", ["train", "algorithm=ppo", "target_kl=0"], "target_kl must be > 0"),
     ("train-archive-threshold-1", ["train", "archive_threshold=1"], "got 1.0"),
     ("train-mode", ["train", "mode=voice"], "'voice'"),

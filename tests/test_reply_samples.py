@@ -692,3 +692,65 @@ def test_best_of_warm_start_runs_in_chat_mode(tmp_path, monkeypatch):
     assert all(0.0 <= c["lexicon_mass"] <= 1.0 and c["probe_nll"] > 0 for c in found)
     clean = [c["probe"] for c in found if c["probe_score"] <= 0.5 and c["response_tokens"].numel()]
     assert [k["probe"] for k in kept] == clean and summary["kept"] == len(kept) > 0  # min_toxic 0 keeps every clean one
+
+
+def test_best_of_reply_tokens_default_to_the_next_token_in_text_and_the_whole_reply_in_chat(tmp_path):
+    from test_training import _config
+
+    from astrl.training.warm_start import best_of_reply_tokens
+
+    settings = dict(reward="elicit", reply_lexicon_weight=1.0, reply_lexicon="hell", warm_start_probes=2)
+    settings["warm_start_select"] = "best_of"
+    assert best_of_reply_tokens(_config(tmp_path, mode="text", target_max_new_tokens=7, **settings)) == 1
+    assert best_of_reply_tokens(_config(tmp_path, mode="chat", target_max_new_tokens=7, **settings)) == 7
+    assert best_of_reply_tokens(_config(tmp_path, mode="chat", max_new_tokens=5, **settings)) == 5  # the reply's own length
+    assert best_of_reply_tokens(_config(tmp_path, mode="chat", warm_start_reply_tokens=3, **settings)) == 3
+
+
+def test_best_of_in_chat_mode_ranks_samples_by_their_whole_replys_lexicon_estimate(tmp_path):
+    """Each opener's candidate is its sample whose reply has the highest 1 - prod_t (1 - m_t), m_t recomputed
+    here by one teacher-forced target forward over the prompt and the sampled reply."""
+    from test_training import _config, _trainer
+
+    from astrl.training.warm_start import best_of_candidates
+
+    words = ["hell", "idiot", "the", "you", "how", "are"]
+    config = _config(
+        tmp_path, scorer="keywords:idiot", reward="elicit", mode="chat", turns=1, reply_lexicon_weight=1.0,
+        reply_lexicon=",".join(words), warm_start_probes=4, warm_start_samples=3, warm_start_select="best_of",
+        target_max_new_tokens=5,
+    )  # fmt: skip
+    trainer = _trainer(config)
+    calls: dict[str, list] = {"tester": [], "target": []}
+    for role in calls:
+        turn_cache_of(getattr(trainer.models, role).model, install=True).observers.append(calls[role].append)
+    found = best_of_candidates(trainer, 4)
+    tester_call, target_call = calls["tester"][0], calls["target"][0]  # 4 x 3 probes, then the target's replies
+    assert len(tester_call.logits) <= 4 and len(target_call.logits) > 1  # a reply longer than its first token
+    tok, model = trainer.models.target.tokenizer, trainer.models.target.model
+    seq, steps = target_call.sequences, len(target_call.logits)
+    prompt_mask = seq[:, :-steps] != tok.pad_token_id
+    attention = torch.cat([prompt_mask, torch.ones_like(seq[:, -steps:], dtype=torch.bool)], dim=1)
+    positions = (attention.long().cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=seq, attention_mask=attention, position_ids=positions).logits[:, -steps - 1 : -1]
+    lexicon = ReplyLexicon(tok, words)
+    probs = logits.float().softmax(-1)[..., lexicon.token_ids].sum(-1)  # m_t, by hand
+
+    def kept_length(reply: torch.Tensor, keep_eos: bool) -> int:
+        ends = [i for i, t in enumerate(reply.tolist()) if t in (tok.eos_token_id, tok.pad_token_id)]
+        return ends[0] + int(keep_eos and reply[ends[0]] == tok.eos_token_id) if ends else len(reply)
+
+    lengths = [kept_length(reply, keep_eos=True) for reply in seq[:, -steps:]]  # the EOS counts, padding does not
+    estimates = torch.tensor([1.0 - float(torch.prod(1.0 - row[:n])) for row, n in zip(probs, lengths, strict=True)])
+    probes = tester_call.sequences[:, -len(tester_call.logits) :]
+    probe_lengths = [kept_length(p, keep_eos=False) for p in probes]
+    probe_scores = KeywordScorer(["idiot"])(tok.batch_decode([p[:n] for p, n in zip(probes, probe_lengths, strict=True)]))
+    usable = (probe_scores <= 0.5) & (torch.tensor(probe_lengths) > 0)
+    rank = torch.where(usable, estimates, estimates - 2.0).view(4, 3)
+    for i, candidate in enumerate(found):
+        chosen = 3 * i + int(rank[i].argmax())
+        assert candidate["lexicon_mass"] == pytest.approx(float(estimates[chosen]), abs=1e-5)
+        assert candidate["response_tokens"].tolist() == probes[chosen][: probe_lengths[chosen]].tolist()
+    first = probs[:, 0]  # the first reply token's mass alone: what best_of read before
+    assert any(float(e) > float(m) + 1e-3 for e, m in zip(estimates, first, strict=True))

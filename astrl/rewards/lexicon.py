@@ -32,10 +32,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from astrl.errors import ScorerError
+
+if TYPE_CHECKING:  # torch loads with the first lexicon built: a config check reads word sources without it
+    import torch
 
 LEXICON_SOURCES = ("scorer", "wordlist", "FILE", "w1,w2,...")
 
@@ -131,6 +133,8 @@ class ReplyLexicon:
             counted.update(whole)
             if not whole:
                 self.dropped[word] = tokenizer.decode(pieces[0][:1]) if pieces[0] else ""
+        import torch
+
         self.token_ids = torch.tensor(sorted(counted), dtype=torch.long)
 
     def __len__(self) -> int:
@@ -139,7 +143,7 @@ class ReplyLexicon:
     def mass(self, logits: torch.Tensor) -> torch.Tensor:
         """``m_t``: the probability of the counted tokens under ``softmax(logits)``, shape ``logits.shape[:-1]``."""
         if not len(self):
-            return torch.zeros(logits.shape[:-1])
+            return logits.new_zeros(logits.shape[:-1]).float().cpu()
         log_probs = logits.float().log_softmax(-1)
         return log_probs[..., self.token_ids.to(logits.device)].logsumexp(-1).exp().cpu()
 
@@ -147,7 +151,7 @@ class ReplyLexicon:
     def estimate(mass: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``1 - prod_t (1 - m_t)`` over the positions where ``mask`` is true (last dim), in [0, 1]."""
         keep = mask.to(mass.dtype)
-        log_miss = torch.log1p(-mass.clamp(0.0, 1.0 - 1e-7)) * keep
+        log_miss = (-mass.clamp(0.0, 1.0 - 1e-7)).log1p() * keep
         return (1.0 - log_miss.sum(-1).exp()).clamp(0.0, 1.0)
 
 

@@ -173,6 +173,15 @@ class TrainConfig:
         default=16,
         metadata={"help": "Warm start with select best_of: probes the tester samples per opener, of which the best is kept."},
     )
+    warm_start_reply_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Warm start with select best_of: the target reply each sample's estimate reads, in tokens: the "
+            "reply lexicon estimate 1 - prod_t (1 - m_t) over a sampled reply this long (1: the next-token "
+            "probability of a lexicon word). null = 1 in text mode, target_max_new_tokens in chat mode (an "
+            "assistant reply opens with 'I' or 'Sure', so its first token says nothing)."
+        },
+    )
     warm_start_beams: int = field(default=8, metadata={"help": "Warm start with select search: partial probes kept per opener."})
     warm_start_top_k: int = field(
         default=8, metadata={"help": "Warm start with select search: the tester's likeliest next tokens tried per partial probe."}
@@ -446,6 +455,15 @@ class TrainConfig:
                 f"(mode is {self.mode!r})",
             ),
             (self.warm_start_samples >= 1, f"warm_start_samples must be >= 1, got {self.warm_start_samples}"),
+            (
+                self.warm_start_reply_tokens is None or self.warm_start_reply_tokens >= 1,
+                f"warm_start_reply_tokens must be >= 1 (or null), got {self.warm_start_reply_tokens}",
+            ),
+            (
+                self.warm_start_reply_tokens is None or self.warm_start_select == "best_of",
+                f"warm_start_reply_tokens sets the reply that best_of reads: set warm_start_select: best_of "
+                f"(warm_start_select is {self.warm_start_select!r})",
+            ),
             (self.warm_start_beams >= 1, f"warm_start_beams must be >= 1, got {self.warm_start_beams}"),
             (self.warm_start_top_k >= 1, f"warm_start_top_k must be >= 1, got {self.warm_start_top_k}"),
             (self.warm_start_epochs >= 1, f"warm_start_epochs must be >= 1, got {self.warm_start_epochs}"),
@@ -588,6 +606,21 @@ class TrainConfig:
 
         roles = {"tester": self.tester, "target": self.target}
         check_names(roles, [self.scorer, *self.judges], self.prompts, split=self.split, split_seed=self.prompt_split_seed)
+        self._check_reply_lexicon()
+
+    def _check_reply_lexicon(self) -> None:
+        """A reply lexicon the run reads (a file, ``wordlist``, a word list) is read now, before any model
+        loads; ``scorer`` needs the target's tokenizer and is built with it."""
+        reads = (self.reward == "elicit" and self.reply_lexicon_weight > 0) or self.warm_start_select == "search"
+        if not reads or self.reply_lexicon == "scorer":
+            return
+        from astrl.errors import ScorerError
+        from astrl.rewards.lexicon import lexicon_words
+
+        try:
+            lexicon_words(self.reply_lexicon)
+        except ScorerError as err:
+            raise ConfigError(str(err)) from None
 
     def _elicit_defaults(self) -> bool:
         return (self.probe_gate, self.reply_transform, self.reply_lexicon_weight, self.repeat_penalty, self.likelihood_cap) == (

@@ -191,25 +191,35 @@ def search_candidates(trainer, count: int, round_index: int = 0) -> list[dict]:
     ]
 
 
+def best_of_reply_tokens(config) -> int:
+    """The length of the target reply whose lexicon estimate ranks best_of samples: ``warm_start_reply_tokens``,
+    else 1 in text mode (the next-token mass) and the run's reply length in chat mode."""
+    if config.warm_start_reply_tokens is not None:
+        return config.warm_start_reply_tokens
+    return 1 if config.mode == "text" else config.target_max_new_tokens or config.max_new_tokens
+
+
 def best_of_candidates(trainer, count: int, round_index: int = 0) -> list[dict]:
     """For ``count`` openers of the training split (in round ``round_index``'s order), the best of
-    ``warm_start_samples`` probes the current tester samples for it: the one after which the target's
-    next token is most likely a lexicon word (``lexicon_mass``, read from the logits of a one-token
-    target reply; 0 when that token ends the reply),
-    among those the training scorer calls clean and, with ``warm_start_max_nll``, within that bound
-    (``probe_nll``, the probe's mean per-token NLL under the target). An opener none of whose samples
-    qualifies gets its likeliest-to-elicit sample anyway, marked by its score or NLL, so ``keep`` drops it."""
+    ``warm_start_samples`` probes the current tester samples for it: the one whose sampled target reply
+    of :func:`best_of_reply_tokens` tokens has the highest reply lexicon estimate ``1 - prod_t (1 - m_t)``
+    (``lexicon_mass``; with one token, the probability that the target's next token is a lexicon word;
+    0 when the reply ends at once), among those the training scorer calls clean and, with
+    ``warm_start_max_nll``, within that bound (``probe_nll``, the probe's mean per-token NLL under the
+    target). An opener none of whose samples qualifies gets its likeliest-to-elicit sample anyway,
+    marked by its score or NLL, so ``keep`` drops it."""
     from astrl.training.setup import generation
 
     config = trainer.config
     samples = config.warm_start_samples
+    reply_tokens = best_of_reply_tokens(config)
     per_call = min(count, max(1, SAMPLE_BATCH * 4 // samples))  # openers a call: 128 conversations at 16 samples
     conversation, stops = _sampling_conversation(
         trainer,
         round_index,
         batch_size=per_call * samples,
         group_size=samples,
-        target_generation=replace(generation(config, target=True), max_new_tokens=1),  # the mass needs no longer reply
+        target_generation=replace(generation(config, target=True), max_new_tokens=reply_tokens),
         reward=config.reward,  # elicit with the reply lexicon (checked by the config)
         reward_options=config.reward_options(),
         reply_samples=1,
