@@ -116,7 +116,8 @@ def make_policy(
             TurnCache(loaded.model, keep_states=keep_prompt_states)
         elif turn_cache and keep_prompt_states:
             loaded.model.generate.keep_states = True
-        policy = TransformersWrapper(loaded.model, **wrapper_options)
+        device = next(loaded.model.parameters()).device  # the wrapper moves the prompt's tokens there
+        policy = TransformersWrapper(loaded.model, **wrapper_options, device=None if device.type == "cpu" else device)
     policy.context_window = loaded.context_window
     policy.generation = generation
     return policy

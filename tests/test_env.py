@@ -262,3 +262,16 @@ def test_the_probe_context_is_what_the_target_policy_read_even_when_the_template
         seen = tok(context + chat[-1]["content"], add_special_tokens=False)["input_ids"]
         assert ids[: len(seen)] == seen  # context + probe begin what the target read, token for token
     assert count_chat_tokens(tok, chats) == [len(ids) for ids in read]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_chat_env_runs_with_transformers_policies_on_the_gpu():
+    """The wrapper moves the prompt's tokens to the model's device (without it, generate gets CPU ids)."""
+    tok_a, tok_b = make_tokenizer(), make_tokenizer()
+    tester = make_policy(loaded(make_llama(tok_a).cuda(), tok_a), GenerationSettings(4))
+    target = make_policy(loaded(make_llama(tok_b, seed=3).cuda(), tok_b), GenerationSettings(4))
+    env = make_redteam_env(tester, target, [KeywordScorer(["damn"])], OPENERS, batch_size=2, max_turns=2)
+    ro = env.rollout(2, tester)
+    assert ro.batch_size == (2, 2)
+    chats = history_to_chats(ro[:, 1]["next", "history"].prompt)
+    assert all(len(chat) == 6 for chat in chats)  # system, opener, then two probe/reply pairs
