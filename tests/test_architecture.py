@@ -11,6 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "astrl"
 GROUND = (
     "astrl._compat",
     "astrl.errors",
+    "astrl.yaml_data",
     "astrl._lazy",
     "astrl.argtypes",
     "astrl.hub",
