@@ -16,6 +16,25 @@ workaround handles it, so each workaround can go when upstream changes.
    padded position, prompt included (and logs ``kl_approx`` as a plain log-ratio mean, which can be
    negative). :class:`astrl.training.grpo.ResponseGRPOLoss` keeps GRPOLoss's surrogate and takes
    these as means over the response tokens.
+
+Other upstream behaviours are handled where they bite; ``tests/test_compat.py`` pins each of them
+too, in a test named after it:
+
+4. ``TransformersWrapper`` sets the first generated token's log-prob to 0: behaviour and reference
+   log-probs are recomputed on the exact ids (:func:`astrl.lm_scoring.token_logprobs`).
+5. vLLM weight sync: ``LocalLLMWrapper.update_weights`` does nothing, and ``vLLMUpdaterV2`` calls
+   ``merge_and_unload()`` on the trainer's model, which takes its adapters away;
+   :mod:`astrl.training.vllm_sync` merges beside the model and loads the weights into the engine.
+6. ``MCAdvantage`` normalises over every turn of a group: GRPO uses
+   :func:`astrl.training.grpo.turn_group_advantages` (per opener and turn index).
+7. ``SFTLoss`` reads a chat ``History`` and its assistant masks: target hardening has its own NLL
+   (:mod:`astrl.training.hardening`).
+8. ``AdaptiveKLController.update`` takes penalties and divides them by its coefficient (0 gives NaN):
+   :class:`astrl.rewards.kl.ClippedKLReward` feeds ``-kl_coef * KL`` and ``make_kl_controller``
+   refuses an adaptive controller that starts at 0.
+9. Private hooks: ``RayLLMCollector._collector`` / ``._next_remote`` (:mod:`astrl.distributed`),
+   ``ChatEnv._reset_text`` (text-mode openers stay plain text, :class:`astrl.envs.redteam.RedTeamEnv`),
+   ``ChatEnv._reset`` / ``_step`` and ``Transform._reset`` / ``_step`` (:mod:`astrl.sampling.tree`).
 """
 
 from __future__ import annotations

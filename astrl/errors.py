@@ -14,3 +14,7 @@ class ModelLoadError(RuntimeError):
 
 class ScorerError(ValueError):
     """A scorer name or a scorer's output is invalid."""
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is invalid."""

@@ -11,6 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "astrl"
 GROUND = (
     "astrl._compat",
     "astrl.errors",
+    "astrl.yaml_data",
     "astrl._lazy",
     "astrl.argtypes",
     "astrl.hub",
@@ -39,10 +40,10 @@ APPLICATIONS = (
 )
 
 
-def _modules() -> dict[str, Path]:
+def _modules(package: Path = PACKAGE) -> dict[str, Path]:
     modules = {}
-    for path in PACKAGE.rglob("*.py"):
-        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+    for path in package.rglob("*.py"):
+        name = ".".join(path.relative_to(package.parent).with_suffix("").parts).removesuffix(".__init__")
         modules[name] = path
     return modules
 
@@ -98,6 +99,24 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def _package(module: str) -> str:
+    """The top-level subpackage of an astrl module (``astrl.training.grpo`` -> ``astrl.training``), or the
+    module itself when it is a top-level one (``astrl.cli``)."""
+    return ".".join(module.split(".")[:2])
+
+
+def _package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph with each module collapsed to its :func:`_package`; imports inside a package drop out."""
+    packages: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        source = _package(module)
+        packages.setdefault(source, set()).update(_package(t) for t in targets if _package(t) != source)
+    for targets in list(packages.values()):
+        for target in targets:
+            packages.setdefault(target, set())
+    return packages
+
+
 def _within(module: str, prefixes: tuple[str, ...]) -> bool:
     return any(module == p or module.startswith(p + ".") for p in prefixes)
 
@@ -109,6 +128,49 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_no_module_imports_itself_back_through_others():
     assert _cycles(_imports(_modules())) == []
+
+
+def test_the_package_graph_finds_a_loop_between_packages_that_the_file_graph_does_not():
+    # training.trainer -> system.solvers and system.base -> training.config: no file imports itself back,
+    # but the two packages import each other
+    graph = {
+        "astrl.training.trainer": {"astrl.system.solvers"},
+        "astrl.training.config": set(),
+        "astrl.system.solvers": {"astrl.system.base"},
+        "astrl.system.base": {"astrl.training.config"},
+        "astrl.cli": {"astrl.training.trainer"},
+    }
+    assert _cycles(graph) == []
+    assert _package_graph(graph) == {
+        "astrl.training": {"astrl.system"},
+        "astrl.system": {"astrl.training"},
+        "astrl.cli": {"astrl.training"},
+    }
+    assert _cycles(_package_graph(graph)) == [["astrl.system", "astrl.training"]]
+
+
+def test_the_package_check_reads_packages_from_files(tmp_path):
+    # alpha.high -> beta.low and beta.other -> alpha.base: a loop between the packages, none between the files
+    files = {
+        "__init__.py": "",
+        "alpha/__init__.py": "",
+        "alpha/base.py": "",
+        "alpha/high.py": "from astrl.beta.low import x\n",
+        "beta/__init__.py": "",
+        "beta/low.py": "x = 1\n",
+        "beta/other.py": "import astrl.alpha.base\n",
+    }
+    for name, text in files.items():
+        (tmp_path / "astrl" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "astrl" / name).write_text(text)
+    graph = _imports(_modules(tmp_path / "astrl"))
+    assert graph["astrl.alpha.high"] == {"astrl.beta.low"} and graph["astrl.beta.other"] == {"astrl.alpha.base"}
+    assert _cycles(graph) == []
+    assert _cycles(_package_graph(graph)) == [["astrl.alpha", "astrl.beta"]]
+
+
+def test_no_package_imports_itself_back_through_others():
+    assert _cycles(_package_graph(_imports(_modules()))) == []
 
 
 def test_ground_floor_and_library_pieces_never_import_the_layers_above_them():

@@ -116,3 +116,15 @@ def test_split_seed_keeps_the_held_out_openers_of_replicate_runs():
     assert _run_split_seed({"seed": 3, "split_seed": 0}, 9) == 0  # astrl eval of a run: the run's held-out split
     assert _run_split_seed({"seed": 3, "split_seed": None}, 9) == 3
     assert _run_split_seed({}, 9) == 9
+
+
+def test_config_error_and_the_yaml_reader_live_on_the_ground_floor_and_keep_their_training_names(tmp_path):
+    import astrl.errors
+    import astrl.training
+    import astrl.yaml_data
+
+    assert ConfigError is astrl.errors.ConfigError is astrl.training.ConfigError
+    assert read_yaml_mapping is astrl.yaml_data.read_yaml_mapping
+    (tmp_path / "bad.yaml").write_text("- a\n- b\n")
+    with pytest.raises(astrl.errors.ConfigError, match="must hold a mapping"):
+        astrl.yaml_data.read_yaml_mapping(tmp_path / "bad.yaml")

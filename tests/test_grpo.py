@@ -349,3 +349,18 @@ def test_a_conversation_s_turns_share_one_loss_forward_with_the_same_gradient(tm
             torch.testing.assert_close(g, h, rtol=1e-4, atol=1e-6)
     assert forwards and forwards[0] == parts[0].batch_size[0]
     assert scored[0] < parts[0].batch_size[0]  # turns contained in later ones were not run again
+
+
+def test_a_kl_coefficient_without_reference_log_probs_is_an_error_not_a_dropped_term(tmp_path):
+    from astrl.keys import REF_LOG_PROBS_FULL
+
+    trainer = _trainer(_config(tmp_path, reward="astprompter", kl_coef=0.1))
+    trainer._build()
+    batch, _ = trainer.algorithm.collect()
+    batch = batch.exclude(REF_LOG_PROBS_FULL)
+    loss = trainer.algorithm.loss_module
+    with pytest.raises(ValueError, match=r"kl_coef is 0\.1 .*'ref_log_probs', 'full'"):
+        trainer.algorithm.loss(batch)
+    loss.kl_coef = 0.0  # no KL term asked for: the loss needs no reference
+    out = trainer.algorithm.loss(batch)
+    assert "kl_to_ref" not in out.keys() and "loss_kl_to_ref" not in out.keys() and out["loss_objective"].isfinite()

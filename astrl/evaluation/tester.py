@@ -19,8 +19,10 @@ import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from astrl.errors import ConfigError
 from astrl.models import LoadedModel, ModelLoadError, context_window, load_model, prepare_tokenizer, unsafe_weights_message
 from astrl.names import is_run_dir
+from astrl.yaml_data import read_yaml_mapping
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -42,8 +44,6 @@ class TesterSource:
 
 def read_run_config(run_dir: Path) -> dict:
     """The run's resolved ``config.yaml`` as a dict."""
-    from astrl.training.config import ConfigError, read_yaml_mapping
-
     try:
         return read_yaml_mapping(run_dir / "config.yaml")
     except ConfigError as err:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torchrl.objectives.llm import k3_kl_token_estimate
 
 KL_TOKEN_CAP = 10.0  # default cap on one token's k3 estimate (see k3)
 
@@ -20,6 +21,7 @@ def k3(log_ratio: torch.Tensor, cap: float | None = None) -> torch.Tensor:
     It grows like ``exp(x)``: one token that ``p`` samples although it finds it far less likely than
     ``q`` does (``x`` = 14: q/p = 10^6) gives 10^6 and outweighs a whole batch. With ``cap``, a token's
     estimate is at most ``cap`` and passes no gradient above it (``cap`` 10 is reached at ``x`` ~ 2.6).
+    The estimate itself is TorchRL's ``k3_kl_token_estimate``; the cap is astrl's.
     """
-    value = torch.expm1(log_ratio) - log_ratio
+    value = k3_kl_token_estimate(log_ratio, torch.zeros_like(log_ratio))  # d = log_ratio - 0
     return value if cap is None else value.clamp(max=cap)

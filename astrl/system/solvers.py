@@ -1,7 +1,7 @@
 """Seed-style solvers (``DPO``, ``IPO``, ``PPO``) and their training config over astrl's losses and trainer.
 
 A solver holds a System and its loss; :class:`astrl.Trainer` binds it to a sampler
-(:class:`SystemSource`) and runs it with the same loop as every other astrl run::
+(:class:`astrl.training.trainer.SystemSource`) and runs it with the same loop as every other astrl run::
 
     sampler = ASTSampler(system, PROMPTS, tree_width=2, tree_depth=3)
     solver = DPO(system, beta=0.1)
@@ -18,7 +18,6 @@ over the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from tensordict import NestedKey, TensorDict, TensorDictBase
@@ -29,9 +28,9 @@ from astrl.keys import ADVANTAGE, CONTEXT, GROUP, NODES, PROBE, REWARD, SAMPLE_L
 from astrl.losses import DPOLoss, IPOLoss
 from astrl.losses.ppo import clipped_surrogate
 from astrl.system.base import System, SystemValidationError
-from astrl.training.algorithm import DataPath, TrainingSource
 from astrl.training.config import TrainConfig
 from astrl.training.preference import PreferenceAlgorithm, TreeAlgorithm
+from astrl.training.trainer import SystemSource  # noqa: F401  (re-exported)
 
 
 def system_train_config(
@@ -233,43 +232,3 @@ class PPO(_Solver):
     def bind(self, sampler, config: TrainConfig) -> SystemPPO:
         """The trainer's algorithm: this solver's loss on every node ``sampler`` grows."""
         return SystemPPO(sampler, self.loss_module, self.system.parameters, **self._batching(sampler, config))
-
-
-class SystemSource(TrainingSource):
-    """A System run as the trainer sees it: the solver bound to the sampler, the sampler's prompt stream
-    (its state is the sampler's, inside the algorithm's state), and the System's parameters as what is
-    trained (saved with ``system.save(folder)`` when the System has one, else as ``parameters.pt``).
-
-    Args:
-        config: the run's config (the solver's batching, the sampler's trees per call).
-        sampler: an :class:`astrl.ASTSampler` of the solver's System.
-        solver: :class:`DPO`, :class:`IPO`, :class:`PPO`, or any object with ``system`` and
-            ``bind(sampler, config)`` returning an :class:`~astrl.training.algorithm.Algorithm`.
-    """
-
-    def __init__(self, config: TrainConfig, sampler, solver) -> None:
-        self.config, self.sampler, self.solver = config, sampler, solver
-
-    def build(self, stream_state: dict | None) -> DataPath:
-        if not callable(getattr(self.solver, "bind", None)):
-            raise TypeError(f"algorithm must be an astrl solver (DPO, IPO, PPO), got {type(self.solver).__name__}")
-        return DataPath(self.solver.bind(self.sampler, self.config), self.sampler.prompt_stream)
-
-    def save(self, folder: Path) -> None:
-        folder.mkdir(parents=True, exist_ok=True)
-        system = self.solver.system
-        if callable(getattr(system, "save", None)):
-            system.save(folder)
-        else:
-            torch.save([p.detach().cpu() for p in system.parameters()], folder / "parameters.pt")
-
-    def trainable_state(self) -> list[torch.Tensor]:
-        return [p.detach().cpu().clone() for p in self.solver.system.parameters()]
-
-    def load_trainable_state(self, state: list[torch.Tensor]) -> None:
-        params = list(self.solver.system.parameters())
-        if len(params) != len(state):
-            raise ValueError(f"checkpoint holds {len(state)} parameter tensors, the System has {len(params)}")
-        with torch.no_grad():
-            for param, saved in zip(params, state, strict=True):
-                param.copy_(saved)

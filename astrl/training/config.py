@@ -11,7 +11,9 @@ from pathlib import Path
 
 import yaml
 
+from astrl.errors import ConfigError
 from astrl.rewards.weights import REPLY_TRANSFORMS, REWARDS, reward_options_of
+from astrl.yaml_data import read_yaml_mapping, yaml_problem
 
 ALGORITHMS = ("grpo", "ppo", "dpo", "ipo")
 RETURNS = ("turn", "to_go")
@@ -20,10 +22,6 @@ WARM_START_SELECTIONS = ("share", "lexicon", "search", "best_of")  # how the war
 OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "adagrad")
 # Keys that were renamed, old name -> new name: files and overrides that use the old name still load, with a warning.
 RENAMED_KEYS = {"gamma": "likelihood_weight"}
-
-
-class ConfigError(ValueError):
-    """A configuration file or override is invalid."""
 
 
 @dataclass
@@ -658,30 +656,6 @@ class TrainConfig:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False), encoding="utf-8")
-
-
-def yaml_problem(err: Exception) -> str:
-    """A YAML error in one line; tags such as ``!!python/object`` are refused (configs are data, never code)."""
-    text = " ".join(str(err).split())
-    if "python/" in text:
-        return f"python object tags are not allowed in astrl configs ({text})"
-    return text
-
-
-def read_yaml_mapping(path: str | Path) -> dict:
-    """A YAML file holding a mapping (``{}`` when empty); any problem is a one-line :class:`ConfigError` naming the file."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} not found")
-    try:
-        loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"config file {str(path)!r} is not plain YAML data: {yaml_problem(err)}") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"config file {str(path)!r} cannot be read: {' '.join(str(err).split())}") from None
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys to values")
-    return loaded
 
 
 def valid_keys() -> list[str]:

@@ -137,7 +137,8 @@ class ResponseGRPOLoss(GRPOLoss):
     ``d_t = log pi_ref(a_t) - log pi(a_t)``. The outputs are::
 
         loss_objective = GRPOLoss's clipped surrogate, token mean over M
-        loss_kl_to_ref = kl_coef * kl_to_ref                       (only when kl_coef > 0)
+        loss_kl_to_ref = kl_coef * kl_to_ref                       (only when kl_coef > 0; data without
+                                                                    reference log-probs is then a ValueError)
         kl_to_ref      = mean over M of min(exp(d_t) - d_t - 1, cap)  (k3 estimate of KL(pi || pi_ref), >= 0)
         kl_approx      = mean over M of exp(x_t) - x_t - 1         (k3 estimate of KL(pi_old || pi), >= 0)
         clip_fraction  = share of M whose ratio exp(x_t) lies outside [1 - eps_low, 1 + eps_high]
@@ -185,6 +186,14 @@ class ResponseGRPOLoss(GRPOLoss):
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         tensordict = tensordict.copy()
+        reference = tensordict.get(
+            self.tensor_keys.ref_log_probs, None, as_padded_tensor=True, padding_side="left", padding_value=0.0
+        )
+        if reference is None and self.kl_coef > 0:  # GRPOLoss raises here too: never drop the KL term silently
+            raise ValueError(
+                f"kl_coef is {self.kl_coef} but the data holds no reference log-probs under "
+                f"{self.tensor_keys.ref_log_probs!r}: add them or set kl_coef to 0"
+            )
         advantage = tensordict.get(self.tensor_keys.advantage, as_padded_tensor=True)  # (B, 1, 1): one per sample
         log_weight, dist, _, mask = self._log_weight(tensordict, adv_shape=advantage.shape[:-1])
         current = tensordict.get("_cur_log_prob")  # (B, T), left-padded, 0.0 off the response
@@ -196,9 +205,6 @@ class ResponseGRPOLoss(GRPOLoss):
         out["kl_approx"] = masked_mean(k3(log_ratio), mask)
         ratios = log_ratio[mask]
         out["ESS"] = (2 * ratios.logsumexp(0) - (2 * ratios).logsumexp(0)).exp() / mask.sum()
-        reference = tensordict.get(
-            self.tensor_keys.ref_log_probs, None, as_padded_tensor=True, padding_side="left", padding_value=0.0
-        )
         if reference is not None:
             reference = reference.reshape(current.shape).to(current)
             kl = masked_mean(k3(reference - current, self.kl_token_cap), mask)

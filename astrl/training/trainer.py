@@ -2,7 +2,7 @@
 
 One :class:`Trainer` runs every path: it drives an :class:`~astrl.training.algorithm.Algorithm`
 built by a :class:`~astrl.training.algorithm.TrainingSource` (:class:`ConfigSource` for a config,
-:class:`astrl.system.solvers.SystemSource` for a System).
+:class:`SystemSource` for a System's solver).
 
 A run directory holds ``config.yaml`` (the resolved config), ``metrics.csv`` (one row per
 step, appended after it), ``samples.jsonl`` (sample conversations), ``checkpoints/step_NNNNNN/`` and, at the end,
@@ -160,6 +160,47 @@ class ConfigSource(TrainingSource):
         load_trainable_state(self.models.tester.model, state)
 
 
+class SystemSource(TrainingSource):
+    """A System run as the trainer sees it: the solver bound to the sampler, the sampler's prompt stream
+    (its state is the sampler's, inside the algorithm's state), and the System's parameters as what is
+    trained (saved with ``system.save(folder)`` when the System has one, else as ``parameters.pt``).
+    It only calls the solver and the sampler, so the trainer needs nothing from :mod:`astrl.system`.
+
+    Args:
+        config: the run's config (the solver's batching, the sampler's trees per call).
+        sampler: an :class:`astrl.ASTSampler` of the solver's System.
+        solver: :class:`astrl.DPO`, :class:`astrl.IPO`, :class:`astrl.PPO`, or any object with ``system``
+            and ``bind(sampler, config)`` returning an :class:`~astrl.training.algorithm.Algorithm`.
+    """
+
+    def __init__(self, config: TrainConfig, sampler, solver) -> None:
+        self.config, self.sampler, self.solver = config, sampler, solver
+
+    def build(self, stream_state: dict | None) -> DataPath:
+        if not callable(getattr(self.solver, "bind", None)):
+            raise TypeError(f"algorithm must be an astrl solver (DPO, IPO, PPO), got {type(self.solver).__name__}")
+        return DataPath(self.solver.bind(self.sampler, self.config), self.sampler.prompt_stream)
+
+    def save(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        system = self.solver.system
+        if callable(getattr(system, "save", None)):
+            system.save(folder)
+        else:
+            torch.save([p.detach().cpu() for p in system.parameters()], folder / "parameters.pt")
+
+    def trainable_state(self) -> list[torch.Tensor]:
+        return [p.detach().cpu().clone() for p in self.solver.system.parameters()]
+
+    def load_trainable_state(self, state: list[torch.Tensor]) -> None:
+        params = list(self.solver.system.parameters())
+        if len(params) != len(state):
+            raise ValueError(f"checkpoint holds {len(state)} parameter tensors, the System has {len(params)}")
+        with torch.no_grad():
+            for param, saved in zip(params, state, strict=True):
+                param.copy_(saved)
+
+
 class Trainer:
     """Runs ``config.total_steps`` steps of the configured algorithm and keeps the run directory.
 
@@ -167,7 +208,7 @@ class Trainer:
     (:class:`ConfigSource`). With a :class:`astrl.System`, ``Trainer(config, sampler, algorithm)``
     trains it instead: ``sampler`` is an :class:`astrl.ASTSampler` and ``algorithm`` a solver
     (:class:`astrl.DPO`, :class:`astrl.IPO`, :class:`astrl.PPO`), bound together by
-    :class:`astrl.system.solvers.SystemSource`; the loop, optimizer, schedule, logging and checkpoints
+    :class:`SystemSource`; the loop, optimizer, schedule, logging and checkpoints
     are the same. The trainer drives an :class:`~astrl.training.algorithm.Algorithm`
     (:mod:`astrl.training.algorithm` gives the calls and their order).
     """
@@ -192,8 +233,6 @@ class Trainer:
         random.seed(config.seed)
         np.random.seed(config.seed)
         if algorithm is not None:
-            from astrl.system.solvers import SystemSource
-
             self.source: TrainingSource = SystemSource(config, sampler, algorithm)
         else:
             self.source = ConfigSource(config, models)
