@@ -425,9 +425,7 @@ def _export(args) -> int:
     )
     print(f"exported the {settings['checkpoint']} tester of {args.run_dir} to {args.out}/ ({settings['mode']} mode)")
     if args.garak_config:
-        print(
-            f"wrote the garak config {args.garak_config} (garak --config {args.garak_config} --model_type ... --model_name ...)"
-        )
+        print(f"wrote {args.garak_config}: python -m garak --config {args.garak_config} --target_type TYPE --target_name NAME")
     return 0
 
 

@@ -251,6 +251,18 @@ def test_garak_config_runs_the_folder_as_atkgen_red_team_model(exported):
     assert model["hf_args"] | {"temperature": 0.9, "top_k": 50, "do_sample": True} == model["hf_args"]
 
 
+def test_text_mode_template_is_the_message_after_a_document_start(tiny_tokenizer):
+    from astrl.training.export import document_start, prompt_template
+
+    text = TrainConfig(mode="text")
+    assert prompt_template(tiny_tokenizer, text) == "[query]" and tiny_tokenizer("")["input_ids"] == []
+    assert document_start(tiny_tokenizer, text) == tiny_tokenizer.bos_token  # garak's first message is empty
+    assert document_start(tiny_tokenizer, TrainConfig(mode="chat")) == ""
+    settings = {"generation": {"do_sample": False, "max_new_tokens": 4}, "prompt_template": "[query]", "top_k_used": 50}
+    tox = garak_config(Path("x"), settings | {"document_start": "<s>"})["plugins"]["probes"]["atkgen"]["Tox"]
+    assert tox["red_team_prompt_template"] == "<s>[query]" and tox["red_team_model_config"]["hf_args"]["do_sample"] is False
+
+
 def test_garak_config_as_json(exported, tmp_path):
     settings = json.loads((exported / "astrl_tester.json").read_text())
     write_garak_config(tmp_path / "garak.json", exported, settings)

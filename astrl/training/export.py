@@ -129,6 +129,15 @@ def prompt_template(tokenizer, config: TrainConfig) -> str:
     return text
 
 
+def document_start(tokenizer, config: TrainConfig) -> str:
+    """Text mode: the token text to put before a prompt that may be empty (garak's first atkgen turn
+    is), so that the model has a token to continue: the tokenizer's BOS, else its EOS; empty when the
+    tokenizer adds a token to every input itself, and in chat mode (the template is never empty)."""
+    if config.mode == "chat" or tokenizer("")["input_ids"]:
+        return ""
+    return tokenizer.bos_token or tokenizer.eos_token or ""
+
+
 def set_generation_config(model, tokenizer, settings: dict) -> None:
     """Write the tester's sampling settings into ``model.generation_config``.
 
@@ -466,7 +475,8 @@ def garak_config(folder: Path, settings: dict) -> dict:
 
     The generator is garak's ``huggingface.Model`` (a causal LM and its tokenizer), not atkgen's
     default ``huggingface.Pipeline``: garak 0.17.1's pipeline generator reads the pipeline's
-    ``generation_config``, which the Transformers version astrl pins (5.23) no longer has."""
+    ``generation_config``, which the Transformers version astrl pins (5.23) no longer has. In text
+    mode the prompt starts with ``document_start``: atkgen's first turn sends an empty message."""
     generation = settings["generation"]
     hf_args = {"device": "cpu", "torch_dtype": "float32", "do_sample": generation["do_sample"]}
     if generation["do_sample"]:  # top_k as generate used it in training (astrl's 0 leaves generate's default)
@@ -476,7 +486,7 @@ def garak_config(folder: Path, settings: dict) -> dict:
         "red_team_model_name": str(folder.resolve()),
         # the prompt text is the tester's whole input, chat template included: no second template on top
         "red_team_model_config": {"hf_args": hf_args, "max_tokens": generation["max_new_tokens"], "use_chat": False},
-        "red_team_prompt_template": settings["prompt_template"],
+        "red_team_prompt_template": settings.get("document_start", "") + settings["prompt_template"],
     }
     return {
         "run": {"spec": {"include": [f"probes.{GARAK_PROBE}"], "exclude": []}},
@@ -536,6 +546,7 @@ def export_tester(
         "mode": plan.config.mode,
         "system_prompt": tester_system_prompt(plan.config),
         "prompt_template": prompt_template(loaded.tokenizer, plan.config),
+        "document_start": document_start(loaded.tokenizer, plan.config),
         "generation": generation,
         "top_k_used": loaded.model.generation_config.top_k,
         "eval_defaults": eval_defaults(plan.config),
