@@ -390,6 +390,45 @@ def _compare(args) -> int:
     return 0
 
 
+def _add_export(sub) -> None:
+    p = sub.add_parser("export", help="write a run's tester as a self-contained Hugging Face model folder with a model card")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="training run directory")
+    p.add_argument("--checkpoint", default=None, help="checkpoint name (step_000N) or folder, instead of final/")
+    p.add_argument("--out", required=True, help="output folder (new or empty)")
+    p.add_argument(
+        "--eval",
+        default=None,
+        dest="eval_dir",
+        metavar="FOLDER",
+        help="an 'astrl eval' folder whose held-out numbers go into the model card (default: the newest eval of this "
+        "run and checkpoint in the results store, else the demo's comparison)",
+    )
+    p.add_argument(
+        "--garak-config",
+        default=None,
+        metavar="FILE",
+        help="also write a garak config (.yaml/.yml, else JSON) that runs the folder as atkgen's red-team model",
+    )
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: the run's dtype")
+
+
+def _export(args) -> int:
+    from astrl.training.export import export_tester
+
+    settings = export_tester(
+        args.run_dir,
+        args.out,
+        checkpoint=args.checkpoint,
+        garak_config=args.garak_config,
+        eval_dir=args.eval_dir,
+        dtype=args.dtype,
+    )
+    print(f"exported the {settings['checkpoint']} tester of {args.run_dir} to {args.out}/ ({settings['mode']} mode)")
+    if args.garak_config:
+        print(f"wrote {args.garak_config}: python -m garak --config {args.garak_config} --target_type TYPE --target_name NAME")
+    return 0
+
+
 def _train(args) -> int:
     from astrl.training.commands import run_train
 
@@ -421,6 +460,7 @@ COMMANDS = {
     "eval": _eval,
     "replay": _replay,
     "compare": _compare,
+    "export": _export,
     "attacks": _attacks,
     "runs": _runs,
 }
@@ -444,6 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(sub)
     _add_replay(sub)
     _add_compare(sub)
+    _add_export(sub)
     from astrl.store_cli import add_attacks_parser, add_runs_parser
 
     add_attacks_parser(sub)

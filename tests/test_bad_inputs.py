@@ -161,6 +161,14 @@ CLI_CASES = [
     ("train-resume-with-config", ["train", "--resume", "{run}", "--config", "configs/grpo.yaml"], "--config"),
     ("train-trust-without-resume", ["train", "--trust-checkpoint"], "--trust-checkpoint"),
     ("train-resume-not-a-run", ["train", "--resume", "{empty_dir}"], "{empty_dir}"),
+    # export: run directories, checkpoints, output folders (all before a model loads)
+    ("export-run-without-tester", ["export", "{run}", "--out", "{root}/exported"], "{run}' has no final/tester folder"),
+    ("export-checkpoint-missing", ["export", "{run}", "--checkpoint", "step_999999", "--out", "{root}/x"], "step_999999"),
+    ("export-out-not-empty", ["export", "{run}", "--out", "{badcfg}"], "{badcfg}' exists and is not empty"),
+    ("export-out-is-a-file", ["export", "{run}", "--out", "{a_file}"], "{a_file}' exists and is not a folder"),
+    ("export-not-a-run", ["export", "{model}", "--out", "{root}/x"], "{model}' is not a training run directory"),
+    ("export-run-missing", ["export", "{root}/norun", "--out", "{root}/x"], "norun' not found"),
+    ("export-without-out", ["export", "{run}"], "--out"),
     # demo
     ("demo-steps-0", ["demo", "--steps", "0", "--run-dir", "{root}/demo"], "argument --steps: must be >= 1, got 0"),
     (

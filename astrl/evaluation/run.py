@@ -30,7 +30,7 @@ from astrl.evaluation.records import (
     successful_probes,
     write_records,
 )
-from astrl.evaluation.tester import TesterSource, load_tester, resolve_tester
+from astrl.evaluation.tester import EXPORT_SETTINGS, TesterSource, load_tester, resolve_tester
 from astrl.keys import NEXT, PROBE_LOGPROB, QUERY
 from astrl.policies import GenerationSettings
 from astrl.scorers import checked_scores
@@ -139,7 +139,8 @@ def resolve(config: EvalConfig) -> Resolved:
     run_judges = [run_judges] if isinstance(run_judges, str) else run_judges if isinstance(run_judges, list) else []
     mode = config.mode or run.get("mode", "chat")
     if mode not in ("chat", "text"):
-        raise ValueError(f"mode must be 'chat' or 'text', got {mode!r} (from {source.run_dir / 'config.yaml'})")
+        where = source.run_dir / "config.yaml" if source.run_dir else Path(source.model) / EXPORT_SETTINGS
+        raise ValueError(f"mode must be 'chat' or 'text', got {mode!r} (from {where})")
     return Resolved(
         source=source,
         target=config.target or str(run.get("target", "smollm2-135m")),

@@ -10,6 +10,10 @@ A training run directory looks like::
 Each ``tester/`` folder is either a full Hugging Face model folder or a PEFT adapter folder
 (``adapter_config.json`` naming the base model as :func:`astrl.models.load_model` understands it,
 tokenizer files alongside). Adapters are merged into the base weights for evaluation.
+
+A folder written by ``astrl export`` is a plain model folder whose ``astrl_tester.json`` carries the
+run's settings that ``astrl eval`` takes as defaults (target, judges, prompts, mode, seeds, system
+prompts), so that evaluating the folder and evaluating the run give the same numbers.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from astrl.names import is_run_dir
 from astrl.yaml_data import read_yaml_mapping
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# What ``astrl export`` writes beside the weights: the tester's generation settings and the run's eval defaults.
+EXPORT_SETTINGS = "astrl_tester.json"
 
 
 @dataclass
@@ -69,7 +75,7 @@ def resolve_tester(spec: str, checkpoint: str | None = None) -> TesterSource:
     if not is_run_dir(path):
         if checkpoint is not None:
             raise ValueError(f"--checkpoint {checkpoint!r} needs a training run directory as tester, got {spec!r}")
-        return TesterSource(spec=spec, model=spec)
+        return TesterSource(spec=spec, model=spec, run_config=exported_defaults(path))
     config = read_run_config(path)
     available = checkpoint_names(path)
     if checkpoint is None:
@@ -87,6 +93,22 @@ def resolve_tester(spec: str, checkpoint: str | None = None) -> TesterSource:
             )
         folder, name = _tester_folder(candidate), checkpoint
     return TesterSource(spec=spec, model=str(folder), run_dir=path, run_config=config, checkpoint=name)
+
+
+def exported_defaults(folder: Path) -> dict:
+    """The run settings an ``astrl export`` folder carries (``EXPORT_SETTINGS``'s ``eval_defaults``:
+    target, judges, prompts, mode, seeds, system prompts, training scorer); ``{}`` for any other folder."""
+    path = folder / EXPORT_SETTINGS
+    if not path.is_file():
+        return {}
+    try:
+        settings = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ModelLoadError(f"{str(path)!r} is not valid JSON ({type(err).__name__})") from None
+    defaults = settings.get("eval_defaults") if isinstance(settings, dict) else None
+    if not isinstance(defaults, dict):
+        raise ModelLoadError(f"{str(path)!r} holds no 'eval_defaults' mapping")
+    return defaults
 
 
 def is_adapter_folder(path: str | Path) -> bool:
