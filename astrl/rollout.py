@@ -16,8 +16,8 @@ from tensordict import TensorDictBase, lazy_stack
 from astrl._compat import as_list
 from astrl.backends import BACKENDS, check_collector
 from astrl.envs.recipe import ConversationSpec, build_conversation, preflight
+from astrl.envs.settings import ConversationRuns
 from astrl.keys import NEXT, PROBE, QUERY, REPLY_SCORES, REWARD, REWARD_TERMS, SCORES, TARGET_RESPONSE, TARGET_RESPONSES
-from astrl.policies import GenerationSettings
 from astrl.rewards.weights import REWARDS, reward_options_of
 
 if TYPE_CHECKING:
@@ -25,29 +25,19 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class RolloutConfig:
-    """Settings of a batch of red-team conversations."""
+class RolloutConfig(ConversationRuns):
+    """Settings of a batch of red-team conversations (the conversation settings are those of
+    :class:`~astrl.envs.settings.ConversationRuns`)."""
 
     tester: str = "smollm2-135m"
     target: str = "smollm2-135m"
     scorers: list[str] = field(default_factory=lambda: ["profanity"])
-    prompts: str = "builtin"
-    split: str = "all"
-    num_conversations: int = 8
-    turns: int = 3
-    batch_size: int = 8
-    mode: str = "chat"
-    tester_generation: GenerationSettings = field(default_factory=GenerationSettings)
-    target_generation: GenerationSettings = field(default_factory=GenerationSettings)
-    tester_system_prompt: str | None = None
-    target_system_prompt: str | None = None
     reward: str = "score"
     alpha: float = 1.0
     zeta: float = 0.5
     likelihood_weight: float = 0.1  # astprompter / elicit: weight of the probe's mean log-prob under the target
     probe_penalty: float = 1.0
     elicit_gate: bool = False
-    reply_samples: int = 1  # replies the target samples to each probe (the reward averages over them)
     # elicit only (see astrl.rewards.ElicitWeights): the probe gate, the reply transform, the reply lexicon, anti-repetition
     probe_gate: float | None = None
     reply_transform: str = "prob"
@@ -67,21 +57,16 @@ class RolloutConfig:
     ray_address: str | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for key in ("backend", "target_backend"):
             if getattr(self, key) not in BACKENDS:
                 raise ValueError(f"{key} must be one of {BACKENDS}, got {getattr(self, key)!r}")
         check_collector(self.collector, self.num_collectors, self.collector_cpus, self.collector_gpus, self.ray_address)
-        if self.collector == "ray" and min(self.batch_size, self.num_conversations) % self.num_collectors:
+        if self.collector == "ray" and self.batch % self.num_collectors:
             raise ValueError(
-                f"batch_size {min(self.batch_size, self.num_conversations)} must be a multiple of "
+                f"batch_size {self.batch} must be a multiple of "
                 f"num_collectors {self.num_collectors} (each worker runs an equal share)"
             )
-        if self.turns < 1:
-            raise ValueError(f"turns must be >= 1, got {self.turns}")
-        if self.num_conversations < 1:
-            raise ValueError(f"num_conversations must be >= 1, got {self.num_conversations}")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if not self.scorers:
             raise ValueError("at least one scorer is needed")
         if self.reward not in REWARDS:
@@ -90,8 +75,6 @@ class RolloutConfig:
             raise ValueError("alpha/zeta/likelihood_weight only apply to reward='astprompter' or 'elicit' (reward is 'score')")
         if self.reward != "astprompter" and self.zeta != 0.5:
             raise ValueError(f"zeta only applies to reward='astprompter' (reward is {self.reward!r})")
-        if self.reply_samples < 1:
-            raise ValueError(f"reply_samples must be >= 1, got {self.reply_samples}")
         elicit_only = (
             self.probe_penalty,
             self.elicit_gate,
@@ -150,21 +133,12 @@ def records_from_rollout(rollout: TensorDictBase, openers: Sequence[str], first_
 def conversation_spec(config: RolloutConfig) -> ConversationSpec:
     """The conversations of a rollout as a :class:`~astrl.envs.ConversationSpec` (one batch at a time)."""
     return ConversationSpec(
+        **config.batch_settings(),
         tester=config.tester,
         target=config.target,
         scorers=list(config.scorers),
-        prompts=config.prompts,
-        split=config.split,
-        batch_size=min(config.batch_size, config.num_conversations),
-        turns=config.turns,
-        mode=config.mode,
-        tester_generation=config.tester_generation,
-        target_generation=config.target_generation,
-        tester_system_prompt=config.tester_system_prompt,
-        target_system_prompt=config.target_system_prompt,
         reward=config.reward,
         reward_options=config.reward_options(),
-        reply_samples=config.reply_samples,
         backend=config.backend,
         target_backend=config.target_backend,
         seed=config.seed,
@@ -191,7 +165,7 @@ def conversations(turns: TensorDictBase, num_turns: int) -> TensorDictBase:
 def _iter_ray_rollouts(config: RolloutConfig, on_turn: Callable[[], None] | None) -> Iterator[list[dict]]:
     from astrl.distributed import RayCollectors
 
-    batch = min(config.batch_size, config.num_conversations)
+    batch = config.batch
     collectors = RayCollectors(
         worker_spec(config), num_cpus=config.collector_cpus, num_gpus=config.collector_gpus, ray_address=config.ray_address
     )
@@ -265,7 +239,7 @@ def run_rollout(config: RolloutConfig, out: str | Path, *, progress: bool = True
     bar = tqdm(total=config.num_conversations * config.turns, unit="turn", disable=not progress, desc="rollout")
     start = time.perf_counter()
     records: list[dict] = []
-    batch = min(config.batch_size, config.num_conversations)
+    batch = config.batch
     with out.open("w", encoding="utf-8") as handle:
         for chunk in iter_rollouts(config, on_turn=lambda: bar.update(batch)):
             records.extend(chunk)

@@ -128,3 +128,59 @@ def test_config_error_and_the_yaml_reader_live_on_the_ground_floor_and_keep_thei
     (tmp_path / "bad.yaml").write_text("- a\n- b\n")
     with pytest.raises(astrl.errors.ConfigError, match="must hold a mapping"):
         astrl.yaml_data.read_yaml_mapping(tmp_path / "bad.yaml")
+
+
+# -- sections, and config.yaml files written before them -------------------------------------------------------
+def test_a_config_yaml_written_before_the_sections_loads_as_an_equal_config(tmp_path):
+    """tests/data/config_v0.yaml was saved by the flat TrainConfig (keys in their old order); it
+    loads to the same settings, and saving it again writes the same keys and values."""
+    old = read_yaml_mapping("tests/data/config_v0.yaml")
+    config = load_config("tests/data/config_v0.yaml")
+    assert config.to_dict() == old and list(old) != [spec.name for spec in FIELDS]  # same values, other order
+    assert config == TrainConfig(**old)
+    config.save(tmp_path / "config.yaml")
+    assert read_yaml_mapping(tmp_path / "config.yaml") == old
+    assert load_config(tmp_path / "config.yaml") == config
+
+
+def test_every_key_sits_in_one_section_and_the_sections_keep_the_key_order():
+    from astrl.training.config import SECTIONS
+
+    by_section = [spec.name for section in SECTIONS.values() for spec in dataclasses.fields(section)]
+    assert by_section == [spec.name for spec in FIELDS]
+    assert all(issubclass(TrainConfig, section) for section in SECTIONS.values())
+    assert "reply_samples" in {spec.name for spec in dataclasses.fields(SECTIONS["conversation"])}
+    assert {"warm_start_probes", "warm_start_lr"} <= {spec.name for spec in dataclasses.fields(SECTIONS["warm start"])}
+
+
+def test_train_keys_lists_the_keys_under_their_sections(capsys):
+    from astrl.training.config import SECTIONS
+
+    assert main(["train", "--keys"]) == 0
+    out = capsys.readouterr().out
+    titles = re.findall(r"^(\w[\w -]*):$", out, flags=re.MULTILINE)
+    assert titles == list(SECTIONS)
+    conversation = out.split("\nconversation:\n")[1].split("\nreward:\n")[0]
+    assert re.findall(r"^  (\w+) = ", conversation, flags=re.MULTILINE) == [
+        spec.name for spec in dataclasses.fields(SECTIONS["conversation"])
+    ]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["turns=0"], "turns must be >= 1, got 0"),
+        (["mode=voice"], r"mode must be one of \('chat', 'text'\), got 'voice'"),
+        (["split=holdout"], "split must be one of .* got 'holdout'"),
+        (["max_new_tokens=0"], "max_new_tokens must be >= 1, got 0"),
+        (["top_p=1.5"], r"top_p must be in \(0, 1\], got 1.5"),
+        (["temperature=0"], "temperature must be > 0, got 0"),
+        (["lora_rank=0"], "lora_rank must be >= 1, got 0"),
+        (["novelty_history=0"], "novelty_history must be >= 1, got 0"),
+        (["harden_steps=0"], "harden_steps must be >= 1, got 0"),
+        (["save_every=0"], "save_every must be >= 1, got 0"),
+    ],
+)
+def test_each_section_checks_its_keys_with_a_config_error(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)

@@ -26,11 +26,12 @@ from typing import TYPE_CHECKING
 
 from astrl.backends import BACKENDS, check_backend
 from astrl.envs.redteam import DEFAULT_TESTER_SYSTEM_PROMPT, make_redteam_env
+from astrl.envs.settings import ConversationBatch
 from astrl.models import LoadedModel, add_lora, load_model
 from astrl.names import check_names
-from astrl.policies import GenerationSettings, input_mode, make_policy, vllm_share
-from astrl.prompts import SPLITS, PromptStream, load_prompts, split_prompts
-from astrl.rewards.weights import LIKELIHOOD_REWARDS, MODES, REWARDS, check_reward_options
+from astrl.policies import input_mode, make_policy, vllm_share
+from astrl.prompts import PromptStream, load_prompts, split_prompts
+from astrl.rewards.weights import LIKELIHOOD_REWARDS, REWARDS, check_reward_options
 from astrl.scorers import Scorer, make_scorers
 
 if TYPE_CHECKING:
@@ -38,9 +39,13 @@ if TYPE_CHECKING:
     from torchrl.modules.llm import LLMWrapperBase
 
 
-@dataclass(frozen=True)
-class ConversationSpec:
+@dataclass
+class ConversationSpec(ConversationBatch):
     """A red-team conversation set-up as plain, picklable data.
+
+    The conversation settings (``prompts``, ``split``, ``split_seed``, ``turns``, ``mode``, the
+    system prompts, ``reply_samples``, ``batch_size`` and each side's generation) are those of
+    :class:`~astrl.envs.settings.ConversationBatch`, declared and checked there.
 
     Args:
         tester / target: model names, folders or hub ids; loaded by :func:`build_conversation`
@@ -69,21 +74,10 @@ class ConversationSpec:
     tester: str = "smollm2-135m"
     target: str = "smollm2-135m"
     scorers: list[str] = field(default_factory=lambda: ["profanity"])
-    prompts: str = "builtin"
-    split: str = "all"
-    split_seed: int | None = None
-    batch_size: int = 8
     group_size: int = 1
-    turns: int = 3
-    mode: str = "chat"
-    tester_generation: GenerationSettings = field(default_factory=GenerationSettings)
-    target_generation: GenerationSettings = field(default_factory=GenerationSettings)
-    tester_system_prompt: str | None = None
-    target_system_prompt: str | None = None
     reward: str = "score"
     reward_options: dict | None = None
     novelty: dict | None = None
-    reply_samples: int = 1
     lora: dict | None = None
     backend: str = "transformers"
     target_backend: str = "transformers"
@@ -94,22 +88,19 @@ class ConversationSpec:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        choices = {"mode": MODES, "reward": REWARDS, "split": SPLITS, "backend": BACKENDS, "target_backend": BACKENDS}
+        super().__post_init__()
+        choices = {"reward": REWARDS, "backend": BACKENDS, "target_backend": BACKENDS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("batch_size", "group_size", "turns", "reply_samples"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
         if self.batch_size % self.group_size:
             raise ValueError(f"group_size {self.group_size} must divide batch_size {self.batch_size}")
         if isinstance(self.scorers, str) or not self.scorers:
             raise ValueError(f"scorers must be a non-empty list of scorer names, got {self.scorers!r}")
         if not 0 < self.vllm_memory <= 1:
             raise ValueError(f"vllm_memory must be in (0, 1], got {self.vllm_memory}")
-        for name in ("tester_generation", "target_generation"):
-            if not isinstance(getattr(self, name), GenerationSettings):
-                raise TypeError(f"{name} must be a GenerationSettings, got {type(getattr(self, name)).__name__}")
         check_reward_options(self.reward, self.reward_options)
 
     def env_options(self) -> dict:

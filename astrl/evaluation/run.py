@@ -14,12 +14,13 @@ import math
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from astrl.envs.settings import ConversationRuns, with_defaults
 from astrl.evaluation.agreement import eval_agreement
 from astrl.evaluation.metrics import DEFAULT_THRESHOLD
 from astrl.evaluation.records import (
@@ -32,7 +33,6 @@ from astrl.evaluation.records import (
 )
 from astrl.evaluation.tester import EXPORT_SETTINGS, TesterSource, load_tester, resolve_tester
 from astrl.keys import NEXT, PROBE_LOGPROB, QUERY
-from astrl.policies import GenerationSettings
 from astrl.scorers import checked_scores
 
 if TYPE_CHECKING:
@@ -45,25 +45,17 @@ RUN_DEFAULTS = (
 
 
 @dataclass
-class EvalConfig:
-    """Settings of an evaluation. ``None`` fields fall back to the training run's config (when the
-    tester is a run directory), then to the defaults noted."""
+class EvalConfig(with_defaults(ConversationRuns, prompts=None, split="test", mode=None, num_conversations=32)):
+    """Settings of an evaluation (the conversation settings are those of
+    :class:`~astrl.envs.settings.ConversationRuns`). ``None`` fields fall back to the training run's
+    config (when the tester is a run directory), then to the defaults noted: ``prompts`` (the run's,
+    else builtin), ``split_seed`` (the run's seed, so "test" is the run's held-out split, else
+    ``seed``), ``mode`` (the run's, else chat) and the system prompts (the run's). ``reply_samples``:
+    every reply is judged; the first continues."""
 
     tester: str = "smollm2-135m"
     target: str | None = None  # run's target, else smollm2-135m
     judges: list[str] | None = None  # run's judges, else profanity
-    prompts: str | None = None  # run's prompts, else builtin
-    split: str = "test"
-    split_seed: int | None = None  # run's seed (so "test" is the run's held-out split), else seed
-    num_conversations: int = 32
-    turns: int = 3
-    batch_size: int = 8
-    reply_samples: int = 1  # replies the target samples to each probe; all are judged, the first continues
-    mode: str | None = None  # run's mode, else chat
-    tester_generation: GenerationSettings = field(default_factory=GenerationSettings)
-    target_generation: GenerationSettings = field(default_factory=GenerationSettings)
-    tester_system_prompt: str | None = None
-    target_system_prompt: str | None = None
     checkpoint: str | None = None
     threshold: float = DEFAULT_THRESHOLD
     resamples: int = 1000
@@ -74,9 +66,9 @@ class EvalConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        for name in ("turns", "num_conversations", "batch_size", "resamples", "reply_samples"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        super().__post_init__()
+        if self.resamples < 1:
+            raise ValueError(f"resamples must be >= 1, got {self.resamples}")
         if self.top_attacks < 0:
             raise ValueError(f"top_attacks must be >= 0, got {self.top_attacks}")
         if not 0 <= self.threshold < 1:
@@ -86,8 +78,6 @@ class EvalConfig:
         repeated = sorted({j for j in self.judges or [] if self.judges.count(j) > 1})
         if repeated:
             raise ValueError(f"judge {repeated[0]!r} is given more than once")
-        if self.mode is not None and self.mode not in ("chat", "text"):
-            raise ValueError(f"mode must be 'chat' or 'text', got {self.mode!r}")
 
 
 @dataclass
@@ -190,20 +180,16 @@ def conversation_spec(config: EvalConfig, resolved: Resolved, judges: list[str])
     from astrl.envs import ConversationSpec
 
     return ConversationSpec(
+        **config.batch_settings(
+            prompts=resolved.prompts,
+            split_seed=resolved.split_seed,
+            mode=resolved.mode,
+            tester_system_prompt=resolved.tester_system_prompt,
+            target_system_prompt=resolved.target_system_prompt,
+        ),
         tester=resolved.source.model,
         target=resolved.target,
         scorers=judges,
-        prompts=resolved.prompts,
-        split=config.split,
-        split_seed=resolved.split_seed,
-        batch_size=min(config.batch_size, config.num_conversations),
-        turns=config.turns,
-        reply_samples=config.reply_samples,
-        mode=resolved.mode,
-        tester_generation=config.tester_generation,
-        target_generation=config.target_generation,
-        tester_system_prompt=resolved.tester_system_prompt,
-        target_system_prompt=resolved.target_system_prompt,
         reward="astprompter",
         seed=config.seed,
         dtype=config.dtype,

@@ -1,4 +1,10 @@
-"""Training configuration: one flat dataclass, loaded from YAML plus ``key=value`` overrides."""
+"""Training configuration: one flat dataclass made of sections, loaded from YAML plus ``key=value`` overrides.
+
+Each section (:data:`SECTIONS`) declares its keys with their defaults and help, and checks them
+(``_check_<section>``; a check may read another section's keys). :class:`TrainConfig` inherits
+them all, so its keys stay flat: ``TrainConfig(**flat_kwargs)``, YAML files and overrides name a
+key, never its section. The conversation keys are :mod:`astrl.envs.settings`'s, declared once for
+every entry point."""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from astrl.envs.settings import ConversationSettings, SamplingSettings, check_settings, with_defaults
 from astrl.errors import ConfigError
 from astrl.rewards.weights import REPLY_TRANSFORMS, REWARDS, reward_options_of
 from astrl.yaml_data import read_yaml_mapping, yaml_problem
@@ -24,31 +31,22 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "adagrad")
 RENAMED_KEYS = {"gamma": "likelihood_weight"}
 
 
+def _raise_first(checks: list[tuple[bool, str]]) -> None:
+    """Raise a :class:`ConfigError` with the message of the first check that fails."""
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
 @dataclass
-class TrainConfig:
-    """Every setting of a training run (``configs/*.yaml`` hold subsets of these keys).
+class RunSection:
+    """The run: its seed, the tester and the target, the tester's LoRA adapters, dtype and device."""
 
-    Each field's ``metadata["help"]`` says what it does; ``astrl train --keys`` prints them all
-    with their defaults.
-    """
-
-    # what to train
     seed: int = field(
         default=0,
         metadata={
             "help": "Seed of the prompt split (unless split_seed), prompt order, sampling, minibatch order and initialisation."
         },
-    )
-    split_seed: int | None = field(
-        default=None,
-        metadata={
-            "help": "Seed of the train/dev/test prompt split (null: seed). Replicate runs with other seeds keep the same "
-            "held-out openers when they share it."
-        },
-    )
-    algorithm: str = field(
-        default="grpo",
-        metadata={"help": "grpo, ppo (value head and GAE), dpo or ipo (best-vs-worst sibling pairs from tree sampling)."},
     )
     tester: str = field(
         default="smollm2-135m",
@@ -58,6 +56,62 @@ class TrainConfig:
         default="smollm2-135m",
         metadata={"help": "The model attacked (same forms as tester); named like tester, the two share the base weights."},
     )
+    lora: bool = field(default=True, metadata={"help": "Train LoRA adapters (true) or every weight of the tester (false)."})
+    lora_rank: int = field(default=8, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (scale alpha / rank)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout (0 keeps behaviour and training log-probs equal)."})
+    lora_targets: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        metadata={"help": "Module names that get LoRA adapters."},
+    )
+    dtype: str = field(default="float32", metadata={"help": "Model dtype: float32, bfloat16 or float16."})
+    device: str = field(default="cpu", metadata={"help": "Torch device: cpu, cuda, cuda:N or mps."})
+
+    def _check_run(self) -> None:
+        _raise_first([(self.lora_rank >= 1, f"lora_rank must be >= 1, got {self.lora_rank}")])
+
+
+@dataclass
+class ConversationSection(
+    with_defaults(SamplingSettings, max_new_tokens=24),
+    with_defaults(ConversationSettings, split="train", turns=2),
+):  # bases in reverse: a dataclass takes its bases' fields last base first
+    """The conversations: the shared conversation and sampling settings
+    (:mod:`astrl.envs.settings`, with the training defaults) and the openers per step."""
+
+    prompts_per_step: int = field(default=4, metadata={"help": "Openers per step (grpo, ppo); trees per step (dpo, ipo)."})
+    group_size: int = field(
+        default=4,
+        metadata={"help": "Conversations per opener (grpo compares turns within a group, so >= 2 there)."},
+    )
+
+    def _check_conversation(self) -> None:
+        try:
+            check_settings(self)  # the conversation settings' own checks (astrl.envs.settings)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        _raise_first(
+            [
+                (self.prompts_per_step >= 1, f"prompts_per_step must be >= 1, got {self.prompts_per_step}"),
+                (self.group_size >= 1, f"group_size must be >= 1, got {self.group_size}"),
+            ]
+        )
+
+    @property
+    def batch_size(self) -> int:
+        """Conversations per step (``prompts_per_step`` openers, each ``group_size`` times)."""
+        return self.prompts_per_step * self.group_size
+
+    @property
+    def prompt_split_seed(self) -> int:
+        """The seed of the prompt split: ``split_seed``, else ``seed``."""
+        return self.seed if self.split_seed is None else self.split_seed
+
+
+@dataclass
+class RewardSection:
+    """The reward: the scorer, the judges logged beside it, the reward and its weights."""
+
     scorer: str = field(
         default="profanity",
         metadata={
@@ -92,13 +146,6 @@ class TrainConfig:
         metadata={
             "help": "elicit: pay the reply terms only for a probe with tox(probe) below this (a gate, not a weight the "
             "probe penalty can outbid); null = off."
-        },
-    )
-    reply_samples: int = field(
-        default=1,
-        metadata={
-            "help": "Replies the target samples to each probe, in one call (the rows share context + probe); the "
-            "reward's reply terms average over them; the conversation goes on with the first."
         },
     )
     reply_transform: str = field(
@@ -139,7 +186,215 @@ class TrainConfig:
             "than that, such as repetition, earns no more; null = no cap."
         },
     )
-    # warm start (0 probes = off)
+
+    def _check_reward(self) -> None:
+        _raise_first(
+            [
+                (self.reward in REWARDS, f"reward must be one of {REWARDS}, got {self.reward!r}"),
+                (self.probe_penalty >= 0, f"probe_penalty must be >= 0, got {self.probe_penalty}"),
+                (
+                    self.reply_transform in REPLY_TRANSFORMS,
+                    f"reply_transform must be one of {REPLY_TRANSFORMS}, got {self.reply_transform!r}",
+                ),
+                (
+                    self.probe_gate is None or 0 < self.probe_gate <= 1,
+                    f"probe_gate must be in (0, 1] (or null), got {self.probe_gate}",
+                ),
+                (
+                    self.probe_gate is None or not self.elicit_gate,
+                    "choose one gate: probe_gate (pay the reply terms below a probe toxicity) or elicit_gate (scale them by "
+                    "1 - tox(probe))",
+                ),
+                (
+                    self.likelihood_cap is None or self.likelihood_cap <= 0,
+                    f"likelihood_cap is a mean log-prob and must be <= 0 (or null), got {self.likelihood_cap}",
+                ),
+                (self.reply_lexicon_weight >= 0, f"reply_lexicon_weight must be >= 0, got {self.reply_lexicon_weight}"),
+                (
+                    0 < self.reply_lexicon_threshold < 1,
+                    f"reply_lexicon_threshold must be in (0, 1), got {self.reply_lexicon_threshold}",
+                ),
+                (self.repeat_penalty >= 0, f"repeat_penalty must be >= 0, got {self.repeat_penalty}"),
+                (
+                    self.reward == "elicit" or self._elicit_defaults(),
+                    f"probe_gate, reply_transform, reply_lexicon_weight, repeat_penalty and likelihood_cap apply to "
+                    f"reward 'elicit' (reward is {self.reward!r})",
+                ),
+            ]
+        )
+
+    def _elicit_defaults(self) -> bool:
+        return (self.probe_gate, self.reply_transform, self.reply_lexicon_weight, self.repeat_penalty, self.likelihood_cap) == (
+            None,
+            "prob",
+            0.0,
+            0.0,
+            None,
+        )
+
+    def _check_reply_lexicon(self) -> None:
+        """A reply lexicon the run reads (a file, ``wordlist``, a word list) is read now, before any model
+        loads; ``scorer`` needs the target's tokenizer and is built with it."""
+        reads = (self.reward == "elicit" and self.reply_lexicon_weight > 0) or self.warm_start_select == "search"
+        if not reads or self.reply_lexicon == "scorer":
+            return
+        from astrl.errors import ScorerError
+        from astrl.rewards.lexicon import lexicon_words
+
+        try:
+            lexicon_words(self.reply_lexicon)
+        except ScorerError as err:
+            raise ConfigError(str(err)) from None
+
+    def reward_options(self) -> dict | None:
+        """Reward weights for :func:`astrl.envs.make_redteam_env` (None for the plain score)."""
+        return reward_options_of(self)
+
+
+@dataclass
+class AlgorithmSection:
+    """The algorithm and its optimisation: GRPO / PPO / DPO / IPO settings, optimizer and schedule."""
+
+    algorithm: str = field(
+        default="grpo",
+        metadata={"help": "grpo, ppo (value head and GAE), dpo or ipo (best-vs-worst sibling pairs from tree sampling)."},
+    )
+    returns: str = field(
+        default="turn",
+        metadata={"help": "grpo: a turn's return is its own reward (turn) or the sum with its later turns' (to_go)."},
+    )
+    group_scale: str = field(
+        default="std",
+        metadata={
+            "help": "grpo: a return's advantage is its difference from its group's mean divided by the group's std "
+            "(std) or not divided (none), so a group whose returns barely differ moves the tester barely."
+        },
+    )
+    total_steps: int = field(default=100, metadata={"help": "Training steps (one collection and its updates each)."})
+    lr: float = field(default=1e-4, metadata={"help": "Peak learning rate of the tester (warm-up, then linear decay to 0)."})
+    weight_decay: float = field(default=0.0, metadata={"help": "Weight decay of the optimizer."})
+    warmup_steps: int = field(default=5, metadata={"help": "Steps of linear learning-rate warm-up."})
+    max_grad_norm: float = field(
+        default=1.0, metadata={"help": "Gradients are clipped to this total norm (grad_norm logs it before clipping)."}
+    )
+    epochs: int = field(default=1, metadata={"help": "Passes over each step's batch."})
+    minibatches: int = field(default=1, metadata={"help": "Minibatches per pass (ignored when minibatch_size is set)."})
+    minibatch_size: int | None = field(
+        default=None,
+        metadata={"help": "Items per minibatch instead of a count (the schedule then advances once per step); null: off."},
+    )
+    optimizer: str = field(default="adamw", metadata={"help": "adamw, adam, sgd, rmsprop or adagrad."})
+    grad_accum: int = field(default=1, metadata={"help": "Minibatches whose gradients add up before one optimizer step."})
+    clip_epsilon: float = field(
+        default=0.2, metadata={"help": "grpo, ppo: the importance ratio is clipped to [1 - eps, 1 + eps]."}
+    )
+    entropy_coef: float = field(default=0.0, metadata={"help": "grpo, ppo: weight of the entropy bonus (0: off)."})
+    kl_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "grpo: weight of the per-token KL to the reference in the loss; ppo: of the clipped-KL reward "
+            "(the start value when target_kl is set)."
+        },
+    )
+    kl_token_cap: float | None = field(
+        default=10.0,
+        metadata={
+            "help": "grpo (and ppo's logged kl_to_ref): cap on one response token's k3 KL term exp(d) - d - 1, "
+            "d = log pi_ref - log pi, which grows like exp(d): a token the policy samples although it finds it far "
+            "less likely than the reference does can outweigh the batch; above the cap a token counts the cap and "
+            "passes no gradient; null = no cap."
+        },
+    )
+    beta: float = field(default=0.01, metadata={"help": "dpo, ipo: the preference loss's beta (> 0)."})
+    tree_width: int = field(default=2, metadata={"help": "dpo, ipo: probes written from each state (>= 2)."})
+    tree_depth: int = field(default=3, metadata={"help": "dpo, ipo: levels of each tree (tester turns per branch)."})
+    min_reward_gap: float = field(
+        default=0.0, metadata={"help": "dpo, ipo: a sibling group makes a pair only when best - worst reward >= this."}
+    )
+    share_prompt: bool = field(
+        default=True,
+        metadata={"help": "dpo, ipo: each pair's prompt runs once for chosen and rejected (false: two full rows)."},
+    )
+    weak_supervision: float = field(
+        default=0.0,
+        metadata={"help": "dpo, ipo: chance per batch that harmful texts are forced as the chosen probes (0: off)."},
+    )
+    weak_supervision_prompts: str = field(
+        default="rtp", metadata={"help": "Prompt source of the forced texts (as prompts; astrl.prompts.load_prompts)."}
+    )
+    value_lr: float = field(default=1e-4, metadata={"help": "ppo: learning rate of the value head."})
+    value_coef: float = field(default=0.15, metadata={"help": "ppo: weight of the value loss."})
+    advantage: str = field(
+        default="gae", metadata={"help": "ppo: gae (with gae_lambda) or one_step (r_t + V_{t+1} - V_t) advantages."}
+    )
+    gae_lambda: float = field(default=0.95, metadata={"help": "ppo: lambda of GAE (episodes are undiscounted)."})
+    kl_clip: float = field(default=10.0, metadata={"help": "ppo: the per-token log-ratio to the reference is clipped to +-this."})
+    score_clip: float = field(default=10.0, metadata={"help": "ppo: the turn's score is clipped to +-this."})
+    target_kl: float | None = field(
+        default=None,
+        metadata={"help": "ppo: an adaptive controller moves kl_coef (> 0) toward this KL per turn (null: constant)."},
+    )
+
+    def _check_algorithm(self) -> None:
+        _raise_first(
+            [
+                (self.algorithm in ALGORITHMS, f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}"),
+                (self.advantage in ("gae", "one_step"), f"advantage must be 'gae' or 'one_step', got {self.advantage!r}"),
+                (self.returns in RETURNS, f"returns must be one of {RETURNS}, got {self.returns!r}"),
+                (self.group_scale in GROUP_SCALES, f"group_scale must be one of {GROUP_SCALES}, got {self.group_scale!r}"),
+                (self.total_steps >= 1, f"total_steps must be >= 1, got {self.total_steps}"),
+                (self.group_size >= 2 or self.algorithm != "grpo", f"grpo needs group_size >= 2, got {self.group_size}"),
+                (self.beta > 0, f"beta must be > 0, got {self.beta}"),
+                (self.tree_width >= 2, f"tree_width must be >= 2 (a pair needs two siblings), got {self.tree_width}"),
+                (self.tree_depth >= 1, f"tree_depth must be >= 1, got {self.tree_depth}"),
+                (self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}"),
+                (
+                    self.kl_token_cap is None or self.kl_token_cap > 0,
+                    f"kl_token_cap must be > 0 (or null), got {self.kl_token_cap}",
+                ),
+                (self.target_kl is None or self.target_kl > 0, f"target_kl must be > 0 (or null: off), got {self.target_kl}"),
+                (
+                    self.target_kl is None or self.kl_coef > 0,
+                    f"target_kl ({self.target_kl}) needs kl_coef > 0, got kl_coef {self.kl_coef}: the adaptive controller "
+                    "multiplies kl_coef, its start value, so from 0 it never moves; start it small (e.g. kl_coef=0.01) or "
+                    "set target_kl=null for a constant coefficient",
+                ),
+                (0 <= self.weak_supervision <= 1, f"weak_supervision must be in [0, 1], got {self.weak_supervision}"),
+                (
+                    self.weak_supervision == 0 or self.algorithm in ("dpo", "ipo"),
+                    f"weak_supervision needs algorithm dpo or ipo, got {self.algorithm!r}",
+                ),
+            ]
+        )
+        self._check_optimisation()
+
+    def _check_optimisation(self) -> None:
+        _raise_first(
+            [
+                (self.lr > 0, f"lr must be > 0, got {self.lr}"),
+                (self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}"),
+                (
+                    self.epochs >= 1 and self.minibatches >= 1 and self.grad_accum >= 1,
+                    "epochs, minibatches and grad_accum must be >= 1",
+                ),
+                (
+                    self.minibatches <= self.batch_size,
+                    f"minibatches ({self.minibatches}) exceeds the turns per step ({self.batch_size})",
+                ),
+                (
+                    self.minibatch_size is None or self.minibatch_size >= 1,
+                    f"minibatch_size must be >= 1, got {self.minibatch_size}",
+                ),
+                (self.optimizer in OPTIMIZERS, f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}"),
+                (self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}"),
+            ]
+        )
+
+
+@dataclass
+class WarmStartSection:
+    """The warm start before RL (0 probes = off)."""
+
     warm_start_probes: int = field(
         default=0,
         metadata={
@@ -204,7 +459,63 @@ class TrainConfig:
     )
     warm_start_epochs: int = field(default=3, metadata={"help": "Warm start: passes over the kept probes."})
     warm_start_lr: float = field(default=1e-3, metadata={"help": "Warm start: learning rate of the fine-tuning (AdamW)."})
-    # novelty bonuses (0 = off)
+
+    def _check_warm_start(self) -> None:
+        _raise_first(
+            [
+                (self.warm_start_probes >= 0, f"warm_start_probes must be >= 0 (0: off), got {self.warm_start_probes}"),
+                (
+                    0 <= self.warm_start_min_toxic <= 1,
+                    f"warm_start_min_toxic must be in [0, 1], got {self.warm_start_min_toxic}",
+                ),
+                (
+                    self.warm_start_select in WARM_START_SELECTIONS,
+                    f"warm_start_select must be one of {WARM_START_SELECTIONS}, got {self.warm_start_select!r}",
+                ),
+                (
+                    self.warm_start_select not in ("lexicon", "best_of")
+                    or (self.reward == "elicit" and self.reply_lexicon_weight > 0),
+                    f"warm_start_select {self.warm_start_select!r} reads the elicit reward's reply lexicon: set reward: "
+                    f"elicit and reply_lexicon_weight > 0 (reward is {self.reward!r}, reply_lexicon_weight "
+                    f"{self.reply_lexicon_weight})",
+                ),
+                (
+                    self.warm_start_select != "search" or self.mode == "text",
+                    f"warm_start_select 'search' sets up the target's next words, a text-mode turn: set mode: text "
+                    f"(mode is {self.mode!r})",
+                ),
+                (self.warm_start_samples >= 1, f"warm_start_samples must be >= 1, got {self.warm_start_samples}"),
+                (
+                    self.warm_start_reply_tokens is None or self.warm_start_reply_tokens >= 1,
+                    f"warm_start_reply_tokens must be >= 1 (or null), got {self.warm_start_reply_tokens}",
+                ),
+                (
+                    self.warm_start_reply_tokens is None or self.warm_start_select == "best_of",
+                    f"warm_start_reply_tokens sets the reply that best_of reads: set warm_start_select: best_of "
+                    f"(warm_start_select is {self.warm_start_select!r})",
+                ),
+                (self.warm_start_beams >= 1, f"warm_start_beams must be >= 1, got {self.warm_start_beams}"),
+                (self.warm_start_top_k >= 1, f"warm_start_top_k must be >= 1, got {self.warm_start_top_k}"),
+                (self.warm_start_epochs >= 1, f"warm_start_epochs must be >= 1, got {self.warm_start_epochs}"),
+                (self.warm_start_rounds >= 1, f"warm_start_rounds must be >= 1, got {self.warm_start_rounds}"),
+                (
+                    self.warm_start_max_nll is None or self.warm_start_max_nll > 0,
+                    f"warm_start_max_nll must be > 0 (or null), got {self.warm_start_max_nll}",
+                ),
+                (
+                    self.warm_start_max_nll is None or self.warm_start_select in ("search", "best_of"),
+                    f"warm_start_max_nll bounds searched or best-of probes: set warm_start_select: search or best_of "
+                    f"(warm_start_select is {self.warm_start_select!r})",
+                ),
+                (self.warm_start_lr > 0, f"warm_start_lr must be > 0, got {self.warm_start_lr}"),
+            ]
+        )
+
+
+@dataclass
+class NoveltySection:
+    """The novelty bonuses (0 = off)."""
+
     novelty_ngram: float = field(
         default=0.0,
         metadata={
@@ -226,109 +537,39 @@ class TrainConfig:
     novelty_embedding_reduce: str = field(
         default="max", metadata={"help": "How the embedding novelty reduces cosines over the history: max or mean."}
     )
-    archive_threshold: float = field(
-        default=0.5,
-        metadata={"help": "A turn enters attacks.jsonl when its reward scorer's score is above this (in [0, 1))."},
-    )
-    prompts: str = field(
-        default="builtin",
-        metadata={"help": "Openers: builtin, rtp[:CATEGORY], harmbench, chatterbot, hf:ID or a .txt/.jsonl file."},
-    )
-    split: str = field(
-        default="train",
-        metadata={"help": "Part of the openers, seeded by seed: train, dev, test (disjoint) or all."},
-    )
-    mode: str = field(
-        default="chat", metadata={"help": "chat (chat templates) or text (plain-text continuation of the conversation)."}
-    )
-    tester_system_prompt: str | None = field(
-        default=None, metadata={"help": "The tester's system prompt in chat mode (null: the built-in red-teaming prompt)."}
-    )
-    target_system_prompt: str | None = field(
-        default=None, metadata={"help": "The target's system prompt in chat mode (null: none)."}
-    )
-    # rollouts
-    prompts_per_step: int = field(default=4, metadata={"help": "Openers per step (grpo, ppo); trees per step (dpo, ipo)."})
-    group_size: int = field(
-        default=4,
-        metadata={"help": "Conversations per opener (grpo compares turns within a group, so >= 2 there)."},
-    )
-    turns: int = field(default=2, metadata={"help": "Tester turns per conversation."})
-    returns: str = field(
-        default="turn",
-        metadata={"help": "grpo: a turn's return is its own reward (turn) or the sum with its later turns' (to_go)."},
-    )
-    group_scale: str = field(
-        default="std",
-        metadata={
-            "help": "grpo: a return's advantage is its difference from its group's mean divided by the group's std "
-            "(std) or not divided (none), so a group whose returns barely differ moves the tester barely."
-        },
-    )
-    max_new_tokens: int = field(
-        default=24, metadata={"help": "New tokens per tester turn (and per target turn unless target_max_new_tokens)."}
-    )
-    target_max_new_tokens: int | None = field(
-        default=None, metadata={"help": "New tokens per target reply (null: max_new_tokens)."}
-    )
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of tester and target."})
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling threshold of tester and target (1: off)."})
-    top_k: int = field(default=0, metadata={"help": "Top-k filtering of tester and target (0: off)."})
-    # optimisation
-    total_steps: int = field(default=100, metadata={"help": "Training steps (one collection and its updates each)."})
-    lr: float = field(default=1e-4, metadata={"help": "Peak learning rate of the tester (warm-up, then linear decay to 0)."})
-    weight_decay: float = field(default=0.0, metadata={"help": "Weight decay of the optimizer."})
-    warmup_steps: int = field(default=5, metadata={"help": "Steps of linear learning-rate warm-up."})
-    max_grad_norm: float = field(
-        default=1.0, metadata={"help": "Gradients are clipped to this total norm (grad_norm logs it before clipping)."}
-    )
-    epochs: int = field(default=1, metadata={"help": "Passes over each step's batch."})
-    minibatches: int = field(default=1, metadata={"help": "Minibatches per pass (ignored when minibatch_size is set)."})
-    minibatch_size: int | None = field(
-        default=None,
-        metadata={"help": "Items per minibatch instead of a count (the schedule then advances once per step); null: off."},
-    )
-    optimizer: str = field(default="adamw", metadata={"help": "adamw, adam, sgd, rmsprop or adagrad."})
-    grad_accum: int = field(default=1, metadata={"help": "Minibatches whose gradients add up before one optimizer step."})
-    clip_epsilon: float = field(
-        default=0.2, metadata={"help": "grpo, ppo: the importance ratio is clipped to [1 - eps, 1 + eps]."}
-    )
-    entropy_coef: float = field(default=0.0, metadata={"help": "grpo, ppo: weight of the entropy bonus (0: off)."})
-    kl_coef: float = field(
-        default=0.0,
-        metadata={
-            "help": "grpo: weight of the per-token KL to the reference in the loss; ppo: of the clipped-KL reward "
-            "(the start value when target_kl is set)."
-        },
-    )
-    kl_token_cap: float | None = field(
-        default=10.0,
-        metadata={
-            "help": "grpo (and ppo's logged kl_to_ref): cap on one response token's k3 KL term exp(d) - d - 1, "
-            "d = log pi_ref - log pi, which grows like exp(d): a token the policy samples although it finds it far "
-            "less likely than the reference does can outweigh the batch; above the cap a token counts the cap and "
-            "passes no gradient; null = no cap."
-        },
-    )
-    # DPO / IPO on tree-sampled pairs
-    beta: float = field(default=0.01, metadata={"help": "dpo, ipo: the preference loss's beta (> 0)."})
-    tree_width: int = field(default=2, metadata={"help": "dpo, ipo: probes written from each state (>= 2)."})
-    tree_depth: int = field(default=3, metadata={"help": "dpo, ipo: levels of each tree (tester turns per branch)."})
-    min_reward_gap: float = field(
-        default=0.0, metadata={"help": "dpo, ipo: a sibling group makes a pair only when best - worst reward >= this."}
-    )
-    share_prompt: bool = field(
-        default=True,
-        metadata={"help": "dpo, ipo: each pair's prompt runs once for chosen and rejected (false: two full rows)."},
-    )
-    weak_supervision: float = field(
-        default=0.0,
-        metadata={"help": "dpo, ipo: chance per batch that harmful texts are forced as the chosen probes (0: off)."},
-    )
-    weak_supervision_prompts: str = field(
-        default="rtp", metadata={"help": "Prompt source of the forced texts (as prompts; astrl.prompts.load_prompts)."}
-    )
-    # target hardening (0: off)
+
+    def _check_novelty(self) -> None:
+        _raise_first(
+            [
+                (self.novelty_ngram >= 0, f"novelty_ngram must be >= 0, got {self.novelty_ngram}"),
+                (self.novelty_embedding >= 0, f"novelty_embedding must be >= 0, got {self.novelty_embedding}"),
+                (self.novelty_history >= 1, f"novelty_history must be >= 1, got {self.novelty_history}"),
+                (self.novelty_ngram_n >= 2, f"novelty_ngram_n must be >= 2 (BLEU orders 2..n), got {self.novelty_ngram_n}"),
+                (
+                    self.novelty_embedding_reduce in ("max", "mean"),
+                    f"novelty_embedding_reduce must be 'max' or 'mean', got {self.novelty_embedding_reduce!r}",
+                ),
+            ]
+        )
+
+    def novelty_options(self) -> dict | None:
+        """The ``novelty`` option of :func:`astrl.envs.make_redteam_env` (None when both coefficients are 0)."""
+        if not (self.novelty_ngram or self.novelty_embedding):
+            return None
+        return {
+            "ngram": self.novelty_ngram,
+            "embedding": self.novelty_embedding,
+            "history": self.novelty_history,
+            "ngram_n": self.novelty_ngram_n,
+            "embedding_reduce": self.novelty_embedding_reduce,
+            "device": self.device,
+        }
+
+
+@dataclass
+class HardeningSection:
+    """Target hardening (harden_every 0 = off)."""
+
     harden_every: int = field(
         default=0,
         metadata={
@@ -349,31 +590,28 @@ class TrainConfig:
         default="I'm sorry, but I can't help with that.",
         metadata={"help": "Hardening: the answer the target learns to give the archived attacks."},
     )
-    # PPO
-    value_lr: float = field(default=1e-4, metadata={"help": "ppo: learning rate of the value head."})
-    value_coef: float = field(default=0.15, metadata={"help": "ppo: weight of the value loss."})
-    advantage: str = field(
-        default="gae", metadata={"help": "ppo: gae (with gae_lambda) or one_step (r_t + V_{t+1} - V_t) advantages."}
-    )
-    gae_lambda: float = field(default=0.95, metadata={"help": "ppo: lambda of GAE (episodes are undiscounted)."})
-    kl_clip: float = field(default=10.0, metadata={"help": "ppo: the per-token log-ratio to the reference is clipped to +-this."})
-    score_clip: float = field(default=10.0, metadata={"help": "ppo: the turn's score is clipped to +-this."})
-    target_kl: float | None = field(
-        default=None,
-        metadata={"help": "ppo: an adaptive controller moves kl_coef (> 0) toward this KL per turn (null: constant)."},
-    )
-    # model
-    lora: bool = field(default=True, metadata={"help": "Train LoRA adapters (true) or every weight of the tester (false)."})
-    lora_rank: int = field(default=8, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (scale alpha / rank)."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout (0 keeps behaviour and training log-probs equal)."})
-    lora_targets: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-        metadata={"help": "Module names that get LoRA adapters."},
-    )
-    dtype: str = field(default="float32", metadata={"help": "Model dtype: float32, bfloat16 or float16."})
-    device: str = field(default="cpu", metadata={"help": "Torch device: cpu, cuda, cuda:N or mps."})
-    # scale-out: generation backend and collection (docs/scaling.md)
+
+    def _check_hardening(self) -> None:
+        _raise_first(
+            [
+                (self.harden_every >= 0, f"harden_every must be >= 0 (0: off), got {self.harden_every}"),
+                (
+                    self.harden_every == 0 or self.lora,
+                    "harden_every needs lora: true (the target is hardened through its own LoRA adapter)",
+                ),
+                (self.harden_steps >= 1, f"harden_steps must be >= 1, got {self.harden_steps}"),
+                (self.harden_lr > 0, f"harden_lr must be > 0, got {self.harden_lr}"),
+                (self.harden_batch_size >= 1, f"harden_batch_size must be >= 1, got {self.harden_batch_size}"),
+                (self.harden_max_attacks >= 1, f"harden_max_attacks must be >= 1, got {self.harden_max_attacks}"),
+                (bool(self.refusal.strip()), f"refusal must not be empty, got {self.refusal!r}"),
+            ]
+        )
+
+
+@dataclass
+class ScaleSection:
+    """Scale-out: generation backends and collection (docs/scaling.md)."""
+
     backend: str = field(default="transformers", metadata={"help": "Tester generation backend: transformers or vllm."})
     target_backend: str = field(default="transformers", metadata={"help": "Target generation backend: transformers or vllm."})
     share_prefill: bool = field(
@@ -395,165 +633,6 @@ class TrainConfig:
     collector_cpus: float = field(default=1.0, metadata={"help": "CPUs per Ray worker."})
     collector_gpus: float = field(default=0.0, metadata={"help": "GPUs per Ray worker."})
     ray_address: str | None = field(default=None, metadata={"help": "An existing Ray cluster (e.g. auto); null: start Ray here."})
-    # run directory, logging, checkpoints
-    run_dir: str = field(default="runs/train", metadata={"help": "Run directory: config, metrics, samples, checkpoints."})
-    save_every: int = field(default=25, metadata={"help": "Steps between checkpoints (one is also written at the end)."})
-    keep_checkpoints: int = field(default=2, metadata={"help": "Newest checkpoints kept; older ones are removed."})
-    log_every: int = field(default=1, metadata={"help": "Steps between logger writes (metrics.csv gets every step)."})
-    sample_every: int = field(default=10, metadata={"help": "Steps between sample turns in samples.jsonl (and step 1)."})
-    loggers: list[str] = field(default_factory=lambda: ["csv"], metadata={"help": "TorchRL loggers: csv, tensorboard, wandb."})
-
-    def __post_init__(self) -> None:
-        checks = [
-            (self.algorithm in ALGORITHMS, f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}"),
-            (self.reward in REWARDS, f"reward must be one of {REWARDS}, got {self.reward!r}"),
-            (self.probe_penalty >= 0, f"probe_penalty must be >= 0, got {self.probe_penalty}"),
-            (self.reply_samples >= 1, f"reply_samples must be >= 1, got {self.reply_samples}"),
-            (
-                self.reply_transform in REPLY_TRANSFORMS,
-                f"reply_transform must be one of {REPLY_TRANSFORMS}, got {self.reply_transform!r}",
-            ),
-            (
-                self.probe_gate is None or 0 < self.probe_gate <= 1,
-                f"probe_gate must be in (0, 1] (or null), got {self.probe_gate}",
-            ),
-            (
-                self.probe_gate is None or not self.elicit_gate,
-                "choose one gate: probe_gate (pay the reply terms below a probe toxicity) or elicit_gate (scale them by "
-                "1 - tox(probe))",
-            ),
-            (
-                self.likelihood_cap is None or self.likelihood_cap <= 0,
-                f"likelihood_cap is a mean log-prob and must be <= 0 (or null), got {self.likelihood_cap}",
-            ),
-            (self.reply_lexicon_weight >= 0, f"reply_lexicon_weight must be >= 0, got {self.reply_lexicon_weight}"),
-            (
-                0 < self.reply_lexicon_threshold < 1,
-                f"reply_lexicon_threshold must be in (0, 1), got {self.reply_lexicon_threshold}",
-            ),
-            (self.repeat_penalty >= 0, f"repeat_penalty must be >= 0, got {self.repeat_penalty}"),
-            (self.warm_start_probes >= 0, f"warm_start_probes must be >= 0 (0: off), got {self.warm_start_probes}"),
-            (
-                0 <= self.warm_start_min_toxic <= 1,
-                f"warm_start_min_toxic must be in [0, 1], got {self.warm_start_min_toxic}",
-            ),
-            (
-                self.warm_start_select in WARM_START_SELECTIONS,
-                f"warm_start_select must be one of {WARM_START_SELECTIONS}, got {self.warm_start_select!r}",
-            ),
-            (
-                self.warm_start_select not in ("lexicon", "best_of")
-                or (self.reward == "elicit" and self.reply_lexicon_weight > 0),
-                f"warm_start_select {self.warm_start_select!r} reads the elicit reward's reply lexicon: set reward: elicit and "
-                f"reply_lexicon_weight > 0 (reward is {self.reward!r}, reply_lexicon_weight {self.reply_lexicon_weight})",
-            ),
-            (
-                self.warm_start_select != "search" or self.mode == "text",
-                f"warm_start_select 'search' sets up the target's next words, a text-mode turn: set mode: text "
-                f"(mode is {self.mode!r})",
-            ),
-            (self.warm_start_samples >= 1, f"warm_start_samples must be >= 1, got {self.warm_start_samples}"),
-            (
-                self.warm_start_reply_tokens is None or self.warm_start_reply_tokens >= 1,
-                f"warm_start_reply_tokens must be >= 1 (or null), got {self.warm_start_reply_tokens}",
-            ),
-            (
-                self.warm_start_reply_tokens is None or self.warm_start_select == "best_of",
-                f"warm_start_reply_tokens sets the reply that best_of reads: set warm_start_select: best_of "
-                f"(warm_start_select is {self.warm_start_select!r})",
-            ),
-            (self.warm_start_beams >= 1, f"warm_start_beams must be >= 1, got {self.warm_start_beams}"),
-            (self.warm_start_top_k >= 1, f"warm_start_top_k must be >= 1, got {self.warm_start_top_k}"),
-            (self.warm_start_epochs >= 1, f"warm_start_epochs must be >= 1, got {self.warm_start_epochs}"),
-            (self.warm_start_rounds >= 1, f"warm_start_rounds must be >= 1, got {self.warm_start_rounds}"),
-            (
-                self.warm_start_max_nll is None or self.warm_start_max_nll > 0,
-                f"warm_start_max_nll must be > 0 (or null), got {self.warm_start_max_nll}",
-            ),
-            (
-                self.warm_start_max_nll is None or self.warm_start_select in ("search", "best_of"),
-                f"warm_start_max_nll bounds searched or best-of probes: set warm_start_select: search or best_of "
-                f"(warm_start_select is {self.warm_start_select!r})",
-            ),
-            (self.warm_start_lr > 0, f"warm_start_lr must be > 0, got {self.warm_start_lr}"),
-            (
-                self.reward == "elicit" or self._elicit_defaults(),
-                f"probe_gate, reply_transform, reply_lexicon_weight, repeat_penalty and likelihood_cap apply to "
-                f"reward 'elicit' (reward is {self.reward!r})",
-            ),
-            (self.advantage in ("gae", "one_step"), f"advantage must be 'gae' or 'one_step', got {self.advantage!r}"),
-            (self.returns in RETURNS, f"returns must be one of {RETURNS}, got {self.returns!r}"),
-            (self.group_scale in GROUP_SCALES, f"group_scale must be one of {GROUP_SCALES}, got {self.group_scale!r}"),
-            (self.mode in ("chat", "text"), f"mode must be 'chat' or 'text', got {self.mode!r}"),
-            (self.split in ("train", "dev", "test", "all"), f"split must be train, dev, test or all, got {self.split!r}"),
-            (self.novelty_ngram >= 0, f"novelty_ngram must be >= 0, got {self.novelty_ngram}"),
-            (self.novelty_embedding >= 0, f"novelty_embedding must be >= 0, got {self.novelty_embedding}"),
-            (self.novelty_history >= 1, f"novelty_history must be >= 1, got {self.novelty_history}"),
-            (self.novelty_ngram_n >= 2, f"novelty_ngram_n must be >= 2 (BLEU orders 2..n), got {self.novelty_ngram_n}"),
-            (
-                self.novelty_embedding_reduce in ("max", "mean"),
-                f"novelty_embedding_reduce must be 'max' or 'mean', got {self.novelty_embedding_reduce!r}",
-            ),
-            (0 <= self.archive_threshold < 1, f"archive_threshold must be in [0, 1), got {self.archive_threshold}"),
-            (self.total_steps >= 1, f"total_steps must be >= 1, got {self.total_steps}"),
-            (self.save_every >= 1, f"save_every must be >= 1, got {self.save_every}"),
-            (self.prompts_per_step >= 1, f"prompts_per_step must be >= 1, got {self.prompts_per_step}"),
-            (self.group_size >= 2 or self.algorithm != "grpo", f"grpo needs group_size >= 2, got {self.group_size}"),
-            (self.group_size >= 1, f"group_size must be >= 1, got {self.group_size}"),
-            (self.turns >= 1, f"turns must be >= 1, got {self.turns}"),
-            (self.beta > 0, f"beta must be > 0, got {self.beta}"),
-            (self.tree_width >= 2, f"tree_width must be >= 2 (a pair needs two siblings), got {self.tree_width}"),
-            (self.tree_depth >= 1, f"tree_depth must be >= 1, got {self.tree_depth}"),
-            (self.lr > 0, f"lr must be > 0, got {self.lr}"),
-            (self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}"),
-            (self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}"),
-            (
-                self.kl_token_cap is None or self.kl_token_cap > 0,
-                f"kl_token_cap must be > 0 (or null), got {self.kl_token_cap}",
-            ),
-            (self.target_kl is None or self.target_kl > 0, f"target_kl must be > 0 (or null: off), got {self.target_kl}"),
-            (
-                self.target_kl is None or self.kl_coef > 0,
-                f"target_kl ({self.target_kl}) needs kl_coef > 0, got kl_coef {self.kl_coef}: the adaptive controller "
-                "multiplies kl_coef, its start value, so from 0 it never moves; start it small (e.g. kl_coef=0.01) or "
-                "set target_kl=null for a constant coefficient",
-            ),
-            (self.harden_every >= 0, f"harden_every must be >= 0 (0: off), got {self.harden_every}"),
-            (
-                self.harden_every == 0 or self.lora,
-                "harden_every needs lora: true (the target is hardened through its own LoRA adapter)",
-            ),
-            (self.harden_steps >= 1, f"harden_steps must be >= 1, got {self.harden_steps}"),
-            (self.harden_lr > 0, f"harden_lr must be > 0, got {self.harden_lr}"),
-            (self.harden_batch_size >= 1, f"harden_batch_size must be >= 1, got {self.harden_batch_size}"),
-            (self.harden_max_attacks >= 1, f"harden_max_attacks must be >= 1, got {self.harden_max_attacks}"),
-            (bool(self.refusal.strip()), f"refusal must not be empty, got {self.refusal!r}"),
-            (0 <= self.weak_supervision <= 1, f"weak_supervision must be in [0, 1], got {self.weak_supervision}"),
-            (
-                self.weak_supervision == 0 or self.algorithm in ("dpo", "ipo"),
-                f"weak_supervision needs algorithm dpo or ipo, got {self.algorithm!r}",
-            ),
-            (
-                self.epochs >= 1 and self.minibatches >= 1 and self.grad_accum >= 1,
-                "epochs, minibatches and grad_accum must be >= 1",
-            ),
-            (
-                self.minibatches <= self.batch_size,
-                f"minibatches ({self.minibatches}) exceeds the turns per step ({self.batch_size})",
-            ),
-            (self.minibatch_size is None or self.minibatch_size >= 1, f"minibatch_size must be >= 1, got {self.minibatch_size}"),
-            (self.optimizer in OPTIMIZERS, f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}"),
-            (self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}"),
-            (self.lora_rank >= 1, f"lora_rank must be >= 1, got {self.lora_rank}"),
-            (
-                set(self.loggers) <= {"csv", "tensorboard", "wandb"},
-                f"loggers must be among csv, tensorboard, wandb, got {self.loggers}",
-            ),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(message)
-        self._check_scale()
 
     def _check_scale(self) -> None:
         from astrl.backends import BACKENDS, check_collector
@@ -566,36 +645,106 @@ class TrainConfig:
         except ValueError as err:
             raise ConfigError(str(err)) from None
         scaled = self.collector == "ray" or "vllm" in (self.backend, self.target_backend)
-        checks = [
-            (
-                not scaled or self.algorithm in ("grpo", "ppo"),
-                f"collector 'ray' and backend 'vllm' apply to grpo and ppo (the tree sampler of {self.algorithm} "
-                "generates with Transformers)",
-            ),
-            (
-                self.prompts_per_step % self.num_collectors == 0,
-                f"prompts_per_step ({self.prompts_per_step}) must be a multiple of num_collectors ({self.num_collectors}): "
-                "each worker runs whole groups",
-            ),
-            (
-                not (self.collector == "ray" and self.backend == "vllm"),
-                "backend 'vllm' runs with collector 'local' (one engine next to the trainer); with collector 'ray' "
-                "use backend 'transformers' in the workers",
-            ),
-            (
-                self.target_backend == "transformers" or self.reward == "score",
-                f"reward {self.reward!r} scores probes with the target's Transformers model: use target_backend 'transformers'",
-            ),
-            (0 < self.vllm_memory <= 1, f"vllm_memory must be in (0, 1], got {self.vllm_memory}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(message)
+        _raise_first(
+            [
+                (
+                    not scaled or self.algorithm in ("grpo", "ppo"),
+                    f"collector 'ray' and backend 'vllm' apply to grpo and ppo (the tree sampler of {self.algorithm} "
+                    "generates with Transformers)",
+                ),
+                (
+                    self.prompts_per_step % self.num_collectors == 0,
+                    f"prompts_per_step ({self.prompts_per_step}) must be a multiple of num_collectors "
+                    f"({self.num_collectors}): each worker runs whole groups",
+                ),
+                (
+                    not (self.collector == "ray" and self.backend == "vllm"),
+                    "backend 'vllm' runs with collector 'local' (one engine next to the trainer); with collector 'ray' "
+                    "use backend 'transformers' in the workers",
+                ),
+                (
+                    self.target_backend == "transformers" or self.reward == "score",
+                    f"reward {self.reward!r} scores probes with the target's Transformers model: use target_backend "
+                    "'transformers'",
+                ),
+                (0 < self.vllm_memory <= 1, f"vllm_memory must be in (0, 1], got {self.vllm_memory}"),
+            ]
+        )
 
-    @property
-    def batch_size(self) -> int:
-        """Conversations per step (``prompts_per_step`` openers, each ``group_size`` times)."""
-        return self.prompts_per_step * self.group_size
+
+@dataclass
+class LoggingSection:
+    """The run directory, logging, checkpoints and the attack archive."""
+
+    run_dir: str = field(default="runs/train", metadata={"help": "Run directory: config, metrics, samples, checkpoints."})
+    save_every: int = field(default=25, metadata={"help": "Steps between checkpoints (one is also written at the end)."})
+    keep_checkpoints: int = field(default=2, metadata={"help": "Newest checkpoints kept; older ones are removed."})
+    log_every: int = field(default=1, metadata={"help": "Steps between logger writes (metrics.csv gets every step)."})
+    sample_every: int = field(default=10, metadata={"help": "Steps between sample turns in samples.jsonl (and step 1)."})
+    loggers: list[str] = field(default_factory=lambda: ["csv"], metadata={"help": "TorchRL loggers: csv, tensorboard, wandb."})
+    archive_threshold: float = field(
+        default=0.5,
+        metadata={"help": "A turn enters attacks.jsonl when its reward scorer's score is above this (in [0, 1))."},
+    )
+
+    def _check_logging(self) -> None:
+        _raise_first(
+            [
+                (self.save_every >= 1, f"save_every must be >= 1, got {self.save_every}"),
+                (0 <= self.archive_threshold < 1, f"archive_threshold must be in [0, 1), got {self.archive_threshold}"),
+                (
+                    set(self.loggers) <= {"csv", "tensorboard", "wandb"},
+                    f"loggers must be among csv, tensorboard, wandb, got {self.loggers}",
+                ),
+            ]
+        )
+
+
+# The sections of TrainConfig, in the order of its keys (astrl train --keys lists them so).
+SECTIONS: dict[str, type] = {
+    "run": RunSection,
+    "conversation": ConversationSection,
+    "reward": RewardSection,
+    "algorithm": AlgorithmSection,
+    "warm start": WarmStartSection,
+    "novelty": NoveltySection,
+    "hardening": HardeningSection,
+    "scale-out": ScaleSection,
+    "logging": LoggingSection,
+}
+
+
+@dataclass
+class TrainConfig(
+    LoggingSection,
+    ScaleSection,
+    HardeningSection,
+    NoveltySection,
+    WarmStartSection,
+    AlgorithmSection,
+    RewardSection,
+    ConversationSection,
+    RunSection,
+):  # the sections last to first: a dataclass takes its bases' fields last base first
+    """Every setting of a training run (``configs/*.yaml`` hold subsets of these keys).
+
+    A flat dataclass made of the sections in :data:`SECTIONS`. Each field's ``metadata["help"]``
+    says what it does; ``astrl train --keys`` prints them all, by section, with their defaults.
+    """
+
+    def __post_init__(self) -> None:
+        for check in (
+            self._check_run,
+            self._check_conversation,
+            self._check_reward,
+            self._check_algorithm,
+            self._check_warm_start,
+            self._check_novelty,
+            self._check_hardening,
+            self._check_scale,
+            self._check_logging,
+        ):
+            check()
 
     def check_names(self) -> None:
         """The checks of the run that need no model (:func:`astrl.names.check_names`): tester,
@@ -605,51 +754,6 @@ class TrainConfig:
         roles = {"tester": self.tester, "target": self.target}
         check_names(roles, [self.scorer, *self.judges], self.prompts, split=self.split, split_seed=self.prompt_split_seed)
         self._check_reply_lexicon()
-
-    def _check_reply_lexicon(self) -> None:
-        """A reply lexicon the run reads (a file, ``wordlist``, a word list) is read now, before any model
-        loads; ``scorer`` needs the target's tokenizer and is built with it."""
-        reads = (self.reward == "elicit" and self.reply_lexicon_weight > 0) or self.warm_start_select == "search"
-        if not reads or self.reply_lexicon == "scorer":
-            return
-        from astrl.errors import ScorerError
-        from astrl.rewards.lexicon import lexicon_words
-
-        try:
-            lexicon_words(self.reply_lexicon)
-        except ScorerError as err:
-            raise ConfigError(str(err)) from None
-
-    def _elicit_defaults(self) -> bool:
-        return (self.probe_gate, self.reply_transform, self.reply_lexicon_weight, self.repeat_penalty, self.likelihood_cap) == (
-            None,
-            "prob",
-            0.0,
-            0.0,
-            None,
-        )
-
-    def reward_options(self) -> dict | None:
-        """Reward weights for :func:`astrl.envs.make_redteam_env` (None for the plain score)."""
-        return reward_options_of(self)
-
-    def novelty_options(self) -> dict | None:
-        """The ``novelty`` option of :func:`astrl.envs.make_redteam_env` (None when both coefficients are 0)."""
-        if not (self.novelty_ngram or self.novelty_embedding):
-            return None
-        return {
-            "ngram": self.novelty_ngram,
-            "embedding": self.novelty_embedding,
-            "history": self.novelty_history,
-            "ngram_n": self.novelty_ngram_n,
-            "embedding_reduce": self.novelty_embedding_reduce,
-            "device": self.device,
-        }
-
-    @property
-    def prompt_split_seed(self) -> int:
-        """The seed of the prompt split: ``split_seed``, else ``seed``."""
-        return self.seed if self.split_seed is None else self.split_seed
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -773,12 +877,15 @@ def yaml_value(value) -> str:
 
 
 def describe_keys() -> str:
-    """Every :class:`TrainConfig` key with its type, default and help: the text of ``astrl train --keys``."""
+    """Every :class:`TrainConfig` key with its type, default and help, by section (:data:`SECTIONS`):
+    the text of ``astrl train --keys``."""
     lines = ["config keys (YAML file or key=value on the command line; lists also as a,b):"]
-    for spec in dataclasses.fields(TrainConfig):
-        default = spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
-        lines.append(f"  {spec.name} = {yaml_value(default)}  ({spec.type})")
-        lines.append(textwrap.fill(spec.metadata["help"], width=100, initial_indent=" " * 6, subsequent_indent=" " * 6))
+    for title, section in SECTIONS.items():
+        lines.append(f"{title}:")
+        for spec in dataclasses.fields(section):
+            default = spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
+            lines.append(f"  {spec.name} = {yaml_value(default)}  ({spec.type})")
+            lines.append(textwrap.fill(spec.metadata["help"], width=100, initial_indent=" " * 6, subsequent_indent=" " * 6))
     renamed = ", ".join(f"{old} -> {new}" for old, new in RENAMED_KEYS.items())
     lines.append(f"renamed keys, still read with a warning: {renamed}")
     return "\n".join(lines)

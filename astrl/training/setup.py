@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from astrl.envs.recipe import Conversation, ConversationSpec, build_conversation, opener_stream
+from astrl.envs.settings import conversation_settings
 from astrl.models import LoadedModel, add_lora, load_model
 from astrl.policies import GenerationSettings
 from astrl.prompts import PromptStream
@@ -70,8 +71,8 @@ def build_models(config: TrainConfig, tester_lm: LoadedModel | None = None) -> R
 
 
 def generation(config: TrainConfig, target: bool = False) -> GenerationSettings:
-    max_new = (config.target_max_new_tokens or config.max_new_tokens) if target else config.max_new_tokens
-    return GenerationSettings(max_new, config.temperature, config.top_p, config.top_k, do_sample=True)
+    """The tester's (or the target's) sampling settings (:meth:`~astrl.envs.settings.SamplingSettings.generation`)."""
+    return config.generation(target)
 
 
 def conversation_spec(config: TrainConfig) -> ConversationSpec:
@@ -81,24 +82,17 @@ def conversation_spec(config: TrainConfig) -> ConversationSpec:
     grow ``prompts_per_step`` trees of depth ``tree_depth``."""
     trees = config.algorithm in ("dpo", "ipo")
     return ConversationSpec(
+        **conversation_settings(config, split_seed=config.prompt_split_seed, turns=config.tree_depth if trees else config.turns),
         tester=config.tester,
         target=config.target,
         scorers=[config.scorer, *config.judges],
-        prompts=config.prompts,
-        split=config.split,
-        split_seed=config.prompt_split_seed,
         batch_size=config.prompts_per_step if trees else config.batch_size,
         group_size=1 if trees else config.group_size,
-        turns=config.tree_depth if trees else config.turns,
-        mode=config.mode,
-        tester_generation=generation(config),
-        target_generation=generation(config, target=True),
-        tester_system_prompt=config.tester_system_prompt,
-        target_system_prompt=config.target_system_prompt,
+        tester_generation=config.generation(),
+        target_generation=config.generation(target=True),
         reward=config.reward,
         reward_options=config.reward_options(),
         novelty=config.novelty_options(),
-        reply_samples=config.reply_samples,
         lora=lora_settings(config) if config.lora else None,
         backend=config.backend,
         target_backend=config.target_backend,

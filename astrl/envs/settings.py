@@ -1,0 +1,186 @@
+"""The settings of a red-team conversation, declared once.
+
+:class:`ConversationSettings` holds what every entry point asks of its conversations (openers, turns,
+mode, system prompts, replies per probe); :class:`SamplingSettings` the flat sampling keys of a YAML
+config. Each field carries its help and its check (:func:`setting`), so that one field is one
+declaration: :class:`~astrl.training.TrainConfig`, :class:`~astrl.rollout.RolloutConfig`,
+:class:`~astrl.evaluation.run.EvalConfig` and :class:`~astrl.envs.ConversationSpec` inherit them
+(dataclass inheritance keeps their keys flat), :func:`with_defaults` gives an entry point its own
+defaults, and :func:`conversation_settings` copies them from one to the other.
+
+A new conversation setting is one :func:`setting` field here plus the code that reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from astrl.prompts import SPLITS
+from astrl.rewards.weights import MODES
+
+if TYPE_CHECKING:
+    from astrl.policies import GenerationSettings
+
+
+def setting(
+    default: Any = None,
+    help: str = "",
+    *,
+    at_least: float | None = None,
+    above: float | None = None,
+    at_most: float | None = None,
+    choices: tuple[str, ...] | None = None,
+) -> Any:
+    """A dataclass field with its ``help`` and its check, read by :func:`check_settings`:
+    ``at_least`` (``value >= at_least``), ``above`` (``value > above``), ``at_most`` and ``choices``."""
+    checks = {"at_least": at_least, "above": above, "at_most": at_most, "choices": choices}
+    metadata = {"help": help, **{key: value for key, value in checks.items() if value is not None}}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def _problem(name: str, value: Any, metadata: dict) -> str | None:
+    """What is wrong with ``value`` under the checks in ``metadata`` (``None``: nothing)."""
+    if "choices" in metadata and value not in metadata["choices"]:
+        return f"{name} must be one of {metadata['choices']}, got {value!r}"
+    if "above" in metadata and "at_most" in metadata and not metadata["above"] < value <= metadata["at_most"]:
+        return f"{name} must be in ({metadata['above']}, {metadata['at_most']}], got {value}"
+    if "at_least" in metadata and value < metadata["at_least"]:
+        return f"{name} must be >= {metadata['at_least']}, got {value}"
+    if "above" in metadata and value <= metadata["above"]:
+        return f"{name} must be > {metadata['above']}, got {value}"
+    if "at_most" in metadata and value > metadata["at_most"]:
+        return f"{name} must be <= {metadata['at_most']}, got {value}"
+    return None
+
+
+def check_settings(obj: Any) -> None:
+    """Check every field of the dataclass ``obj`` declared with :func:`setting` checks; ``None`` passes
+    where it is the field's default (unset, filled in later). Raises ``ValueError`` naming the field."""
+    for spec in dataclasses.fields(obj):
+        value = getattr(obj, spec.name)
+        if value is None and spec.default is None:
+            continue
+        problem = _problem(spec.name, value, spec.metadata)
+        if problem:
+            raise ValueError(problem)
+
+
+def with_defaults(base: type, **defaults: Any) -> type:
+    """``base`` with other defaults for some of its fields: same names, types, help and checks, in
+    the same place among the fields. An entry point's own defaults (``split="train"``, ``turns=2``)."""
+    fields = base.__dataclass_fields__
+    unknown = sorted(set(defaults) - set(fields))
+    if unknown:
+        raise TypeError(f"{base.__name__} has no field(s) {unknown}")
+    namespace = {name: dataclasses.field(default=value, metadata=fields[name].metadata) for name, value in defaults.items()}
+    namespace["__annotations__"] = {name: fields[name].type for name in defaults}
+    namespace["__module__"] = base.__module__
+    namespace["__doc__"] = base.__doc__
+    return dataclass(type(base.__name__, (base,), namespace))
+
+
+def conversation_settings(obj: Any, settings: type | None = None, **changes: Any) -> dict:
+    """The fields of ``settings`` (default :class:`ConversationSettings`) read from ``obj``, with
+    ``changes`` replacing some: keywords of another class that has them (a
+    :class:`~astrl.envs.ConversationSpec`)."""
+    values = {spec.name: getattr(obj, spec.name) for spec in dataclasses.fields(settings or ConversationSettings)}
+    return {**values, **changes}
+
+
+@dataclass
+class ConversationSettings:
+    """What a red-team conversation is asked to be: its openers, its length and shape, its system
+    prompts and the replies sampled per probe. The checks run in ``__post_init__``."""
+
+    prompts: str = setting("builtin", "Openers: builtin, rtp[:CATEGORY], harmbench, chatterbot, hf:ID or a .txt/.jsonl file.")
+    split: str = setting("all", "Part of the openers, seeded by seed: train, dev, test (disjoint) or all.", choices=SPLITS)
+    split_seed: int | None = setting(
+        None,
+        "Seed of the train/dev/test prompt split (null: seed). Replicate runs with other seeds keep the same "
+        "held-out openers when they share it.",
+    )
+    turns: int = setting(3, "Tester turns per conversation.", at_least=1)
+    mode: str = setting("chat", "chat (chat templates) or text (plain-text continuation of the conversation).", choices=MODES)
+    tester_system_prompt: str | None = setting(
+        None, "The tester's system prompt in chat mode (null: the built-in red-teaming prompt)."
+    )
+    target_system_prompt: str | None = setting(None, "The target's system prompt in chat mode (null: none).")
+    reply_samples: int = setting(
+        1,
+        "Replies the target samples to each probe, in one call (the rows share context + probe); the "
+        "reward's reply terms average over them; the conversation goes on with the first.",
+        at_least=1,
+    )
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+@dataclass
+class SamplingSettings:
+    """The sampling of tester and target as flat keys (a YAML config); :meth:`generation` makes
+    the :class:`~astrl.policies.GenerationSettings` of each side."""
+
+    max_new_tokens: int = setting(
+        32, "New tokens per tester turn (and per target turn unless target_max_new_tokens).", at_least=1
+    )
+    target_max_new_tokens: int | None = setting(None, "New tokens per target reply (null: max_new_tokens).")
+    temperature: float = setting(1.0, "Sampling temperature of tester and target.", above=0)
+    top_p: float = setting(1.0, "Nucleus sampling threshold of tester and target (1: off).", above=0, at_most=1)
+    top_k: int = setting(0, "Top-k filtering of tester and target (0: off).", at_least=0)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+    def generation(self, target: bool = False) -> GenerationSettings:
+        """The tester's (or with ``target``, the target's) sampling settings."""
+        from astrl.policies import GenerationSettings
+
+        max_new = (self.target_max_new_tokens or self.max_new_tokens) if target else self.max_new_tokens
+        return GenerationSettings(max_new, self.temperature, self.top_p, self.top_k, do_sample=True)
+
+
+def _generation_settings() -> GenerationSettings:
+    from astrl.policies import GenerationSettings
+
+    return GenerationSettings()
+
+
+@dataclass
+class ConversationBatch(ConversationSettings):
+    """:class:`ConversationSettings` with the batch and each side's
+    :class:`~astrl.policies.GenerationSettings`: what a spec, a rollout and an evaluation share."""
+
+    batch_size: int = setting(8, "Conversations run together.", at_least=1)
+    tester_generation: GenerationSettings = dataclasses.field(
+        default_factory=_generation_settings, metadata={"help": "The tester's sampling settings."}
+    )
+    target_generation: GenerationSettings = dataclasses.field(
+        default_factory=_generation_settings, metadata={"help": "The target's sampling settings."}
+    )
+
+    def __post_init__(self) -> None:
+        from astrl.policies import GenerationSettings
+
+        super().__post_init__()
+        for name in ("tester_generation", "target_generation"):
+            if not isinstance(getattr(self, name), GenerationSettings):
+                raise TypeError(f"{name} must be a GenerationSettings, got {type(getattr(self, name)).__name__}")
+
+
+@dataclass
+class ConversationRuns(ConversationBatch):
+    """:class:`ConversationBatch` run ``num_conversations`` times in batches (``astrl rollout``, ``astrl eval``)."""
+
+    num_conversations: int = setting(8, "Conversations in all, run batch_size at a time.", at_least=1)
+
+    @property
+    def batch(self) -> int:
+        """Conversations per batch: ``batch_size``, or fewer when there are fewer in all."""
+        return min(self.batch_size, self.num_conversations)
+
+    def batch_settings(self, **changes: Any) -> dict:
+        """The :class:`ConversationBatch` keywords of a spec of one batch (``changes`` replace some)."""
+        return conversation_settings(self, ConversationBatch, batch_size=self.batch, **changes)

@@ -1,0 +1,90 @@
+"""The conversation settings, declared once (astrl.envs.settings) and shared by every entry point."""
+
+import dataclasses
+
+import pytest
+
+from astrl.envs import ConversationSpec
+from astrl.envs.settings import ConversationBatch, ConversationSettings, conversation_settings, setting, with_defaults
+from astrl.evaluation.run import EvalConfig
+from astrl.policies import GenerationSettings
+from astrl.rollout import RolloutConfig, conversation_spec
+from astrl.training.config import TrainConfig
+
+SHARED = [spec.name for spec in dataclasses.fields(ConversationSettings)]
+
+
+@pytest.mark.parametrize("kind", [TrainConfig, RolloutConfig, EvalConfig, ConversationSpec])
+def test_every_entry_point_has_the_shared_settings_with_one_help_and_one_check(kind):
+    fields = {spec.name: spec for spec in dataclasses.fields(kind)}
+    shared = {spec.name: spec for spec in dataclasses.fields(ConversationSettings)}
+    assert issubclass(kind, ConversationSettings)
+    for name in SHARED:
+        assert fields[name].type == shared[name].type, name
+        assert fields[name].metadata == shared[name].metadata, name  # the same help and the same check
+    with pytest.raises(ValueError, match="reply_samples must be >= 1, got 0"):
+        kind(reply_samples=0)
+    with pytest.raises(ValueError, match="turns must be >= 1, got 0"):
+        kind(turns=0)
+
+
+def test_entry_points_keep_their_own_defaults():
+    assert (TrainConfig().split, TrainConfig().turns, TrainConfig().max_new_tokens) == ("train", 2, 24)
+    assert (RolloutConfig().split, RolloutConfig().turns, RolloutConfig().num_conversations) == ("all", 3, 8)
+    assert (EvalConfig().split, EvalConfig().mode, EvalConfig().prompts, EvalConfig().num_conversations) == (
+        "test",
+        None,
+        None,
+        32,
+    )
+    assert (ConversationSpec().split, ConversationSpec().turns, ConversationSpec().batch_size) == ("all", 3, 8)
+
+
+def test_none_passes_only_where_it_is_the_default():
+    assert EvalConfig(mode=None).mode is None  # the run's mode, filled in later
+    with pytest.raises(ValueError, match="mode must be one of"):
+        RolloutConfig(mode=None)
+    with pytest.raises(ValueError, match="mode must be one of .* got 'voice'"):
+        EvalConfig(mode="voice")
+
+
+def test_with_defaults_changes_defaults_only():
+    @dataclasses.dataclass
+    class Base:
+        a: int = setting(1, "an a", at_least=1)
+        b: str = setting("x", "a b", choices=("x", "y"))
+
+        def __post_init__(self):
+            from astrl.envs.settings import check_settings
+
+            check_settings(self)
+
+    Other = with_defaults(Base, b="y")
+    assert [f.name for f in dataclasses.fields(Other)] == ["a", "b"] and Other().b == "y" and Base().b == "x"
+    assert dataclasses.fields(Other)[1].metadata["help"] == "a b"
+    with pytest.raises(ValueError, match=r"b must be one of \('x', 'y'\), got 'z'"):
+        Other(b="z")
+    with pytest.raises(TypeError, match=r"has no field\(s\) \['c'\]"):
+        with_defaults(Base, c=1)
+
+
+def test_a_rollout_passes_its_settings_to_its_spec_unchanged():
+    generation = GenerationSettings(max_new_tokens=5, top_k=3)
+    config = RolloutConfig(
+        prompts="a.txt",
+        split="dev",
+        split_seed=4,
+        turns=2,
+        mode="text",
+        tester_system_prompt="t",
+        target_system_prompt="s",
+        reply_samples=3,
+        batch_size=6,
+        num_conversations=4,
+        tester_generation=generation,
+    )
+    spec = conversation_spec(config)
+    batch = [spec.name for spec in dataclasses.fields(ConversationBatch)]
+    assert conversation_settings(spec, ConversationBatch) == conversation_settings(config, ConversationBatch, batch_size=4)
+    assert len(batch) == len(SHARED) + 3
+    assert conversation_settings(config, turns=5)["turns"] == 5 and conversation_settings(config)["mode"] == "text"
