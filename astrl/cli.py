@@ -39,10 +39,46 @@ def _add_scale_args(p) -> None:
     p.add_argument("--ray-address", default=None, help="existing Ray cluster (e.g. auto); default: start Ray here")
 
 
+def _add_conversation_args(p, *, num_conversations: int) -> None:
+    p.add_argument("--num-conversations", type=at_least(1), default=num_conversations)
+    p.add_argument("--turns", type=at_least(1), default=3, help="tester turns per conversation")
+    p.add_argument("--batch-size", type=at_least(1), default=8, help="conversations generated together")
+
+
 def _generation(args, max_new: int):
     from astrl.policies import GenerationSettings
 
     return GenerationSettings(max_new, args.temperature, args.top_p, args.top_k, do_sample=not args.greedy)
+
+
+def _run_settings(args) -> dict:
+    """The seed, dtype and device flags (:func:`_add_run_args`) as config keywords."""
+    return {"seed": args.seed, "dtype": args.dtype, "device": args.device}
+
+
+def _conversation_settings(args) -> dict:
+    """The :class:`~astrl.envs.settings.ConversationRuns` keywords of ``astrl rollout`` and ``astrl eval``
+    from their shared flags, with the run flags."""
+    return {
+        "prompts": args.prompts,
+        "split": args.split,
+        "split_seed": getattr(args, "split_seed", None),  # astrl eval only
+        "num_conversations": args.num_conversations,
+        "turns": args.turns,
+        "batch_size": args.batch_size,
+        "reply_samples": args.reply_samples,
+        "mode": args.mode,
+        "tester_generation": _generation(args, args.max_new_tokens),
+        "target_generation": _generation(args, args.target_max_new_tokens or args.max_new_tokens),
+        "tester_system_prompt": args.system_prompt,
+        "target_system_prompt": args.target_system_prompt,
+        **_run_settings(args),
+    }
+
+
+def _report_settings(args) -> dict:
+    """The report flags that ``astrl eval`` and ``astrl replay`` share, as config keywords."""
+    return {"threshold": args.threshold, "resamples": args.resamples, "top_attacks": args.top_attacks}
 
 
 def _add_rollout(sub) -> None:
@@ -60,9 +96,7 @@ def _add_rollout(sub) -> None:
         "--prompts", default="builtin", help="builtin, rtp[:CATEGORY], harmbench, chatterbot, hf:ID or a .txt/.jsonl file"
     )
     p.add_argument("--split", default="all", choices=["train", "dev", "test", "all"], help="prompt split (seeded)")
-    p.add_argument("--num-conversations", type=at_least(1), default=8)
-    p.add_argument("--turns", type=at_least(1), default=3, help="tester turns per conversation")
-    p.add_argument("--batch-size", type=at_least(1), default=8, help="conversations generated together")
+    _add_conversation_args(p, num_conversations=8)
     p.add_argument(
         "--mode", default="chat", choices=["chat", "text"], help="chat templates (chat) or plain-text continuation (text)"
     )
@@ -122,35 +156,22 @@ def _rollout(args) -> int:
     from astrl.rollout import RolloutConfig, run_rollout
 
     config = RolloutConfig(
+        **_conversation_settings(args),
         tester=args.tester,
         target=args.target,
         scorers=args.scorers or ["profanity"],
-        prompts=args.prompts,
-        split=args.split,
-        num_conversations=args.num_conversations,
-        turns=args.turns,
-        batch_size=args.batch_size,
-        mode=args.mode,
-        tester_generation=_generation(args, args.max_new_tokens),
-        target_generation=_generation(args, args.target_max_new_tokens or args.max_new_tokens),
-        tester_system_prompt=args.system_prompt,
-        target_system_prompt=args.target_system_prompt,
         reward=args.reward,
         alpha=args.alpha,
         zeta=args.zeta,
         likelihood_weight=_likelihood_weight(args),
         probe_penalty=args.probe_penalty,
         elicit_gate=args.elicit_gate,
-        reply_samples=args.reply_samples,
         probe_gate=args.probe_gate,
         reply_transform=args.reply_transform,
         reply_lexicon_weight=args.reply_lexicon_weight,
         reply_lexicon=args.reply_lexicon,
         repeat_penalty=args.repeat_penalty,
         likelihood_cap=args.likelihood_cap,
-        seed=args.seed,
-        dtype=args.dtype,
-        device=args.device,
         backend=args.backend,
         target_backend=args.target_backend,
         collector=args.collector,
@@ -186,9 +207,7 @@ def _add_eval(sub) -> None:
     p.add_argument("--prompts", default=None, help="prompt source (default: the run's prompts, else builtin)")
     p.add_argument("--split", default="test", choices=["train", "dev", "test", "all"], help="prompt split (default: test)")
     p.add_argument("--split-seed", type=int, default=None, help="seed of the prompt split (default: the run's seed, else --seed)")
-    p.add_argument("--num-conversations", type=at_least(1), default=32)
-    p.add_argument("--turns", type=at_least(1), default=3, help="tester turns per conversation")
-    p.add_argument("--batch-size", type=at_least(1), default=8, help="conversations generated together")
+    _add_conversation_args(p, num_conversations=32)
     p.add_argument(
         "--reply-samples",
         type=at_least(1),
@@ -213,29 +232,13 @@ def _eval(args) -> int:
     from astrl.evaluation.run import EvalConfig, run_eval
 
     config = EvalConfig(
+        **_conversation_settings(args),
+        **_report_settings(args),
         tester=args.tester,
         target=args.target,
         judges=args.judges,
-        prompts=args.prompts,
-        split=args.split,
-        split_seed=args.split_seed,
-        num_conversations=args.num_conversations,
-        turns=args.turns,
-        batch_size=args.batch_size,
-        reply_samples=args.reply_samples,
-        mode=args.mode,
-        tester_generation=_generation(args, args.max_new_tokens),
-        target_generation=_generation(args, args.target_max_new_tokens or args.max_new_tokens),
-        tester_system_prompt=args.system_prompt,
-        target_system_prompt=args.target_system_prompt,
         checkpoint=args.checkpoint,
-        threshold=args.threshold,
-        resamples=args.resamples,
-        top_attacks=args.top_attacks,
         embeddings=not args.no_embeddings,
-        seed=args.seed,
-        dtype=args.dtype,
-        device=args.device,
     )
     metrics = run_eval(
         config, args.out, progress=not args.quiet, on_warning=lambda text: print(f"astrl: warning: {text}", file=sys.stderr)
@@ -337,12 +340,8 @@ def _replay(args) -> int:
         top_p=args.top_p,
         top_k=args.top_k,
         batch_size=args.batch_size,
-        threshold=args.threshold,
-        resamples=args.resamples,
-        top_attacks=args.top_attacks,
-        seed=args.seed,
-        dtype=args.dtype,
-        device=args.device,
+        **_report_settings(args),
+        **_run_settings(args),
     )
     result = run_replay(
         config, args.out, progress=not args.quiet, on_warning=lambda text: print(f"astrl: warning: {text}", file=sys.stderr)

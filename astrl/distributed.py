@@ -59,6 +59,13 @@ class WorkerSpec:
                 f"cannot be split into {self.num_workers} workers of whole groups"
             )
 
+    @classmethod
+    def for_collectors(cls, conversation: ConversationSpec, settings, stream_state: dict | None = None) -> WorkerSpec:
+        """The spec of the Ray workers of ``settings`` (a config with ``num_collectors`` and
+        ``collector_cpus``: a TrainConfig, a RolloutConfig): a torch thread per CPU of a worker."""
+        threads = max(1, int(settings.collector_cpus))
+        return cls(conversation, threads=threads, stream_state=stream_state, num_workers=settings.num_collectors)
+
     @property
     def worker_batch_size(self) -> int:
         return self.conversation.batch_size // self.num_workers

@@ -151,7 +151,7 @@ def worker_spec(config: RolloutConfig) -> WorkerSpec:
     """The recipe each Ray worker builds its env and policies from."""
     from astrl.distributed import WorkerSpec
 
-    return WorkerSpec(conversation_spec(config), threads=max(1, int(config.collector_cpus)), num_workers=config.num_collectors)
+    return WorkerSpec.for_collectors(conversation_spec(config), config)
 
 
 def conversations(turns: TensorDictBase, num_turns: int) -> TensorDictBase:

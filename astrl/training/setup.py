@@ -122,12 +122,7 @@ def worker_spec(config: TrainConfig, stream_state: dict | None = None):
     """The recipe from which each Ray worker builds the env and tester policy of this run."""
     from astrl.distributed import WorkerSpec
 
-    return WorkerSpec(
-        conversation_spec(config),
-        threads=max(1, int(config.collector_cpus)),
-        stream_state=stream_state,
-        num_workers=config.num_collectors,
-    )
+    return WorkerSpec.for_collectors(conversation_spec(config), config, stream_state)
 
 
 def build_env(config: TrainConfig, models: RunModels, stream: PromptStream):
