@@ -527,6 +527,97 @@ def run_replay(
     return result
 
 
+def _target_replies(
+    config: ReplayConfig,
+    targets: list[TargetSpec],
+    attacks: list,
+    generation,
+    mode: str,
+    on_rows: Callable[[int], object],
+) -> dict[str, list[list[str]]]:
+    """Each target's replies to every attack (``config.samples`` each), one target model in memory at a time."""
+    from astrl.policies import input_mode, make_policy
+
+    replies: dict[str, list[list[str]]] = {}
+    cache: dict[str, object] = {}
+    for target in targets:
+        if target.model not in cache:
+            cache.clear()  # one target model in memory at a time
+            cache[target.model] = load_target(target, dtype=config.dtype, device=config.device)
+        policy = make_policy(cache[target.model], generation, input_mode=input_mode(mode), return_log_probs=False)
+        torch.manual_seed(config.seed)  # every target draws from the same random stream
+        replies[target.label] = generate_replies(
+            policy,
+            attacks,
+            mode=mode,
+            system_prompt=target.system_prompt,
+            samples=config.samples,
+            batch_size=config.batch_size,
+            on_rows=on_rows,
+        )
+    cache.clear()
+    return replies
+
+
+def _reply_records(
+    targets: list[TargetSpec], attacks: list, replies: dict, reply_scores: dict, probe_scores: dict, samples: int
+) -> list[dict]:
+    """One record per (target, attack, sample), in that order, with each judge's reply and probe scores."""
+    records = []
+    for index, target in enumerate(targets):
+        for a, attack in enumerate(attacks):
+            for s in range(samples):
+                row = (index * len(attacks) + a) * samples + s
+                records.append(
+                    {
+                        "attack": a,
+                        "target": target.label,
+                        "sample": s,
+                        "probe": attack.probe,
+                        "reply": replies[target.label][a][s],
+                        "scores": {
+                            j: {"reply": float(reply_scores[j][row]), "probe": float(probe_scores[j][a])} for j in reply_scores
+                        },
+                    }
+                )
+    return records
+
+
+def _transfer(
+    config: ReplayConfig, targets: list[TargetSpec], reply_scores: dict, probe_scores: dict, n: int
+) -> tuple[dict[str, dict], dict[str, dict[str, np.ndarray]]]:
+    """Per target and judge, the :func:`transfer_metrics` of the ``n`` attacks and which of them
+    succeeded (a reply above the threshold)."""
+    k = config.samples
+    per_target: dict[str, dict] = {t.label: {} for t in targets}
+    successes: dict[str, dict[str, np.ndarray]] = {t.label: {} for t in targets}
+    for index, target in enumerate(targets):
+        for judge in reply_scores:
+            grid = reply_scores[judge][index * n * k : (index + 1) * n * k].reshape(n, k)
+            per_target[target.label][judge] = transfer_metrics(
+                probe_scores[judge], grid, threshold=config.threshold, resamples=config.resamples, seed=config.seed
+            )
+            successes[target.label][judge] = (grid > config.threshold).any(axis=1)
+    return per_target, successes
+
+
+def _write_replay(
+    out: Path, result: dict, records: list[dict], attacks: list, top_attacks: int, timing: dict, start: float
+) -> None:
+    """Write the replies (one JSON line each), the report and ``transfer.json`` (``result`` with its timings)."""
+    from astrl.evaluation.replay_report import write_replay_report
+
+    with (out / REPLIES_FILE).open("w", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+    t0 = time.perf_counter()
+    write_replay_report(out, result, attacks, top_attacks)
+    timing["report"] = time.perf_counter() - t0
+    timing["total"] = time.perf_counter() - start
+    result["seconds"] = {key: round(value, 3) for key, value in timing.items()}
+    (out / TRANSFER_FILE).write_text(json.dumps(result, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+
+
 def _replay(
     config: ReplayConfig,
     out: Path,
@@ -545,35 +636,16 @@ def _replay(
     from tqdm.auto import tqdm
 
     from astrl.evaluation.agreement import judge_agreement
-    from astrl.evaluation.replay_report import write_replay_report
-    from astrl.policies import GenerationSettings, input_mode, make_policy
+    from astrl.policies import GenerationSettings
 
     defaults, attacks, samples = source.defaults, source.attacks, config.samples
     training = list(defaults.get("training_scorers", []))
     generation = GenerationSettings(max_new, config.temperature, config.top_p, config.top_k, do_sample=not config.greedy)
 
-    timing = {"generation": 0.0}
     bar = tqdm(total=len(targets) * len(attacks) * samples, unit="reply", disable=not progress, desc="replay")
-    replies: dict[str, list[list[str]]] = {}
-    cache: dict[str, object] = {}
-    for target in targets:
-        t0 = time.perf_counter()
-        if target.model not in cache:
-            cache.clear()  # one target model in memory at a time
-            cache[target.model] = load_target(target, dtype=config.dtype, device=config.device)
-        policy = make_policy(cache[target.model], generation, input_mode=input_mode(mode), return_log_probs=False)
-        torch.manual_seed(config.seed)  # every target draws from the same random stream
-        replies[target.label] = generate_replies(
-            policy,
-            attacks,
-            mode=mode,
-            system_prompt=target.system_prompt,
-            samples=samples,
-            batch_size=config.batch_size,
-            on_rows=bar.update,
-        )
-        timing["generation"] += time.perf_counter() - t0
-    cache.clear()
+    t0 = time.perf_counter()
+    replies = _target_replies(config, targets, attacks, generation, mode, bar.update)
+    timing = {"generation": time.perf_counter() - t0}
     bar.set_description("replay: judging")
     t0 = time.perf_counter()
     flat = [r for target in targets for per_attack in replies[target.label] for r in per_attack]
@@ -583,32 +655,8 @@ def _replay(
     bar.close()
 
     n, k = len(attacks), samples
-    per_target = {t.label: {} for t in targets}
-    successes: dict[str, dict[str, np.ndarray]] = {t.label: {} for t in targets}
-    for index, target in enumerate(targets):
-        for judge in scorers:
-            grid = reply_scores[judge][index * n * k : (index + 1) * n * k].reshape(n, k)
-            per_target[target.label][judge] = transfer_metrics(
-                probe_scores[judge], grid, threshold=config.threshold, resamples=config.resamples, seed=config.seed
-            )
-            successes[target.label][judge] = (grid > config.threshold).any(axis=1)
-    records = []
-    for index, target in enumerate(targets):
-        for a, attack in enumerate(attacks):
-            for s in range(k):
-                row = (index * n + a) * k + s
-                records.append(
-                    {
-                        "attack": a,
-                        "target": target.label,
-                        "sample": s,
-                        "probe": attack.probe,
-                        "reply": replies[target.label][a][s],
-                        "scores": {
-                            j: {"reply": float(reply_scores[j][row]), "probe": float(probe_scores[j][a])} for j in scorers
-                        },
-                    }
-                )
+    per_target, successes = _transfer(config, targets, reply_scores, probe_scores, n)
+    records = _reply_records(targets, attacks, replies, reply_scores, probe_scores, k)
     agreement = judge_agreement(
         {j: reply_scores[j] for j in scorers},
         [r["attack"] for r in records],
@@ -630,24 +678,10 @@ def _replay(
         "samples": k,
         "greedy": config.greedy,
         "mode": mode,
-        "generation": {
-            "max_new_tokens": max_new,
-            "temperature": config.temperature,
-            "top_p": config.top_p,
-            "top_k": config.top_k,
-        },
+        "generation": {key: value for key, value in asdict(generation).items() if key != "do_sample"},
         "threshold": config.threshold,
         "seed": config.seed,
-        "targets": [
-            {
-                "label": t.label,
-                "model": t.model,
-                "system_prompt": t.system_prompt,
-                "system_prompt_file": t.system_prompt_file,
-                "hardened_run": t.hardened_run,
-            }
-            for t in targets
-        ],
+        "targets": [asdict(t) for t in targets],
         "judges": list(scorers),
         "training_scorers": training,
         "bootstrap": {"resamples": config.resamples, "confidence": 0.95, "unit": "attack", "seed": config.seed},
@@ -658,13 +692,5 @@ def _replay(
     }
     for note in notes:
         warn(note)
-    with (out / REPLIES_FILE).open("w", encoding="utf-8") as handle:
-        for record in records:
-            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-    t0 = time.perf_counter()
-    write_replay_report(out, result, attacks, config.top_attacks)
-    timing["report"] = time.perf_counter() - t0
-    timing["total"] = time.perf_counter() - start
-    result["seconds"] = {key: round(value, 3) for key, value in timing.items()}
-    (out / TRANSFER_FILE).write_text(json.dumps(result, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    _write_replay(out, result, records, attacks, config.top_attacks, timing, start)
     return result, records
