@@ -298,22 +298,57 @@ def run_eval(
     return metrics
 
 
+def _judges(names: list[str], device: str) -> dict:
+    """The judges by their scorers' names; two names of one scorer are an error."""
+    from astrl.scorers import make_scorer
+
+    scorers = {}
+    for name in names:
+        scorer = make_scorer(name, device=device)
+        if scorer.name in scorers:
+            raise ValueError(f"judges {name!r} and another judge both resolve to {scorer.name!r}")
+        scorers[scorer.name] = scorer
+    return scorers
+
+
+def _write_eval(
+    config: EvalConfig,
+    resolved: Resolved,
+    out: Path,
+    metrics: dict,
+    records: list[dict],
+    timing: dict,
+    *,
+    start: float,
+    warn: Callable[[str], None],
+) -> None:
+    """Write the conversations, the attack archive, the report and ``metrics.json`` (``metrics``
+    with the archive's counts and the timings)."""
+    from astrl.archive import ARCHIVE_FILE, AttackArchive, eval_turns
+    from astrl.evaluation.report import write_report
+
+    write_records(records, out / "conversations.jsonl")
+    archive = AttackArchive(config.threshold)  # a turn is an attack when any judge scores its reply above the threshold
+    archive.extend(eval_turns(records))
+    archive.write(out / ARCHIVE_FILE)
+    metrics["attack_archive"] = {"file": ARCHIVE_FILE, "unique_probes": len(archive), "successful_turns": archive.total}
+    t0 = time.perf_counter()
+    report_notes = write_report(out, metrics, records, run_dir=resolved.source.run_dir, top_k=config.top_attacks, archive=archive)
+    for note in report_notes:
+        warn(note)
+    timing["report"] = time.perf_counter() - t0
+    timing["total"] = time.perf_counter() - start
+    metrics["seconds"] = {k: round(v, 3) for k, v in timing.items()}
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+
+
 def _evaluate(
     config: EvalConfig, resolved: Resolved, out: Path, *, start: float, progress: bool, warn: Callable[[str], None]
 ) -> tuple[dict, list[dict]]:
     """The body of :func:`run_eval` once its inputs are checked: ``(metrics, records)``."""
     from tqdm.auto import tqdm
 
-    from astrl.archive import ARCHIVE_FILE, AttackArchive, eval_turns
-    from astrl.evaluation.report import write_report
-    from astrl.scorers import make_scorer
-
-    scorers = {}
-    for name in resolved.judges:
-        scorer = make_scorer(name, device=config.device)
-        if scorer.name in scorers:
-            raise ValueError(f"judges {name!r} and another judge both resolve to {scorer.name!r}")
-        scorers[scorer.name] = scorer
+    scorers = _judges(resolved.judges, config.device)
     notes: list[str] = []
     same = [j for j in scorers if j in resolved.training_scorers]
     if same:
@@ -383,17 +418,5 @@ def _evaluate(
     }
     for note in notes:
         warn(note)
-    write_records(records, out / "conversations.jsonl")
-    archive = AttackArchive(config.threshold)  # a turn is an attack when any judge scores its reply above the threshold
-    archive.extend(eval_turns(records))
-    archive.write(out / ARCHIVE_FILE)
-    metrics["attack_archive"] = {"file": ARCHIVE_FILE, "unique_probes": len(archive), "successful_turns": archive.total}
-    t0 = time.perf_counter()
-    report_notes = write_report(out, metrics, records, run_dir=resolved.source.run_dir, top_k=config.top_attacks, archive=archive)
-    for note in report_notes:
-        warn(note)
-    timing["report"] = time.perf_counter() - t0
-    timing["total"] = time.perf_counter() - start
-    metrics["seconds"] = {k: round(v, 3) for k, v in timing.items()}
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    _write_eval(config, resolved, out, metrics, records, timing, start=start, warn=warn)
     return metrics, records
