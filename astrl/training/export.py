@@ -363,12 +363,9 @@ def _warm_start_line(plan: ExportPlan) -> str:
     return line
 
 
-def model_card(plan: ExportPlan, generation: dict, template: str, steps: int | None) -> str:
-    """The README.md of the export: metadata header, what was trained against what, held-out results, use."""
-    import yaml
-
+def _training_rows(plan: ExportPlan, steps: int | None) -> list[tuple[str, str]]:
+    """The rows of the model card's training table: models, scorer, algorithm, reward, steps, prompts."""
     config = plan.config
-    meta = yaml.safe_dump(card_metadata(config), sort_keys=False, allow_unicode=True).strip()
     tuning = (
         f"LoRA (rank {config.lora_rank}, alpha {config.lora_alpha}, on {', '.join(config.lora_targets)}), merged into the weights"
         if is_adapter_folder(plan.source.model)
@@ -394,6 +391,16 @@ def model_card(plan: ExportPlan, generation: dict, template: str, steps: int | N
     ]
     if reward:
         rows.append(("training reward (mean), first and last logged step", f"{reward[1][0]:.3f} -> {reward[1][-1]:.3f}"))
+    return rows
+
+
+def model_card(plan: ExportPlan, generation: dict, template: str, steps: int | None) -> str:
+    """The README.md of the export: metadata header, what was trained against what, held-out results, use."""
+    import yaml
+
+    config = plan.config
+    meta = yaml.safe_dump(card_metadata(config), sort_keys=False, allow_unicode=True).strip()
+    rows = _training_rows(plan, steps)
     settings = ", ".join(f"{k}={v}" for k, v in generation.items())
     system = tester_system_prompt(config)
     lines = [
