@@ -29,6 +29,18 @@ def _add_run_args(p) -> None:
     p.add_argument("--device", default="cpu")
 
 
+def _add_report_args(p, *, unit: str, tables: str) -> None:
+    """The report flags of ``astrl eval`` and ``astrl replay`` (read back by :func:`_report_settings`)."""
+    p.add_argument("--threshold", type=threshold, default=0.5, help=f"a {unit} is toxic when its judge score is above this")
+    p.add_argument("--resamples", type=at_least(1), default=1000, help="bootstrap resamples for the 95%% intervals")
+    p.add_argument("--top-attacks", type=at_least(0), default=10, help=tables)
+
+
+def _add_output_args(p, folder: str) -> None:
+    p.add_argument("--out", default=folder, help=f"output folder (default: ./{folder})")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 def _add_scale_args(p) -> None:
     p.add_argument("--backend", default="transformers", choices=["transformers", "vllm"], help="tester generation backend")
     p.add_argument("--target-backend", default="transformers", choices=["transformers", "vllm"], help="target generation backend")
@@ -219,13 +231,10 @@ def _add_eval(sub) -> None:
     _add_generation_args(p)
     p.add_argument("--system-prompt", default=None, help="the tester's system prompt (default: the run's, else the built-in one)")
     p.add_argument("--target-system-prompt", default=None)
-    p.add_argument("--threshold", type=threshold, default=0.5, help="a turn is toxic when its judge score is above this")
-    p.add_argument("--resamples", type=at_least(1), default=1000, help="bootstrap resamples for the 95%% intervals")
-    p.add_argument("--top-attacks", type=at_least(0), default=10, help="rows of the top-attacks table per judge")
+    _add_report_args(p, unit="turn", tables="rows of the top-attacks table per judge")
     p.add_argument("--no-embeddings", action="store_true", help="skip the embedding-based diversity metrics")
     _add_run_args(p)
-    p.add_argument("--out", default="eval", help="output folder (default: ./eval)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_output_args(p, "eval")
 
 
 def _eval(args) -> int:
@@ -317,12 +326,9 @@ def _add_replay(sub) -> None:
     p.add_argument("--top-p", type=fraction, default=1.0)
     p.add_argument("--top-k", type=at_least(0), default=0, help="0 disables top-k filtering")
     p.add_argument("--batch-size", type=at_least(1), default=16, help="replies generated together (attacks x samples)")
-    p.add_argument("--threshold", type=threshold, default=0.5, help="a reply is toxic when its judge score is above this")
-    p.add_argument("--resamples", type=at_least(1), default=1000, help="bootstrap resamples for the 95%% intervals")
-    p.add_argument("--top-attacks", type=at_least(0), default=10, help="rows of the report's attack and disagreement tables")
+    _add_report_args(p, unit="reply", tables="rows of the report's attack and disagreement tables")
     _add_run_args(p)
-    p.add_argument("--out", default="replay", help="output folder (default: ./replay)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_output_args(p, "replay")
 
 
 def _replay(args) -> int:

@@ -45,7 +45,6 @@ class RolloutConfig(ConversationRuns):
     reply_lexicon: str = "scorer"
     repeat_penalty: float = 0.0
     likelihood_cap: float | None = None
-    seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"
     backend: str = "transformers"
@@ -141,7 +140,6 @@ def conversation_spec(config: RolloutConfig) -> ConversationSpec:
         reward_options=config.reward_options(),
         backend=config.backend,
         target_backend=config.target_backend,
-        seed=config.seed,
         dtype=config.dtype,
         device=config.device,
     )

@@ -5,20 +5,27 @@ import dataclasses
 import pytest
 
 from astrl.envs import ConversationSpec
-from astrl.envs.settings import ConversationBatch, ConversationSettings, conversation_settings, setting, with_defaults
+from astrl.envs.settings import (
+    ConversationBatch,
+    ConversationSettings,
+    SeedSettings,
+    conversation_settings,
+    setting,
+    with_defaults,
+)
 from astrl.evaluation.run import EvalConfig
 from astrl.policies import GenerationSettings
 from astrl.rollout import RolloutConfig, conversation_spec
 from astrl.training.config import TrainConfig
 
-SHARED = [spec.name for spec in dataclasses.fields(ConversationSettings)]
+SHARED = [spec.name for kind in (SeedSettings, ConversationSettings) for spec in dataclasses.fields(kind)]
 
 
 @pytest.mark.parametrize("kind", [TrainConfig, RolloutConfig, EvalConfig, ConversationSpec])
 def test_every_entry_point_has_the_shared_settings_with_one_help_and_one_check(kind):
     fields = {spec.name: spec for spec in dataclasses.fields(kind)}
-    shared = {spec.name: spec for spec in dataclasses.fields(ConversationSettings)}
-    assert issubclass(kind, ConversationSettings)
+    shared = {spec.name: spec for base in (SeedSettings, ConversationSettings) for spec in dataclasses.fields(base)}
+    assert issubclass(kind, ConversationSettings) and issubclass(kind, SeedSettings)
     for name in SHARED:
         assert fields[name].type == shared[name].type, name
         assert fields[name].metadata == shared[name].metadata, name  # the same help and the same check

@@ -43,8 +43,8 @@ if TYPE_CHECKING:
 class ConversationSpec(ConversationBatch):
     """A red-team conversation set-up as plain, picklable data.
 
-    The conversation settings (``prompts``, ``split``, ``split_seed``, ``turns``, ``mode``, the
-    system prompts, ``reply_samples``, ``batch_size`` and each side's generation) are those of
+    The conversation settings (``seed``, ``split_seed``, ``prompts``, ``split``, ``turns``, ``mode``,
+    the system prompts, ``reply_samples``, ``batch_size`` and each side's generation) are those of
     :class:`~astrl.envs.settings.ConversationBatch`, declared and checked there.
 
     Args:
@@ -83,7 +83,6 @@ class ConversationSpec(ConversationBatch):
     target_backend: str = "transformers"
     vllm_memory: float = 0.5
     turn_cache: bool = True
-    seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"
 

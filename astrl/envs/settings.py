@@ -1,9 +1,10 @@
 """The settings of a red-team conversation, declared once.
 
 :class:`ConversationSettings` holds what every entry point asks of its conversations (openers, turns,
-mode, system prompts, replies per probe); :class:`SamplingSettings` the flat sampling keys of a YAML
-config. Each field carries its help and its check (:func:`setting`), so that one field is one
-declaration: :class:`~astrl.training.TrainConfig`, :class:`~astrl.rollout.RolloutConfig`,
+mode, system prompts, replies per probe), :class:`SeedSettings` the seeds (of everything drawn, of
+the prompt split), :class:`SamplingSettings` the flat sampling keys of a YAML config. Each field
+carries its help and its check (:func:`setting`), so that one field is one declaration:
+:class:`~astrl.training.TrainConfig`, :class:`~astrl.rollout.RolloutConfig`,
 :class:`~astrl.evaluation.run.EvalConfig` and :class:`~astrl.envs.ConversationSpec` inherit them
 (dataclass inheritance keeps their keys flat), :func:`with_defaults` gives an entry point its own
 defaults, and :func:`conversation_settings` copies them from one to the other.
@@ -82,11 +83,26 @@ def with_defaults(base: type, **defaults: Any) -> type:
 
 
 def conversation_settings(obj: Any, settings: type | None = None, **changes: Any) -> dict:
-    """The fields of ``settings`` (default :class:`ConversationSettings`) read from ``obj``, with
-    ``changes`` replacing some: keywords of another class that has them (a
+    """The fields of ``settings`` (default: those of :class:`SeedSettings` and :class:`ConversationSettings`)
+    read from ``obj``, with ``changes`` replacing some: keywords of another class that has them (a
     :class:`~astrl.envs.ConversationSpec`)."""
-    values = {spec.name: getattr(obj, spec.name) for spec in dataclasses.fields(settings or ConversationSettings)}
+    kinds = (settings,) if settings is not None else (SeedSettings, ConversationSettings)
+    values = {spec.name: getattr(obj, spec.name) for kind in kinds for spec in dataclasses.fields(kind)}
     return {**values, **changes}
+
+
+@dataclass
+class SeedSettings:
+    """The seeds of a run: of everything it draws, and of its prompt split."""
+
+    seed: int = setting(
+        0, "Seed of the prompt split (unless split_seed), prompt order, sampling, minibatch order and initialisation."
+    )
+    split_seed: int | None = setting(
+        None,
+        "Seed of the train/dev/test prompt split (null: seed). Replicate runs with other seeds keep the same "
+        "held-out openers when they share it.",
+    )
 
 
 @dataclass
@@ -96,11 +112,6 @@ class ConversationSettings:
 
     prompts: str = setting("builtin", "Openers: builtin, rtp[:CATEGORY], harmbench, chatterbot, hf:ID or a .txt/.jsonl file.")
     split: str = setting("all", "Part of the openers, seeded by seed: train, dev, test (disjoint) or all.", choices=SPLITS)
-    split_seed: int | None = setting(
-        None,
-        "Seed of the train/dev/test prompt split (null: seed). Replicate runs with other seeds keep the same "
-        "held-out openers when they share it.",
-    )
     turns: int = setting(3, "Tester turns per conversation.", at_least=1)
     mode: str = setting("chat", "chat (chat templates) or text (plain-text continuation of the conversation).", choices=MODES)
     tester_system_prompt: str | None = setting(
@@ -149,8 +160,8 @@ def _generation_settings() -> GenerationSettings:
 
 
 @dataclass
-class ConversationBatch(ConversationSettings):
-    """:class:`ConversationSettings` with the batch and each side's
+class ConversationBatch(ConversationSettings, SeedSettings):
+    """:class:`SeedSettings` and :class:`ConversationSettings` with the batch and each side's
     :class:`~astrl.policies.GenerationSettings`: what a spec, a rollout and an evaluation share."""
 
     batch_size: int = setting(8, "Conversations run together.", at_least=1)

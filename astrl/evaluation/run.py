@@ -61,7 +61,6 @@ class EvalConfig(with_defaults(ConversationRuns, prompts=None, split="test", mod
     resamples: int = 1000
     top_attacks: int = 10
     embeddings: bool = True
-    seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"
 
@@ -191,7 +190,6 @@ def conversation_spec(config: EvalConfig, resolved: Resolved, judges: list[str])
         target=resolved.target,
         scorers=judges,
         reward="astprompter",
-        seed=config.seed,
         dtype=config.dtype,
         device=config.device,
     )

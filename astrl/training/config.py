@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from astrl.envs.settings import ConversationSettings, SamplingSettings, check_settings, with_defaults
+from astrl.envs.settings import ConversationSettings, SamplingSettings, SeedSettings, check_settings, with_defaults
 from astrl.errors import ConfigError
 from astrl.rewards.weights import REPLY_TRANSFORMS, REWARDS, reward_options_of
 from astrl.yaml_data import read_yaml_mapping, yaml_problem
@@ -39,14 +39,13 @@ def _raise_first(checks: list[tuple[bool, str]]) -> None:
 
 
 @dataclass
-class RunSection:
-    """The run: its seed, the tester and the target, the tester's LoRA adapters, dtype and device."""
+class RunSection(SeedSettings):
+    """The run: its seeds, the algorithm, the tester and the target, the tester's LoRA adapters,
+    dtype and device."""
 
-    seed: int = field(
-        default=0,
-        metadata={
-            "help": "Seed of the prompt split (unless split_seed), prompt order, sampling, minibatch order and initialisation."
-        },
+    algorithm: str = field(
+        default="grpo",
+        metadata={"help": "grpo, ppo (value head and GAE), dpo or ipo (best-vs-worst sibling pairs from tree sampling)."},
     )
     tester: str = field(
         default="smollm2-135m",
@@ -253,12 +252,8 @@ class RewardSection:
 
 @dataclass
 class AlgorithmSection:
-    """The algorithm and its optimisation: GRPO / PPO / DPO / IPO settings, optimizer and schedule."""
+    """The algorithm's settings and its optimisation: GRPO / PPO / DPO / IPO, optimizer and schedule."""
 
-    algorithm: str = field(
-        default="grpo",
-        metadata={"help": "grpo, ppo (value head and GAE), dpo or ipo (best-vs-worst sibling pairs from tree sampling)."},
-    )
     returns: str = field(
         default="turn",
         metadata={"help": "grpo: a turn's return is its own reward (turn) or the sum with its later turns' (to_go)."},

@@ -98,7 +98,6 @@ def conversation_spec(config: TrainConfig) -> ConversationSpec:
         target_backend=config.target_backend,
         vllm_memory=config.vllm_memory,
         turn_cache=config.turn_cache,
-        seed=config.seed,
         dtype=config.dtype,
         device=config.device,
     )
