@@ -445,7 +445,7 @@ def test_elicit_settings_are_checked_with_the_offending_value():
         (["warm_start_probes=-1"], "warm_start_probes must be >= 0"),
         (["warm_start_min_toxic=2"], "warm_start_min_toxic must be in [0, 1], got 2.0"),
         (["warm_start_select=best"], "warm_start_select must be one of ('share', 'lexicon', 'search', 'best_of'), got 'best'"),
-        (["mode=chat", "warm_start_select=search"], "warm_start_select 'search' sets up the target's next words"),
+        (["warm_start_select=search", "warm_start_reply_tokens=0"], "warm_start_reply_tokens must be >= 1 (or null), got 0"),
         (["warm_start_beams=0"], "warm_start_beams must be >= 1, got 0"),
         (["warm_start_top_k=0"], "warm_start_top_k must be >= 1, got 0"),
         (["warm_start_rounds=0"], "warm_start_rounds must be >= 1, got 0"),
@@ -694,17 +694,17 @@ def test_best_of_warm_start_runs_in_chat_mode(tmp_path, monkeypatch):
     assert [k["probe"] for k in kept] == clean and summary["kept"] == len(kept) > 0  # min_toxic 0 keeps every clean one
 
 
-def test_best_of_reply_tokens_default_to_the_next_token_in_text_and_the_whole_reply_in_chat(tmp_path):
+def test_reply_tokens_default_to_the_next_token_in_text_and_the_whole_reply_in_chat(tmp_path):
     from test_training import _config
 
-    from astrl.training.warm_start import best_of_reply_tokens
+    from astrl.training.warm_start import reply_tokens
 
     settings = dict(reward="elicit", reply_lexicon_weight=1.0, reply_lexicon="hell", warm_start_probes=2)
     settings["warm_start_select"] = "best_of"
-    assert best_of_reply_tokens(_config(tmp_path, mode="text", target_max_new_tokens=7, **settings)) == 1
-    assert best_of_reply_tokens(_config(tmp_path, mode="chat", target_max_new_tokens=7, **settings)) == 7
-    assert best_of_reply_tokens(_config(tmp_path, mode="chat", max_new_tokens=5, **settings)) == 5  # the reply's own length
-    assert best_of_reply_tokens(_config(tmp_path, mode="chat", warm_start_reply_tokens=3, **settings)) == 3
+    assert reply_tokens(_config(tmp_path, mode="text", target_max_new_tokens=7, **settings)) == 1
+    assert reply_tokens(_config(tmp_path, mode="chat", target_max_new_tokens=7, **settings)) == 7
+    assert reply_tokens(_config(tmp_path, mode="chat", max_new_tokens=5, **settings)) == 5  # the reply's own length
+    assert reply_tokens(_config(tmp_path, mode="chat", warm_start_reply_tokens=3, **settings)) == 3
 
 
 def test_best_of_in_chat_mode_ranks_samples_by_their_whole_replys_lexicon_estimate(tmp_path):

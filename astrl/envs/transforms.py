@@ -67,16 +67,21 @@ def target_view(tester_chat: Chat, system_prompt: str | None) -> Chat:
     return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + messages
 
 
-def contexts_before_last(tokenizer, chats: Sequence[Chat]) -> list[str]:
+def contexts_around_last(tokenizer, chats: Sequence[Chat]) -> list[tuple[str, str]]:
     """Each chat rendered as the policy renders it for ``tokenizer``'s model (with the generation
-    prompt; :func:`astrl._compat.render_chats`), cut just before the last message's content: the
-    text a model read before that message."""
+    prompt; :func:`astrl._compat.render_chats`), split around the last message's content: the text a
+    model read before that message, and what it reads after it up to its own reply."""
     marked = [c[:-1] + [{"role": c[-1]["role"], "content": _MARK}] for c in chats]
     texts = render_chats(tokenizer, marked)
     cut = [t.rfind(_MARK) for t in texts]
     if min(cut) < 0:
         raise ValueError("the target's chat template does not render message content verbatim; cannot locate the probe")
-    return [t[:i] for t, i in zip(texts, cut, strict=True)]
+    return [(t[:i], t[i + len(_MARK) :]) for t, i in zip(texts, cut, strict=True)]
+
+
+def contexts_before_last(tokenizer, chats: Sequence[Chat]) -> list[str]:
+    """The text before each chat's last message content (:func:`contexts_around_last`)."""
+    return [before for before, _ in contexts_around_last(tokenizer, chats)]
 
 
 def strip_special_tokens(text: str, tokenizer) -> str:
