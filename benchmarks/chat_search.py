@@ -11,7 +11,7 @@ judge gives the elicited reply share (a toxic reply to a probe it does not call 
 reply's, and the openers with none, with 95% intervals over openers. This is what a tester that writes
 one probe per opener without reading the target's logits would have to match in chat mode.
 
-    python benchmarks/chat_search.py --quick                          # 8 openers
+    python benchmarks/chat_search.py --quick                          # 4 openers, beams 2 x top-k 4, lookahead 2
     python benchmarks/chat_search.py --device cuda --openers 208      # the held-out set
 """
 
@@ -55,20 +55,23 @@ def replies_to(lm, openers: list[str], probes: list[str], replies: int, new_toke
 
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--openers", type=int, default=None, help="held-out openers (default 208; 8 with --quick)")
-    parser.add_argument("--probe-tokens", type=int, default=12)
-    parser.add_argument("--lookahead", type=int, default=8, help="target reply tokens each candidate is read over")
-    parser.add_argument("--beams", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--openers", type=int, default=None, help="held-out openers (default 208; 4 with --quick)")
+    parser.add_argument("--probe-tokens", type=int, default=None, help="default 12; 6 with --quick")
+    parser.add_argument("--lookahead", type=int, default=None, help="target reply tokens a candidate is read over (8; 2)")
+    parser.add_argument("--beams", type=int, default=None, help="default 8; 2 with --quick")
+    parser.add_argument("--top-k", type=int, default=None, help="default 8; 4 with --quick")
     parser.add_argument("--max-nll", type=float, default=None, help="naturalness bound of the search")
     parser.add_argument("--replies", type=int, default=8, help="target replies judged per searched probe")
     parser.add_argument("--reply-tokens", type=int, default=16)
     parser.add_argument("--fractions", default="0.6,0.05,0.35", help="train,dev,test fractions of the opener split")
     args = parser.parse_args()
     info = setup(args)
+    for name, full, quick in (("probe_tokens", 12, 6), ("lookahead", 8, 2), ("beams", 8, 2), ("top_k", 8, 4)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
     fractions = tuple(float(f) for f in args.fractions.split(","))
     openers = split_prompts(load_prompts("rtp"), "test", seed=args.seed, fractions=fractions)
-    openers = openers[: args.openers or (8 if args.quick else 208)]
+    openers = openers[: args.openers or (4 if args.quick else 208)]
     lm = load_model(args.model, dtype=args.dtype, device=args.device)
     lexicon = reply_lexicon("scorer", lm.tokenizer, scorer=make_scorer("profanity"))
     start = time.perf_counter()
