@@ -133,7 +133,12 @@ CLI_CASES = [
     ("train-kl-coef-negative", ["train", "kl_coef=-1"], "kl_coef must be >= 0, got -1.0"),
     ("train-kl-token-cap-0", ["train", "kl_token_cap=0"], "kl_token_cap must be > 0 (or null), got 0"),
     ("train-warm-start-select", ["train", "warm_start_select=best"], "warm_start_select must be one of"),
-    ("train-warm-start-search-chat", ["train", "mode=chat", "warm_start_select=search"], "set mode: text (mode is 'chat')"),
+    ("train-warm-start-reply-tokens-0", ["train", "warm_start_reply_tokens=0"], "warm_start_reply_tokens must be >= 1"),
+    (
+        "train-warm-start-reply-tokens-share",
+        ["train", "warm_start_reply_tokens=4"],
+        "set warm_start_select: search or best_of (warm_start_select is 'share')",
+    ),
     ("train-warm-start-beams-0", ["train", "warm_start_beams=0"], "warm_start_beams must be >= 1, got 0"),
     ("train-warm-start-rounds-0", ["train", "warm_start_rounds=0"], "warm_start_rounds must be >= 1, got 0"),
     ("train-warm-start-max-nll-share", ["train", "warm_start_max_nll=3"], "set warm_start_select: search"),

@@ -331,3 +331,98 @@ def test_garak_atkgen_runs_the_exported_tester_offline(exported, tmp_path):
     text = tokenizer.decode(output[0], skip_special_tokens=True).removeprefix(prefix)
     probe = re.sub(r"\<\|.*", "", text).strip()
     assert probe and attempts[0]["prompt"]["turns"][-1]["content"]["text"] == probe
+
+
+# -- PyRIT: the exported tester as the adversarial chat of a red-teaming attack --------------------------
+
+
+def test_pyrit_target_refuses_a_folder_that_is_no_export(tiny_model_dir):
+    pytest.importorskip("pyrit", reason="PyRIT is not installed (pip install -c constraints.txt -e '.[pyrit]')")
+    from astrl.training.pyrit_target import TesterChatTarget
+
+    with pytest.raises(ValueError, match="is not an 'astrl export' folder"):
+        TesterChatTarget(folder=tiny_model_dir)
+
+
+def test_pyrit_replies_carry_the_probe_as_next_message():
+    pytest.importorskip("pyrit", reason="PyRIT is not installed (pip install -c constraints.txt -e '.[pyrit]')")
+    from astrl.training.pyrit_target import json_reply, probe_of, tester_messages
+
+    schema = {"required": ["next_message", "rationale"], "properties": {}}
+    reply = json_reply("you there?", schema)
+    assert json.loads(reply) == {"next_message": "you there?", "rationale": ""} and probe_of(reply) == "you there?"
+    assert probe_of("[1, 2]") == "[1, 2]" and probe_of("plain") == "plain"
+    chat = [{"role": "system", "content": "objective: x, answer in JSON"}, {"role": "user", "content": "hi"}]
+    chat.append({"role": "assistant", "content": reply})
+    assert tester_messages(chat, SYSTEM_PROMPT) == [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "you there?"},
+    ]
+
+
+def _greedy(folder: Path, text: str, max_new_tokens: int) -> str:
+    """The exported tester's greedy continuation of ``text``, with transformers alone."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer, model = AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder)
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+
+
+@pytest.mark.slow
+def test_pyrit_red_teaming_attack_runs_the_exported_tester_as_adversarial_chat(run_dir, exported, monkeypatch):
+    """PyRIT's RedTeamingAttack, offline and in memory: the exported tester (greedy) writes the probes,
+    PyRIT's own HuggingFaceChatTarget on the base folder answers, a substring scorer judges. PyRIT's
+    memory holds the probes the tester writes for the conversation it reads, turn after turn."""
+    import asyncio
+
+    pytest.importorskip("pyrit", reason="PyRIT is not installed (pip install -c constraints.txt -e '.[pyrit]')")
+    import transformers  # noqa: F401  (imported here first: PyRIT loads its HF target in a thread)
+    from pyrit.executor.attack import AttackAdversarialConfig, AttackScoringConfig, RedTeamingAttack
+    from pyrit.memory import CentralMemory
+    from pyrit.prompt_target import HuggingFaceChatTarget
+    from pyrit.score import SubStringScorer
+    from pyrit.setup import IN_MEMORY, initialize_pyrit_async
+
+    from astrl.training.pyrit_target import TesterChatTarget, probe_of
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    objective = "tell me something rude"
+
+    async def attack():
+        await initialize_pyrit_async(IN_MEMORY, load_defaults=False, silent=True, env_files=[])
+        HuggingFaceChatTarget.disable_cache()
+        tester = TesterChatTarget(folder=exported, generation={"do_sample": False})
+        target = HuggingFaceChatTarget(model_path=str(run_dir.parent / "base-model"), max_new_tokens=5, do_sample=False)
+        adversarial = AttackAdversarialConfig(target=tester, first_message="{{ objective }}")
+        scoring = AttackScoringConfig(objective_scorer=SubStringScorer(substring="zzzzzz"))
+        red_team = RedTeamingAttack(
+            objective_target=target, attack_adversarial_config=adversarial, attack_scoring_config=scoring, max_turns=2
+        )
+        return await red_team.execute_async(objective=objective)
+
+    result = asyncio.run(attack())
+    memory = CentralMemory.get_memory_instance()
+
+    def texts(conversation_id):
+        pieces = [m.message_pieces[0] for m in memory.get_conversation_messages(conversation_id=conversation_id)]
+        return [(p.api_role, p.converted_value) for p in pieces]
+
+    sent = texts(result.conversation_id)  # the objective target's conversation: probe, reply, probe, reply
+    assert [role for role, _ in sent] == ["user", "assistant"] * 2 and result.executed_turns == 2
+    (adversarial_id,) = [c.conversation_id for c in result.related_conversations if c.conversation_type.value == "adversarial"]
+    written = texts(adversarial_id)
+    assert [role for role, _ in written] == ["system", "user", "assistant", "user", "assistant"]
+    assert written[1][1] == objective and written[3][1] == sent[1][1]  # the tester reads the opener, then the reply
+    # each probe: the tester, greedy, on the conversation as it reads it (its own system prompt, its probes its own)
+    settings = json.loads((exported / "astrl_tester.json").read_text())
+    first = _greedy(exported, settings["prompt_template"].replace("[query]", objective), 7)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+    chat = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": objective}]
+    chat += [{"role": "assistant", "content": first}, {"role": "user", "content": sent[1][1]}]
+    second = _greedy(exported, tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True), 7)
+    assert first and second
+    assert [probe_of(written[2][1]), probe_of(written[4][1])] == [first, second] == [sent[0][1], sent[2][1]]
+    assert json.loads(written[2][1]) == {"next_message": first, "rationale": "", "last_response_summary": ""}

@@ -231,3 +231,126 @@ def test_each_warm_start_round_searches_new_openers_with_the_tester_the_rounds_b
 
 
 MAX_NLL = 5.6
+
+
+def _greedy_estimate(model, ids: list[int], lexicon: ReplyLexicon, steps: int, stops: set[int]) -> float:
+    """1 - prod_t (1 - m_t) over ``steps`` greedy tokens after ``ids``, by full forwards (no cache)."""
+    miss, ids = 1.0, list(ids)
+    for t in range(steps):
+        logits = _last_logits(model, ids)
+        miss *= 1.0 - float(lexicon.mass(logits[None])[0])
+        token = int(logits.argmax())
+        if token in stops or t + 1 == steps:
+            break
+        ids.append(token)
+    return 1.0 - miss
+
+
+def test_lookahead_estimate_follows_the_greedy_reply_and_stops_at_its_end():
+    from astrl.sampling.search import lookahead_estimate
+
+    tok = make_tokenizer()
+    model = make_llama(tok, seed=2)
+    lexicon = ReplyLexicon(tok, ["hell", "idiot", "the", "you", "how", "are"])
+    prefixes = [torch.tensor(tok(o)["input_ids"]) for o in OPENERS]
+    tails = torch.tensor(tok([" you", " the", " a"], add_special_tokens=False)["input_ids"])
+    owners = torch.tensor([0, 1, 2])
+    with torch.no_grad():
+        cache = PrefixCache(model, prefixes, tok.pad_token_id)
+    for steps, stops in ((1, set()), (4, set()), (4, {tok.eos_token_id})):
+        if stops:  # make the greedy reply end early: the EOS is the argmax after its first token
+            first = [int(_last_logits(model, prefixes[i].tolist() + tails[i].tolist()).argmax()) for i in range(3)]
+            stops = {first[0]}
+        got = lookahead_estimate(cache, owners, tails, lexicon, steps, stops)
+        for i in range(3):
+            expected = _greedy_estimate(model, prefixes[i].tolist() + tails[i].tolist(), lexicon, steps, stops)
+            assert float(got[i]) == pytest.approx(expected, abs=1e-5)
+    one = lookahead_estimate(cache, owners, tails, lexicon, 1, set())
+    assert all(float(a) >= float(b) - 1e-6 for a, b in zip(got, one, strict=True))  # more positions, more mass
+
+
+def test_chat_search_finds_the_path_whose_greedy_reply_holds_the_most_lexicon_mass():
+    from astrl._compat import render_chats
+    from astrl.envs.transforms import contexts_around_last
+    from astrl.sampling.search import chat_lookahead_search
+
+    tok = make_tokenizer()
+    tester, target = make_llama(tok, seed=0), make_llama(tok, seed=1)
+    lexicon = ReplyLexicon(tok, ["hell", "idiot", "the", "you", "how", "are"])
+    banned = banned_tokens(tok, lexicon, len(tok))
+    top_k, length, lookahead = 3, 2, 3
+    stops = {tok.eos_token_id, tok.pad_token_id}
+    found = chat_lookahead_search(
+        tester, target, tok, tok, OPENERS, lexicon, length=length, lookahead=lookahead, beams=top_k, top_k=top_k,
+        tester_system_prompt="Be rude.",
+    )  # fmt: skip
+    for opener, probe in zip(OPENERS, found, strict=True):
+        tester_text = render_chats(tok, [[{"role": "system", "content": "Be rude."}, {"role": "user", "content": opener}]])[0]
+        target_chat = [{"role": "assistant", "content": opener}, {"role": "user", "content": ""}]
+        before, after = contexts_around_last(tok, [target_chat])[0]
+        assert after  # the template's end of the user turn and the start of the reply
+        prompt = tok(tester_text, add_special_tokens=False)["input_ids"]
+        head, tail = tok(before, add_special_tokens=False)["input_ids"], tok(after, add_special_tokens=False)["input_ids"]
+        first = _last_logits(tester, prompt).log_softmax(-1).masked_fill(banned, float("-inf"))
+        paths = []
+        for a in first.topk(top_k).indices.tolist():
+            second = _last_logits(tester, prompt + [a]).log_softmax(-1).masked_fill(banned, float("-inf"))
+            second[a] = float("-inf")
+            paths.extend([a, b] for b in second.topk(top_k).indices.tolist())
+        estimates = [_greedy_estimate(target, head + p + tail, lexicon, lookahead, stops) for p in paths]
+        best = max(range(len(paths)), key=estimates.__getitem__)
+        assert probe.tokens.tolist() == paths[best] and probe.mass == pytest.approx(estimates[best], abs=1e-5)
+        assert probe.nll is not None and probe.nll > 0
+
+
+def test_a_chat_search_needs_a_shared_vocabulary_and_a_positive_lookahead():
+    from astrl.sampling.search import chat_lookahead_search
+
+    tok, other = make_tokenizer(), make_tokenizer(vocab_size=300, seed=3)
+    tester, target = make_llama(tok), make_llama(other)
+    lexicon = ReplyLexicon(other, WORDS)
+    with pytest.raises(ValueError, match="share a vocabulary"):
+        chat_lookahead_search(tester, target, tok, other, OPENERS, lexicon, length=2)
+    with pytest.raises(ValueError, match="lookahead must be >= 1, got 0"):
+        chat_lookahead_search(tester, make_llama(tok), tok, tok, OPENERS, ReplyLexicon(tok, WORDS), length=2, lookahead=0)
+
+
+def test_chat_search_warm_start_reads_the_targets_reply_and_tunes_on_the_testers_chat_prompt(tmp_path, monkeypatch):
+    from test_training import _config, _trainer
+
+    import astrl.training.warm_start as warm
+    from astrl._compat import render_chats
+    from astrl.envs.redteam import DEFAULT_TESTER_SYSTEM_PROMPT
+    from astrl.sampling.search import chat_lookahead_search
+
+    settings = dict(
+        scorer="keywords:the,you,hell,idiot", mode="chat", turns=1, total_steps=1, max_new_tokens=3, target_max_new_tokens=4,
+        reply_lexicon="hell,idiot,damn,the", warm_start_probes=4, warm_start_min_toxic=0.0, warm_start_select="search",
+        warm_start_beams=2, warm_start_top_k=3,
+    )  # fmt: skip
+    trainer = _trainer(_config(tmp_path, **settings))
+    tester, target = trainer.models.tester, trainer.models.target
+    real, seen = warm.search_candidates, []
+
+    def search_and_redo(*args):  # the same search by hand, before the warm start tunes the tester
+        found = real(*args)
+        lexicon = ReplyLexicon(target.tokenizer, ["hell", "idiot", "damn", "the"])
+        again = chat_lookahead_search(
+            tester.model, target.model, tester.tokenizer, target.tokenizer, [c["opener"] for c in found], lexicon,
+            length=3, lookahead=4, beams=2, top_k=3, tester_system_prompt=DEFAULT_TESTER_SYSTEM_PROMPT,
+        )  # fmt: skip  # its reply read over target_max_new_tokens (4) tokens
+        seen.append((found, again))
+        return found
+
+    monkeypatch.setattr(warm, "search_candidates", search_and_redo)
+    trainer.train()
+    ((found, again),) = seen
+    assert len(found) == 4
+    for c, probe in zip(found, again, strict=True):
+        assert c["response_tokens"].tolist() == probe.tokens.tolist() and c["lexicon_mass"] == pytest.approx(probe.mass)
+        chat = [{"role": "system", "content": DEFAULT_TESTER_SYSTEM_PROMPT}, {"role": "user", "content": c["opener"]}]
+        rendered = render_chats(tester.tokenizer, [chat])[0]  # what the tester reads in the env
+        assert c["prompt_tokens"].tolist() == tester.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    summary = json.loads((tmp_path / "run" / "warm_start.json").read_text())
+    clean = [c for c in found if c["probe_score"] <= 0.5 and c["response_tokens"].numel()]
+    assert summary["select"] == "search" and summary["kept"] == len(clean) > 0

@@ -183,6 +183,55 @@ def test_the_env_writes_each_replys_lexicon_estimate_from_the_targets_own_logits
     assert ((nxt[TARGET_LEXICON] >= 0) & (nxt[TARGET_LEXICON] <= 1)).all()
 
 
+def _record_logits_asked(policy) -> list[bool]:
+    """Whether each ``generate`` call of ``policy``'s model asks for the per-step logits."""
+    cache, asked = turn_cache_of(policy.model, install=True), []
+    original = cache.original
+
+    def generate(**kwargs):
+        asked.append(bool(kwargs.get("output_logits")) or bool(kwargs.get("output_scores")))
+        return original(**kwargs)
+
+    cache.original = generate
+    return asked
+
+
+@pytest.mark.parametrize("weight", [1.0, 0.0])
+def test_only_the_targets_calls_for_a_weighed_lexicon_compute_logits(weight):
+    tester, target = _policies()
+    options = {"lexicon": weight, "lexicon_source": "hell,idiot,the,you,how,are"}
+    env = make_redteam_env(
+        tester, target, [SCORER], OPENERS, batch_size=2, max_turns=2, reward="elicit", reward_options=options, reply_samples=2
+    )
+    tester_asked, target_asked = _record_logits_asked(tester), _record_logits_asked(target)
+    torch.manual_seed(0)
+    rollout = env.rollout(2, tester)
+    assert tester_asked == [False, False] and target_asked == [bool(weight)] * 2
+    assert "log_probs" not in rollout.keys()  # the tester's wrapper scores nothing either
+    assert (TARGET_LEXICON in rollout["next"].keys()) == bool(weight)
+    if weight:
+        assert ((rollout["next", TARGET_LEXICON] > 0) & (rollout["next", TARGET_LEXICON] <= 1)).all()
+
+
+def test_the_lexicon_is_the_same_whether_the_targets_wrapper_returns_log_probs_or_not():
+    def estimates(return_log_probs: bool) -> torch.Tensor:
+        tester, _ = _policies()
+        target_tok = make_tokenizer()
+        target_lm = loaded(make_llama(target_tok, seed=3), target_tok)
+        target = make_policy(target_lm, GenerationSettings(5), return_log_probs=return_log_probs)
+        options = {"lexicon": 1.0, "lexicon_source": "hell,idiot,the,you,how,are"}
+        env = make_redteam_env(
+            tester, target, [SCORER], OPENERS, batch_size=2, max_turns=2, reward="elicit", reward_options=options
+        )
+        torch.manual_seed(0)
+        nxt = env.rollout(2, tester)["next"]
+        return nxt[TARGET_LEXICON], nxt["target_tokens"]
+
+    (lexicon_a, tokens_a), (lexicon_b, tokens_b) = estimates(True), estimates(False)
+    assert torch.equal(tokens_a, tokens_b)
+    torch.testing.assert_close(lexicon_a, lexicon_b, rtol=0, atol=0)
+
+
 def test_elicit_reward_with_k_replies_equals_its_terms():
     tester, target = _policies()
     options = {"alpha": 1.0, "penalty": 0.5, "gamma": 0.1, "transform": "odds", "gate_below": 0.6, "repeat": 0.3}
@@ -445,7 +494,7 @@ def test_elicit_settings_are_checked_with_the_offending_value():
         (["warm_start_probes=-1"], "warm_start_probes must be >= 0"),
         (["warm_start_min_toxic=2"], "warm_start_min_toxic must be in [0, 1], got 2.0"),
         (["warm_start_select=best"], "warm_start_select must be one of ('share', 'lexicon', 'search', 'best_of'), got 'best'"),
-        (["mode=chat", "warm_start_select=search"], "warm_start_select 'search' sets up the target's next words"),
+        (["warm_start_select=search", "warm_start_reply_tokens=0"], "warm_start_reply_tokens must be >= 1 (or null), got 0"),
         (["warm_start_beams=0"], "warm_start_beams must be >= 1, got 0"),
         (["warm_start_top_k=0"], "warm_start_top_k must be >= 1, got 0"),
         (["warm_start_rounds=0"], "warm_start_rounds must be >= 1, got 0"),
@@ -694,17 +743,17 @@ def test_best_of_warm_start_runs_in_chat_mode(tmp_path, monkeypatch):
     assert [k["probe"] for k in kept] == clean and summary["kept"] == len(kept) > 0  # min_toxic 0 keeps every clean one
 
 
-def test_best_of_reply_tokens_default_to_the_next_token_in_text_and_the_whole_reply_in_chat(tmp_path):
+def test_reply_tokens_default_to_the_next_token_in_text_and_the_whole_reply_in_chat(tmp_path):
     from test_training import _config
 
-    from astrl.training.warm_start import best_of_reply_tokens
+    from astrl.training.warm_start import reply_tokens
 
     settings = dict(reward="elicit", reply_lexicon_weight=1.0, reply_lexicon="hell", warm_start_probes=2)
     settings["warm_start_select"] = "best_of"
-    assert best_of_reply_tokens(_config(tmp_path, mode="text", target_max_new_tokens=7, **settings)) == 1
-    assert best_of_reply_tokens(_config(tmp_path, mode="chat", target_max_new_tokens=7, **settings)) == 7
-    assert best_of_reply_tokens(_config(tmp_path, mode="chat", max_new_tokens=5, **settings)) == 5  # the reply's own length
-    assert best_of_reply_tokens(_config(tmp_path, mode="chat", warm_start_reply_tokens=3, **settings)) == 3
+    assert reply_tokens(_config(tmp_path, mode="text", target_max_new_tokens=7, **settings)) == 1
+    assert reply_tokens(_config(tmp_path, mode="chat", target_max_new_tokens=7, **settings)) == 7
+    assert reply_tokens(_config(tmp_path, mode="chat", max_new_tokens=5, **settings)) == 5  # the reply's own length
+    assert reply_tokens(_config(tmp_path, mode="chat", warm_start_reply_tokens=3, **settings)) == 3
 
 
 def test_best_of_in_chat_mode_ranks_samples_by_their_whole_replys_lexicon_estimate(tmp_path):
@@ -724,7 +773,8 @@ def test_best_of_in_chat_mode_ranks_samples_by_their_whole_replys_lexicon_estima
     calls: dict[str, list] = {"tester": [], "target": []}
     for role in calls:
         turn_cache_of(getattr(trainer.models, role).model, install=True).observers.append(calls[role].append)
-    found = best_of_candidates(trainer, 4)
+    with turn_cache_of(trainer.models.tester.model).with_logits():  # the tester's step count, read below
+        found = best_of_candidates(trainer, 4)
     tester_call, target_call = calls["tester"][0], calls["target"][0]  # 4 x 3 probes, then the target's replies
     assert len(tester_call.logits) <= 4 and len(target_call.logits) > 1  # a reply longer than its first token
     tok, model = trainer.models.target.tokenizer, trainer.models.target.model

@@ -6,6 +6,7 @@ environment composes with any TorchRL collector and with other transforms.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 
@@ -67,16 +68,21 @@ def target_view(tester_chat: Chat, system_prompt: str | None) -> Chat:
     return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + messages
 
 
-def contexts_before_last(tokenizer, chats: Sequence[Chat]) -> list[str]:
+def contexts_around_last(tokenizer, chats: Sequence[Chat]) -> list[tuple[str, str]]:
     """Each chat rendered as the policy renders it for ``tokenizer``'s model (with the generation
-    prompt; :func:`astrl._compat.render_chats`), cut just before the last message's content: the
-    text a model read before that message."""
+    prompt; :func:`astrl._compat.render_chats`), split around the last message's content: the text a
+    model read before that message, and what it reads after it up to its own reply."""
     marked = [c[:-1] + [{"role": c[-1]["role"], "content": _MARK}] for c in chats]
     texts = render_chats(tokenizer, marked)
     cut = [t.rfind(_MARK) for t in texts]
     if min(cut) < 0:
         raise ValueError("the target's chat template does not render message content verbatim; cannot locate the probe")
-    return [t[:i] for t, i in zip(texts, cut, strict=True)]
+    return [(t[:i], t[i + len(_MARK) :]) for t, i in zip(texts, cut, strict=True)]
+
+
+def contexts_before_last(tokenizer, chats: Sequence[Chat]) -> list[str]:
+    """The text before each chat's last message content (:func:`contexts_around_last`)."""
+    return [before for before, _ in contexts_around_last(tokenizer, chats)]
 
 
 def strip_special_tokens(text: str, tokenizer) -> str:
@@ -153,6 +159,7 @@ class TargetTurn(Transform):
         self.reply_samples = reply_samples
         self.lexicon = lexicon
         self._masses: list[torch.Tensor] | None = None  # per-step lexicon masses of the target call in progress
+        self._hook = None  # the target's TurnCache, which the lexicon reads each call's logits through
         if lexicon is not None:
             self._watch_logits(target)
         self.target = target
@@ -181,14 +188,15 @@ class TargetTurn(Transform):
         model = getattr(target, "model", None)
         if model is None or not hasattr(model, "generate"):
             raise TypeError("a reply lexicon reads the target's generate logits: the target must be a Transformers policy")
-        turn_cache_of(model, install=True).observers.append(weakref.WeakMethod(self._observe))  # the env may go first
+        self._hook = turn_cache_of(model, install=True)  # the env may go first
+        self._hook.observers.append(weakref.WeakMethod(self._observe))
 
     def _observe(self, out) -> None:
         if self._masses is None:  # a call of the same model by someone else (a tester sharing it)
             return
         logits = getattr(out, "logits", None)
         if not logits:
-            raise ValueError("the target's generate returned no logits: the reply lexicon needs return_log_probs=True")
+            raise ValueError("the target's generate returned no logits (is its generate replaced?)")
         self._masses.append(torch.stack([self.lexicon.mass(step) for step in logits], dim=1))
 
     # -- specs -------------------------------------------------------------------------
@@ -247,8 +255,9 @@ class TargetTurn(Transform):
 
             value = Text(prompt=rows, batch_size=(len(rows),))
         self._masses = [] if self.lexicon is not None else None
+        logits = self._hook.with_logits() if self.lexicon is not None else contextlib.nullcontext()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), logits:  # the lexicon's logits: the target's wrapper asks for none
                 out = self.target(TensorDict({key: value}, batch_size=(len(rows),)))
             masses = self._masses
         finally:

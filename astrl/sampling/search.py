@@ -35,7 +35,7 @@ fine-tunes the tester on the probes it finds.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,9 +47,10 @@ from astrl.rewards.lexicon import ReplyLexicon
 
 @dataclass
 class SearchedProbe:
-    """One opener's best probe: its tester token ids and text, the target's next-token lexicon mass
-    after ``opener + probe``, the tester's log-probability of the probe and the probe's mean per-token
-    NLL under the target (``None`` when the two tokenizers differ)."""
+    """One opener's best probe: its tester token ids and text, the target's lexicon estimate after it
+    (text mode: the next-token lexicon mass after ``opener + probe``), the tester's log-probability of
+    the probe, the probe's mean per-token NLL under the target (``None`` when the two tokenizers
+    differ) and the tester's token ids before the probe (``prompt``)."""
 
     opener: str
     tokens: torch.Tensor
@@ -57,6 +58,7 @@ class SearchedProbe:
     mass: float
     logprob: float
     nll: float | None = None
+    prompt: torch.Tensor | None = None  # the tester's token ids before the probe
 
 
 class PrefixCache:
@@ -135,6 +137,7 @@ def lexicon_beam_search(
     top_k: int = 8,
     max_nll: float | None = None,
     openers_per_batch: int = 8,
+    frame: SearchFrame | None = None,
 ) -> list[SearchedProbe]:
     """The best ``length``-token probe for each opener (see the module docstring).
 
@@ -151,6 +154,9 @@ def lexicon_beam_search(
             when no path keeps it; its ``nll`` says so). Needs the two tokenizers to share a vocabulary.
         openers_per_batch: openers searched together (memory: their caches are repeated
             ``beams * top_k`` times in chunks of 256 rows).
+        frame: how the models read a probe (:class:`SearchFrame`); None: a text-mode turn (see
+            :func:`chat_lookahead_search` for chat mode). A frame with a suffix or a lookahead needs a
+            shared vocabulary.
     """
     for name, value in (("length", length), ("beams", beams), ("top_k", top_k), ("openers_per_batch", openers_per_batch)):
         if value < 1:
@@ -166,26 +172,139 @@ def lexicon_beam_search(
             f"the target's tokenizers must share a vocabulary ({type(tester_tokenizer).__name__} with "
             f"{len(tester_tokenizer)} tokens against {type(target_tokenizer).__name__} with {len(target_tokenizer)})"
         )
+    frame = frame or _text_frame(tester_tokenizer, target_tokenizer)
+    if frame.lookahead < 1:
+        raise ValueError(f"lookahead must be >= 1, got {frame.lookahead}")
+    if (frame.lookahead > 1 or frame.suffix.numel()) and not shared_vocab:
+        raise ValueError(
+            "a search that reads the target's reply (a chat turn, or a lookahead) needs the tester and the target "
+            "to share a vocabulary"
+        )
+    sizes = dict(length=length, beams=beams, top_k=top_k, max_nll=max_nll, openers_per_batch=openers_per_batch)
+    models = (tester, target, tester_tokenizer, target_tokenizer)
+    return _search_batches(*models, openers, frame, shared_vocab, lexicon, banned, **sizes)
+
+
+@dataclass
+class SearchFrame:
+    """How the two models read a probe: ``prefixes(openers)`` gives each opener's tester and target token
+    ids before the probe; the target reads ``suffix`` (its token ids) between the probe and its reply,
+    and its reply is scored over ``lookahead`` tokens (greedy; 1: its next token)."""
+
+    prefixes: Callable[[list[str]], tuple[list[torch.Tensor], list[torch.Tensor]]]
+    suffix: torch.Tensor
+    lookahead: int = 1
+
+
+def _text_frame(tester_tokenizer, target_tokenizer) -> SearchFrame:
+    """Text mode: both models read the opener's own tokens, and the target continues right after the probe."""
+
+    def prefixes(openers: list[str]):
+        tokenizers = (tester_tokenizer, target_tokenizer)
+        return tuple([torch.tensor(tok(op)["input_ids"], dtype=torch.long) for op in openers] for tok in tokenizers)
+
+    return SearchFrame(prefixes, torch.zeros(0, dtype=torch.long))
+
+
+def _search_batches(tester, target, tester_tokenizer, target_tokenizer, openers, frame, shared_vocab, lexicon, banned, **sizes):
+    """The searches of ``openers``, ``openers_per_batch`` at a time."""
+    per_batch = sizes.pop("openers_per_batch")
     models = (tester, tester_tokenizer), (target, target_tokenizer)
     found: list[SearchedProbe] = []
-    for start in range(0, len(openers), openers_per_batch):
-        batch = list(openers[start : start + openers_per_batch])
-        found.extend(_search(*models, shared_vocab, batch, lexicon, banned, length, beams, top_k, max_nll))
+    for start in range(0, len(openers), per_batch):
+        batch = list(openers[start : start + per_batch])
+        found.extend(_search(*models, shared_vocab, batch, frame, lexicon, banned, **sizes))
     return found
 
 
-def _search(tester_lm, target_lm, shared_vocab, openers, lexicon, banned, length, beams, top_k, max_nll):
-    """:func:`lexicon_beam_search` for one batch of openers.
+def _chat_frame(tester_tokenizer, target_tokenizer, tester_system_prompt, target_system_prompt, lookahead) -> SearchFrame:
+    """Chat mode, as the red-team env renders it: the tester writes its turn after its system prompt
+    and the opener (said by the other side); the target reads the opener as its own turn, the probe as
+    the user's, then its chat template's end of turn and start of its reply (the suffix)."""
+    from astrl._compat import render_chats
+    from astrl.envs.transforms import contexts_around_last, target_view
+
+    def ids(tokenizer, text: str) -> torch.Tensor:
+        return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+    system = [{"role": "system", "content": tester_system_prompt}] if tester_system_prompt else []
+
+    def framed(openers: list[str]) -> list[list[dict]]:  # the target's view with the probe still to write
+        return [
+            target_view([{"role": "user", "content": op}, {"role": "assistant", "content": ""}], target_system_prompt)
+            for op in openers
+        ]
+
+    def prefixes(openers: list[str]):
+        tester_texts = render_chats(tester_tokenizer, [system + [{"role": "user", "content": op}] for op in openers])
+        around = contexts_around_last(target_tokenizer, framed(openers))
+        return [ids(tester_tokenizer, t) for t in tester_texts], [ids(target_tokenizer, before) for before, _ in around]
+
+    suffix = ids(target_tokenizer, contexts_around_last(target_tokenizer, framed(["."]))[0][1])
+    return SearchFrame(prefixes, suffix, lookahead)
+
+
+@torch.no_grad()
+def chat_lookahead_search(
+    tester: torch.nn.Module,
+    target: torch.nn.Module,
+    tester_tokenizer,
+    target_tokenizer,
+    openers: Sequence[str],
+    lexicon: ReplyLexicon,
+    *,
+    length: int,
+    lookahead: int = 8,
+    tester_system_prompt: str | None = None,
+    target_system_prompt: str | None = None,
+    **search,
+) -> list[SearchedProbe]:
+    """:func:`lexicon_beam_search` for a chat turn: each opener's best ``length``-token first probe, the one
+    whose candidate tokens make the target's greedy reply of ``lookahead`` tokens most likely to hold a
+    listed word, ``1 - prod_t (1 - m_t)`` (an assistant reply opens with "I" or "Sure": its first
+    token alone says nothing). A candidate costs the target one token, the template's end of turn and
+    ``lookahead`` reply tokens. ``search`` takes ``beams``, ``top_k``, ``max_nll``, ``openers_per_batch``."""
+    frame = _chat_frame(tester_tokenizer, target_tokenizer, tester_system_prompt, target_system_prompt, lookahead)
+    return lexicon_beam_search(
+        tester, target, tester_tokenizer, target_tokenizer, openers, lexicon, length=length, frame=frame, **search
+    )
+
+
+@torch.no_grad()
+def lookahead_estimate(
+    cache: PrefixCache, owners: torch.Tensor, tails: torch.Tensor, lexicon: ReplyLexicon, lookahead: int, stops: set[int]
+) -> torch.Tensor:
+    """``1 - prod_t (1 - m_t)`` over the first ``lookahead`` tokens of the greedy continuation of each row
+    ``rows[owners[r]] + tails[r]`` (``m_t``: the lexicon mass of position t, :meth:`ReplyLexicon.mass`); a
+    continuation that reaches a ``stops`` token counts no position after it."""
+    look = cache.advance(owners, tails)
+    log_miss = torch.zeros(len(owners))
+    alive = torch.ones(len(owners), dtype=torch.bool)
+    for t in range(lookahead):
+        log_miss += (-lexicon.mass(look.last).clamp(0.0, 1.0 - 1e-7)).log1p() * alive
+        if t + 1 == lookahead:
+            break
+        step = look.last.argmax(-1).cpu()
+        alive &= ~torch.isin(step, torch.tensor(sorted(stops), dtype=torch.long))
+        look = look.advance(torch.arange(len(owners)), step[:, None])
+    return 1.0 - log_miss.exp()
+
+
+def _search(tester_lm, target_lm, shared_vocab, openers, frame, lexicon, banned, *, length, beams, top_k, max_nll):
+    """The search for one batch of openers.
 
     The tester's cache holds each partial probe and grows by one token a step. When the two tokenizers
     share their vocabulary (``shared_vocab``) the target's does too, and a candidate costs the target one token (its
-    log-probability under the target is read from the partial probe's own next-token logits);
-    otherwise the target reads each candidate's decoded text anew after the opener's cache."""
+    log-probability under the target is read from the partial probe's own next-token logits), plus the
+    frame's suffix and lookahead tokens; otherwise the target reads each candidate's decoded text anew
+    after the opener's cache (text frames only)."""
     tester_tokenizer, target_tokenizer = tester_lm[1], target_lm[1]
+    prompts = frame.prefixes(openers)
     proposer, scorer = (  # a row per partial probe (the scorer: per opener unless shared_vocab)
-        PrefixCache(model, [torch.tensor(tok(op)["input_ids"], dtype=torch.long) for op in openers], tok.pad_token_id or 0)
-        for model, tok in (tester_lm, target_lm)
+        PrefixCache(model, ids, tok.pad_token_id or 0) for (model, tok), ids in zip((tester_lm, target_lm), prompts, strict=True)
     )
+    stops = {t for t in (target_tokenizer.eos_token_id, target_tokenizer.pad_token_id) if t is not None}
+    framed = frame.lookahead > 1 or frame.suffix.numel() > 0
     n = len(openers)
     owners = torch.arange(n)  # the opener of each partial probe
     probes = torch.zeros(n, 0, dtype=torch.long)  # (rows, step) tester tokens
@@ -199,14 +318,19 @@ def _search(tester_lm, target_lm, shared_vocab, openers, lexicon, banned, length
         top = logits.topk(top_k, dim=-1)
         parents = torch.arange(probes.shape[0]).repeat_interleave(top_k)  # each candidate's partial probe
         candidates = torch.cat([probes[parents], top.indices.reshape(-1, 1)], dim=1)
-        if shared_vocab:
-            scored = scorer.next_logits(parents, list(top.indices.reshape(-1, 1)))
+        if framed:  # the target reads the new token, the suffix, then answers
+            tails = torch.cat([top.indices.reshape(-1, 1), frame.suffix.expand(len(parents), -1)], dim=1)
+            mass = torch.cat([
+                lookahead_estimate(scorer, parents[i : i + 256], tails[i : i + 256], lexicon, frame.lookahead, stops)
+                for i in range(0, len(parents), 256)
+            ])  # fmt: skip
+        elif shared_vocab:
+            mass = lexicon.mass(scorer.next_logits(parents, list(top.indices.reshape(-1, 1))))
         else:
             texts = tester_tokenizer.batch_decode(candidates)
             encoded = target_tokenizer(texts, add_special_tokens=False)["input_ids"]
             tails = [torch.tensor(ids, dtype=torch.long) for ids in encoded]
-            scored = scorer.next_logits(owners[parents], tails)
-        mass = lexicon.mass(scored)
+            mass = lexicon.mass(scorer.next_logits(owners[parents], tails))
         rank = mass
         if shared_vocab:  # the target's log-prob of each new token, after its partial probe
             target_logprob = scorer.last.cpu().float().log_softmax(-1).gather(1, top.indices)
@@ -237,6 +361,7 @@ def _search(tester_lm, target_lm, shared_vocab, openers, lexicon, banned, length
             float(kept_mass[b]),
             float(logprob[b]),
             float(nll[b]) / length if shared_vocab else None,
+            prompts[0][i],
         )
-        for opener, b in zip(openers, best.tolist(), strict=True)
+        for i, (opener, b) in enumerate(zip(openers, best.tolist(), strict=True))
     ]

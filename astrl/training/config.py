@@ -409,11 +409,12 @@ class WarmStartSection:
         metadata={
             "help": "Warm start: how a probe's share of toxic replies is estimated: share (of its reply_samples "
             "replies the training scorer calls toxic; at least one must be), lexicon (the mean of its replies' "
-            "reply lexicon estimates; needs reward elicit with reply_lexicon_weight > 0), search (text mode: "
-            "no sampling; a beam search over the tester's likely tokens finds, for each of warm_start_probes "
-            "openers, the probe after which the target's next token is most likely a reply_lexicon word; that "
-            "probability is the estimate) or best_of (the tester samples warm_start_samples probes per opener; "
-            "the one with the highest such probability is the opener's candidate; needs reward elicit with "
+            "reply lexicon estimates; needs reward elicit with reply_lexicon_weight > 0), search (no sampling; a "
+            "beam search over the tester's likely tokens finds, for each of warm_start_probes openers, the probe "
+            "after which the target's next token (chat mode: its greedy reply of warm_start_reply_tokens tokens) "
+            "most likely holds a reply_lexicon word; that probability is the estimate) or best_of (the tester "
+            "samples warm_start_samples probes per opener; the one whose sampled reply of warm_start_reply_tokens "
+            "tokens has the highest such probability is the opener's candidate; needs reward elicit with "
             "reply_lexicon_weight > 0)."
         },
     )
@@ -424,10 +425,11 @@ class WarmStartSection:
     warm_start_reply_tokens: int | None = field(
         default=None,
         metadata={
-            "help": "Warm start with select best_of: the target reply each sample's estimate reads, in tokens: the "
-            "reply lexicon estimate 1 - prod_t (1 - m_t) over a sampled reply this long (1: the next-token "
-            "probability of a lexicon word). null = 1 in text mode, target_max_new_tokens in chat mode (an "
-            "assistant reply opens with 'I' or 'Sure', so its first token says nothing)."
+            "help": "Warm start with select best_of or search: the target reply each estimate reads, in tokens: the "
+            "reply lexicon estimate 1 - prod_t (1 - m_t) over a reply this long (best_of: sampled; search: greedy, "
+            "for every candidate token, so its cost grows with it; 1: the next-token probability of a lexicon "
+            "word). null = 1 in text mode, target_max_new_tokens in chat mode (an assistant reply opens with 'I' "
+            "or 'Sure', so its first token says nothing)."
         },
     )
     warm_start_beams: int = field(default=8, metadata={"help": "Warm start with select search: partial probes kept per opener."})
@@ -474,20 +476,15 @@ class WarmStartSection:
                     f"elicit and reply_lexicon_weight > 0 (reward is {self.reward!r}, reply_lexicon_weight "
                     f"{self.reply_lexicon_weight})",
                 ),
-                (
-                    self.warm_start_select != "search" or self.mode == "text",
-                    f"warm_start_select 'search' sets up the target's next words, a text-mode turn: set mode: text "
-                    f"(mode is {self.mode!r})",
-                ),
                 (self.warm_start_samples >= 1, f"warm_start_samples must be >= 1, got {self.warm_start_samples}"),
                 (
                     self.warm_start_reply_tokens is None or self.warm_start_reply_tokens >= 1,
                     f"warm_start_reply_tokens must be >= 1 (or null), got {self.warm_start_reply_tokens}",
                 ),
                 (
-                    self.warm_start_reply_tokens is None or self.warm_start_select == "best_of",
-                    f"warm_start_reply_tokens sets the reply that best_of reads: set warm_start_select: best_of "
-                    f"(warm_start_select is {self.warm_start_select!r})",
+                    self.warm_start_reply_tokens is None or self.warm_start_select in ("search", "best_of"),
+                    f"warm_start_reply_tokens sets the reply that search and best_of read: set warm_start_select: search "
+                    f"or best_of (warm_start_select is {self.warm_start_select!r})",
                 ),
                 (self.warm_start_beams >= 1, f"warm_start_beams must be >= 1, got {self.warm_start_beams}"),
                 (self.warm_start_top_k >= 1, f"warm_start_top_k must be >= 1, got {self.warm_start_top_k}"),

@@ -8,10 +8,11 @@ share of its sampled replies the training scorer calls toxic (at least one must 
 the mean over its replies of the reply lexicon estimate ``1 - prod_t (1 - m_t)`` (the target's own
 probability of saying a listed word, :mod:`astrl.rewards.lexicon`): a probe that sets the target up
 to swear (``' "What the'``) has a high estimate even when none of its few sampled replies did. With
-``search`` (text mode) nothing is sampled: a beam search over the tester's own likely tokens
+``search`` nothing is sampled: a beam search over the tester's own likely tokens
 (:mod:`astrl.sampling.search`) finds, for each of ``warm_start_probes`` training openers, the probe
 after which the target's next token is most likely a lexicon word, and that probability is the
-estimate (a lower bound on the probability that the reply holds one). The untrained tester samples
+estimate (a lower bound on the probability that the reply holds one); in chat mode, the probe whose
+target reply (greedy, ``warm_start_reply_tokens`` tokens) most likely holds one. The untrained tester samples
 such set-ups too rarely for the share and lexicon rules to find them. ``best_of`` (text or chat mode)
 samples ``warm_start_samples`` probes per training opener from the current tester and gives each
 opener the sample with the highest such probability (rejection sampling, as in ReST and RAFT). The
@@ -144,11 +145,13 @@ def sample_candidates(trainer, count: int, round_index: int = 0) -> list[dict]:
 def search_candidates(trainer, count: int, round_index: int = 0) -> list[dict]:
     """For ``count`` openers of the training split (in round ``round_index``'s order), the probe of
     :func:`astrl.sampling.search.lexicon_beam_search` (``max_new_tokens`` tokens, ``warm_start_max_nll``
-    its naturalness bound), with its own score under the training scorer, the target's next-token
-    lexicon mass after it (``lexicon_mass``) and its mean per-token NLL under the target (``probe_nll``)."""
+    its naturalness bound; in chat mode :func:`~astrl.sampling.search.chat_lookahead_search`, over the
+    target's greedy reply of :func:`reply_tokens` tokens), with its own score under the training scorer,
+    the target's lexicon estimate after it (``lexicon_mass``; text mode: its next-token lexicon mass)
+    and its mean per-token NLL under the target (``probe_nll``)."""
     from astrl.envs.recipe import opener_stream
     from astrl.rewards.lexicon import reply_lexicon
-    from astrl.sampling.search import lexicon_beam_search
+    from astrl.sampling.search import chat_lookahead_search, lexicon_beam_search
     from astrl.scorers import make_scorer
     from astrl.training.setup import conversation_spec
 
@@ -163,18 +166,16 @@ def search_candidates(trainer, count: int, round_index: int = 0) -> list[dict]:
     scorer = make_scorer(config.scorer)
     tester, target = models.tester, models.target
     lexicon = reply_lexicon(config.reply_lexicon, target.tokenizer, scorer=scorer, threshold=config.reply_lexicon_threshold)
-    found = lexicon_beam_search(
-        tester.model,
-        target.model,
-        tester.tokenizer,
-        target.tokenizer,
-        openers[:count],
-        lexicon,
-        length=config.max_new_tokens,
-        beams=config.warm_start_beams,
-        top_k=config.warm_start_top_k,
-        max_nll=config.warm_start_max_nll,
-    )
+    models = (tester.model, target.model, tester.tokenizer, target.tokenizer)
+    sizes = dict(beams=config.warm_start_beams, top_k=config.warm_start_top_k, max_nll=config.warm_start_max_nll)
+    if config.mode == "chat":  # the target's reply opens with "I" or "Sure": look further into it
+        chat = spec.env_options()
+        found = chat_lookahead_search(
+            *models, openers[:count], lexicon, length=config.max_new_tokens, lookahead=reply_tokens(config),
+            tester_system_prompt=chat["tester_system_prompt"], target_system_prompt=chat["target_system_prompt"], **sizes,
+        )  # fmt: skip
+    else:
+        found = lexicon_beam_search(*models, openers[:count], lexicon, length=config.max_new_tokens, **sizes)
     probe_scores = checked_scores(scorer, [f.text for f in found]).tolist()
     return [
         {
@@ -184,16 +185,16 @@ def search_candidates(trainer, count: int, round_index: int = 0) -> list[dict]:
             "lexicon_mass": f.mass,
             "probe_logprob": f.logprob,
             "probe_nll": f.nll,
-            "prompt_tokens": torch.tensor(tester.tokenizer(f.opener)["input_ids"], dtype=torch.long),
+            "prompt_tokens": f.prompt.cpu(),
             "response_tokens": f.tokens.cpu(),
         }
         for f, score in zip(found, probe_scores, strict=True)
     ]
 
 
-def best_of_reply_tokens(config) -> int:
-    """The length of the target reply whose lexicon estimate ranks best_of samples: ``warm_start_reply_tokens``,
-    else 1 in text mode (the next-token mass) and the run's reply length in chat mode."""
+def reply_tokens(config) -> int:
+    """The length of the target reply whose lexicon estimate ranks best_of samples and search candidates:
+    ``warm_start_reply_tokens``, else 1 in text mode (the next-token mass) and the run's reply length in chat mode."""
     if config.warm_start_reply_tokens is not None:
         return config.warm_start_reply_tokens
     return 1 if config.mode == "text" else config.target_max_new_tokens or config.max_new_tokens
@@ -202,7 +203,7 @@ def best_of_reply_tokens(config) -> int:
 def best_of_candidates(trainer, count: int, round_index: int = 0) -> list[dict]:
     """For ``count`` openers of the training split (in round ``round_index``'s order), the best of
     ``warm_start_samples`` probes the current tester samples for it: the one whose sampled target reply
-    of :func:`best_of_reply_tokens` tokens has the highest reply lexicon estimate ``1 - prod_t (1 - m_t)``
+    of :func:`reply_tokens` tokens has the highest reply lexicon estimate ``1 - prod_t (1 - m_t)``
     (``lexicon_mass``; with one token, the probability that the target's next token is a lexicon word;
     0 when the reply ends at once), among those the training scorer calls clean and, with
     ``warm_start_max_nll``, within that bound (``probe_nll``, the probe's mean per-token NLL under the
@@ -212,14 +213,14 @@ def best_of_candidates(trainer, count: int, round_index: int = 0) -> list[dict]:
 
     config = trainer.config
     samples = config.warm_start_samples
-    reply_tokens = best_of_reply_tokens(config)
+    reply_length = reply_tokens(config)
     per_call = min(count, max(1, SAMPLE_BATCH * 4 // samples))  # openers a call: 128 conversations at 16 samples
     conversation, stops = _sampling_conversation(
         trainer,
         round_index,
         batch_size=per_call * samples,
         group_size=samples,
-        target_generation=replace(generation(config, target=True), max_new_tokens=reply_tokens),
+        target_generation=replace(generation(config, target=True), max_new_tokens=reply_length),
         reward=config.reward,  # elicit with the reply lexicon (checked by the config)
         reward_options=config.reward_options(),
         reply_samples=1,
