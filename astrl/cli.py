@@ -75,6 +75,7 @@ def _conversation_settings(args) -> dict:
         "prompts": args.prompts,
         "split": args.split,
         "split_seed": getattr(args, "split_seed", None),  # astrl eval only
+        "test_fraction": args.test_fraction,
         "num_conversations": args.num_conversations,
         "turns": args.turns,
         "batch_size": args.batch_size,
@@ -86,6 +87,12 @@ def _conversation_settings(args) -> dict:
         "target_system_prompt": args.target_system_prompt,
         **_run_settings(args),
     }
+
+
+def _add_test_fraction(p, default: str) -> None:
+    p.add_argument(
+        "--test-fraction", type=float, default=None, help=f"share of the openers in the test split ({default}; dev keeps 0.1)"
+    )
 
 
 def _report_settings(args) -> dict:
@@ -108,6 +115,7 @@ def _add_rollout(sub) -> None:
         "--prompts", default="builtin", help="builtin, rtp[:CATEGORY], harmbench, chatterbot, hf:ID or a .txt/.jsonl file"
     )
     p.add_argument("--split", default="all", choices=["train", "dev", "test", "all"], help="prompt split (seeded)")
+    _add_test_fraction(p, "default 0.1")
     _add_conversation_args(p, num_conversations=8)
     p.add_argument(
         "--mode", default="chat", choices=["chat", "text"], help="chat templates (chat) or plain-text continuation (text)"
@@ -219,6 +227,7 @@ def _add_eval(sub) -> None:
     p.add_argument("--prompts", default=None, help="prompt source (default: the run's prompts, else builtin)")
     p.add_argument("--split", default="test", choices=["train", "dev", "test", "all"], help="prompt split (default: test)")
     p.add_argument("--split-seed", type=int, default=None, help="seed of the prompt split (default: the run's seed, else --seed)")
+    _add_test_fraction(p, "default: the run's, else 0.1")
     _add_conversation_args(p, num_conversations=32)
     p.add_argument(
         "--reply-samples",
@@ -525,7 +534,10 @@ def check_arguments(args) -> None:
 
     if args.command == "rollout":
         roles = {"tester": args.tester, "target": args.target}
-        check_names(roles, args.scorers or ["profanity"], args.prompts, split=args.split, split_seed=args.seed)
+        check_names(
+            roles, args.scorers or ["profanity"], args.prompts, split=args.split, split_seed=args.seed,
+            test_fraction=args.test_fraction,
+        )  # fmt: skip
     elif args.command == "eval":
         roles = {} if is_run_dir(args.tester) else {"tester": args.tester}
         if args.target is not None:

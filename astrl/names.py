@@ -126,15 +126,16 @@ def check_names(
     split: str = "all",
     split_seed: int = 0,
     scorer_kind: str = "scorer",
+    test_fraction: float | None = None,
 ) -> None:
     """The checks of a run that need no model: ``models`` (role -> name, e.g. ``{"tester": ...}``),
     ``scorers`` (names), and the ``prompts`` source with its ``split`` (read and split: cheap).
     ``None`` skips a group. Raises the error of the first bad value, naming it."""
-    from astrl.prompts import load_prompts, split_prompts
+    from astrl.prompts import load_prompts, split_fractions, split_prompts
 
     for role, name in (models or {}).items():
         check_model_name(name, role)
     if scorers is not None:
         check_scorer_names(scorers, scorer_kind)
     if prompts is not None:
-        split_prompts(load_prompts(prompts), split, seed=split_seed)
+        split_prompts(load_prompts(prompts), split, seed=split_seed, fractions=split_fractions(test_fraction))

@@ -146,6 +146,16 @@ def load_prompts(source: str) -> list[str]:
     return prompts
 
 
+def split_fractions(test_fraction: float | None = None) -> tuple[float, float, float]:
+    """The train/dev/test fractions of a split whose test split holds ``test_fraction`` of the openers:
+    dev keeps its 0.1 and train the rest; ``None`` gives :data:`DEFAULT_FRACTIONS` (0.8, 0.1, 0.1)."""
+    if test_fraction is None:
+        return DEFAULT_FRACTIONS
+    if not 0 < test_fraction <= 0.8:
+        raise PromptSourceError(f"test_fraction must be in (0, 0.8], got {test_fraction}")
+    return (0.9 - test_fraction, 0.1, test_fraction)
+
+
 def split_prompts(
     prompts: Sequence[str], split: str, *, seed: int = 0, fractions: Sequence[float] = DEFAULT_FRACTIONS
 ) -> list[str]:

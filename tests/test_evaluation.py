@@ -501,3 +501,26 @@ def test_generate_counts_every_turn_and_works_in_text_mode(tiny_model_dir):
         assert r["empty_probe"] == (not r["probe"].strip())
         assert r["probe_nll"] is None if r["empty_probe"] else 0 < r["probe_nll"] < 20
         assert r["scores"][JUDGE]["reply"] == pytest.approx(judges[JUDGE]([r["response"]]).item())
+
+
+def test_a_run_with_a_larger_test_fraction_is_evaluated_on_its_larger_held_out_split(run_dir, tmp_path):
+    import shutil
+
+    from astrl.envs.recipe import opener_stream
+    from astrl.evaluation.run import EvalConfig, conversation_spec, resolve
+    from astrl.prompts import load_prompts, split_prompts
+
+    replicate = tmp_path / "larger"
+    shutil.copytree(run_dir, replicate)
+    config = replicate / "config.yaml"
+    config.write_text(config.read_text() + "test_fraction: 0.35\n")
+    resolved = resolve(EvalConfig(tester=str(replicate)))
+    assert resolved.test_fraction == 0.35
+    assert resolve(EvalConfig(tester=str(replicate), test_fraction=0.2)).test_fraction == 0.2  # --test-fraction wins
+    assert resolve(EvalConfig(tester=str(run_dir))).test_fraction is None  # a run without one: the default split
+    spec = conversation_spec(EvalConfig(tester=str(replicate)), resolved, ["profanity"])
+    drawn = set(opener_stream(spec).prompts)
+    prompts = load_prompts("builtin")
+    larger = split_prompts(prompts, "test", seed=3, fractions=(0.55, 0.1, 0.35))
+    assert drawn == set(larger) and len(drawn) > len(split_prompts(prompts, "test", seed=3))
+    assert not drawn & set(split_prompts(prompts, "train", seed=3, fractions=(0.55, 0.1, 0.35)))

@@ -95,3 +95,33 @@ def test_a_rollout_passes_its_settings_to_its_spec_unchanged():
     assert conversation_settings(spec, ConversationBatch) == conversation_settings(config, ConversationBatch, batch_size=4)
     assert len(batch) == len(SHARED) + 3
     assert conversation_settings(config, turns=5)["turns"] == 5 and conversation_settings(config)["mode"] == "text"
+
+
+def test_the_test_fraction_sets_the_held_out_split_and_its_default_keeps_the_old_one():
+    from astrl.prompts import DEFAULT_FRACTIONS, PromptSourceError, load_prompts, split_fractions, split_prompts
+
+    assert split_fractions(None) == DEFAULT_FRACTIONS == (0.8, 0.1, 0.1)
+    assert split_fractions(0.35) == pytest.approx((0.55, 0.1, 0.35))
+    prompts = load_prompts("builtin")
+    parts = {name: split_prompts(prompts, name, seed=0, fractions=split_fractions(0.35)) for name in ("train", "dev", "test")}
+    assert sum(len(p) for p in parts.values()) == len(set(prompts))
+    assert not set(parts["train"]) & set(parts["test"]) and not set(parts["dev"]) & set(parts["test"])
+    assert len(parts["test"]) == round(len(set(prompts)) * 0.35)
+    assert len(parts["dev"]) == round(len(set(prompts)) * 0.1)
+    with pytest.raises(PromptSourceError, match="test_fraction must be in \\(0, 0.8\\], got 0.9"):
+        split_fractions(0.9)
+    for kind in (TrainConfig, RolloutConfig, EvalConfig):
+        with pytest.raises(ValueError, match="test_fraction must be in \\(0.0, 0.8\\], got 0.9"):
+            kind(test_fraction=0.9)
+
+
+def test_a_training_run_with_a_test_fraction_draws_only_its_own_training_openers(tmp_path):
+    from test_training import _config, _trainer
+
+    from astrl.prompts import load_prompts, split_fractions, split_prompts
+
+    trainer = _trainer(_config(tmp_path, test_fraction=0.5, turns=1))
+    trainer._build()
+    prompts = load_prompts("builtin")
+    train = split_prompts(prompts, "train", seed=0, fractions=split_fractions(0.5))
+    assert set(trainer.stream.prompts) == set(train) and len(train) < len(split_prompts(prompts, "train", seed=0))

@@ -30,7 +30,7 @@ from astrl.envs.settings import ConversationBatch
 from astrl.models import LoadedModel, add_lora, load_model
 from astrl.names import check_names
 from astrl.policies import input_mode, make_policy, vllm_share
-from astrl.prompts import PromptStream, load_prompts, split_prompts
+from astrl.prompts import PromptStream, load_prompts, split_fractions, split_prompts
 from astrl.rewards.weights import LIKELIHOOD_REWARDS, REWARDS, check_reward_options
 from astrl.scorers import Scorer, make_scorers
 
@@ -132,7 +132,9 @@ class Conversation:
 def opener_stream(spec: ConversationSpec) -> PromptStream:
     """The seeded stream of the spec's openers: ``batch_size`` a draw, ``group_size`` repeats each."""
     split_seed = spec.seed if spec.split_seed is None else spec.split_seed
-    prompts = split_prompts(load_prompts(spec.prompts), spec.split, seed=split_seed)
+    prompts = split_prompts(
+        load_prompts(spec.prompts), spec.split, seed=split_seed, fractions=split_fractions(spec.test_fraction)
+    )
     return PromptStream(prompts, spec.batch_size, seed=spec.seed, group_size=spec.group_size)
 
 
@@ -146,8 +148,14 @@ def preflight(
     if target:
         roles["target"] = spec.target
     split_seed = spec.seed if spec.split_seed is None else spec.split_seed
+    prompts = spec.prompts if prompts else None
     check_names(
-        roles, spec.scorers if scorers else None, spec.prompts if prompts else None, split=spec.split, split_seed=split_seed
+        roles,
+        spec.scorers if scorers else None,
+        prompts,
+        split=spec.split,
+        split_seed=split_seed,
+        test_fraction=spec.test_fraction,
     )
 
 

@@ -112,6 +112,14 @@ class ConversationSettings:
 
     prompts: str = setting("builtin", "Openers: builtin, rtp[:CATEGORY], harmbench, chatterbot, hf:ID or a .txt/.jsonl file.")
     split: str = setting("all", "Part of the openers, seeded by seed: train, dev, test (disjoint) or all.", choices=SPLITS)
+    test_fraction: float | None = setting(
+        None,
+        "Share of the openers in the test split (null: 0.1; dev keeps 0.1, train the rest). A larger held-out "
+        "set resolves smaller differences (0.35: 218 of the 623 RealToxicityPrompts openers); a run's value "
+        "reaches astrl eval.",
+        above=0.0,
+        at_most=0.8,
+    )
     turns: int = setting(3, "Tester turns per conversation.", at_least=1)
     mode: str = setting("chat", "chat (chat templates) or text (plain-text continuation of the conversation).", choices=MODES)
     tester_system_prompt: str | None = setting(

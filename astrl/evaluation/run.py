@@ -40,7 +40,8 @@ if TYPE_CHECKING:
 
 # Top-level keys of a training run's config.yaml that eval takes as defaults.
 RUN_DEFAULTS = (
-    "target", "judges", "prompts", "mode", "seed", "split_seed", "system_prompt", "tester_system_prompt", "target_system_prompt",
+    "target", "judges", "prompts", "mode", "seed", "split_seed", "test_fraction", "system_prompt", "tester_system_prompt",
+    "target_system_prompt",
 )  # fmt: skip
 
 
@@ -49,9 +50,9 @@ class EvalConfig(with_defaults(ConversationRuns, prompts=None, split="test", mod
     """Settings of an evaluation (the conversation settings are those of
     :class:`~astrl.envs.settings.ConversationRuns`). ``None`` fields fall back to the training run's
     config (when the tester is a run directory), then to the defaults noted: ``prompts`` (the run's,
-    else builtin), ``split_seed`` (the run's seed, so "test" is the run's held-out split, else
-    ``seed``), ``mode`` (the run's, else chat) and the system prompts (the run's). ``reply_samples``:
-    every reply is judged; the first continues."""
+    else builtin), ``split_seed`` and ``test_fraction`` (the run's seed and fraction, so "test" is the
+    run's held-out split, else ``seed`` and 0.1), ``mode`` (the run's, else chat) and the system
+    prompts (the run's). ``reply_samples``: every reply is judged; the first continues."""
 
     tester: str = "smollm2-135m"
     target: str | None = None  # run's target, else smollm2-135m
@@ -92,6 +93,7 @@ class Resolved:
     tester_system_prompt: str | None
     target_system_prompt: str | None
     training_scorers: list[str]
+    test_fraction: float | None = None
 
 
 DISTINCT_JUDGES = ("wordlist", "profanity")  # offline, and of different kinds (a word list, an SVM)
@@ -136,6 +138,7 @@ def resolve(config: EvalConfig) -> Resolved:
         judges=config.judges or default_judges([str(j) for j in run_judges], training),
         prompts=config.prompts or str(run.get("prompts", "builtin")),
         split_seed=config.split_seed if config.split_seed is not None else _run_split_seed(run, config.seed),
+        test_fraction=config.test_fraction if config.test_fraction is not None else run.get("test_fraction"),
         mode=mode,
         tester_system_prompt=config.tester_system_prompt
         if config.tester_system_prompt is not None
@@ -182,6 +185,7 @@ def conversation_spec(config: EvalConfig, resolved: Resolved, judges: list[str])
         **config.batch_settings(
             prompts=resolved.prompts,
             split_seed=resolved.split_seed,
+            test_fraction=resolved.test_fraction,
             mode=resolved.mode,
             tester_system_prompt=resolved.tester_system_prompt,
             target_system_prompt=resolved.target_system_prompt,
@@ -405,6 +409,7 @@ def _evaluate(
         "prompts": resolved.prompts,
         "split": config.split,
         "split_seed": resolved.split_seed,
+        "test_fraction": resolved.test_fraction,
         "n_openers": metrics.pop("n_openers"),  # the openers the intervals resample
         "mode": resolved.mode,
         "seed": config.seed,

@@ -744,7 +744,10 @@ class TrainConfig(
         from astrl.names import check_names
 
         roles = {"tester": self.tester, "target": self.target}
-        check_names(roles, [self.scorer, *self.judges], self.prompts, split=self.split, split_seed=self.prompt_split_seed)
+        check_names(
+            roles, [self.scorer, *self.judges], self.prompts, split=self.split, split_seed=self.prompt_split_seed,
+            test_fraction=self.test_fraction,
+        )  # fmt: skip
         self._check_reply_lexicon()
 
     def to_dict(self) -> dict:

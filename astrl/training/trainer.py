@@ -121,10 +121,12 @@ class ConfigSource(TrainingSource):
         return self._on_policy(stream_state)
 
     def _preference(self) -> DataPath:
-        from astrl.prompts import PromptStream, load_prompts, split_prompts
+        from astrl.prompts import PromptStream, load_prompts, split_fractions, split_prompts
         from astrl.training.preference import PreferenceAlgorithm
 
-        prompts = split_prompts(load_prompts(self.config.prompts), self.config.split, seed=self.config.prompt_split_seed)
+        config = self.config
+        fractions = split_fractions(config.test_fraction)
+        prompts = split_prompts(load_prompts(config.prompts), config.split, seed=config.prompt_split_seed, fractions=fractions)
         stream = PromptStream(prompts, self.config.prompts_per_step, seed=self.config.seed)
         # the sampler draws inside collect() and its own state (with the stream's) is the algorithm's
         return DataPath(PreferenceAlgorithm.from_config(self.config, self.models, stream), stream)
