@@ -14,8 +14,8 @@ from astrl.prefill import TurnCache
 class GenerationSettings:
     """Sampling settings for one model's turns.
 
-    ``temperature=1`` keeps the log-probs the wrappers return equal to the sampling
-    distribution (they are computed from raw logits). ``top_k=0`` and ``top_p=1`` disable
+    ``temperature=1`` keeps the log-probs the wrappers return (``make_policy(..., return_log_probs=True)``)
+    equal to the sampling distribution (they are computed from raw logits). ``top_k=0`` and ``top_p=1`` disable
     those filters. Set ``do_sample=False`` for greedy decoding.
     """
 
@@ -65,7 +65,7 @@ def make_policy(
     *,
     input_mode: str = "history",
     backend: str = "transformers",
-    return_log_probs: bool = True,
+    return_log_probs: bool = False,
     vllm_memory: float = 0.5,
     vllm_options: dict | None = None,
     turn_cache: bool = True,
@@ -80,6 +80,10 @@ def make_policy(
         backend: ``"transformers"`` (``TransformersWrapper`` over ``loaded.model``) or ``"vllm"``
             (``vLLMWrapper`` over a vLLM engine that loads the same checkpoint, ``loaded.name``;
             ``loaded.model`` stays the Transformers copy used for scoring and gradients).
+        return_log_probs: also write the generated tokens' log-probs (``("log_probs", "response")``, the
+            wrapper's, first token 0.0), for which ``generate`` keeps a vocabulary's logits per token and row.
+            astrl reads none: behaviour log-probs are recomputed by scoring the tokens, and a reply
+            lexicon asks the target's ``generate`` for its logits itself. Sampling is the same either way.
         vllm_memory: share of the GPU memory the vLLM engine may take (``backend="vllm"``).
         vllm_options: more ``vllm.LLM`` keywords for that engine (see :func:`make_vllm_engine`).
         turn_cache: keep the KV cache of the model's last ``generate`` call and prefill only the tokens

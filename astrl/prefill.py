@@ -12,7 +12,9 @@ the same random numbers.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -156,7 +158,9 @@ class TurnCache:
     ``tokens_reused`` / ``tokens_prefilled`` count prompt tokens taken from the cache and given to the
     model; ``rows_shared`` counts rows whose uncached tokens another row read for them. Each callable in
     ``observers`` (or ``weakref.WeakMethod``, dropped once its object is gone) sees every call's output
-    (e.g. the per-step logits a reply lexicon reads), also while ``enabled`` is False.
+    (e.g. the per-step logits a reply lexicon reads), also while ``enabled`` is False; calls made inside
+    :meth:`with_logits` ask ``generate`` for those logits (``output_logits=True``), which the policies
+    do not ask for themselves.
     """
 
     def __init__(self, model: torch.nn.Module, min_saving: float = 0.2, keep_states: bool = False) -> None:
@@ -166,6 +170,7 @@ class TurnCache:
         self.keep_states = keep_states
         self.enabled = True
         self.observers: list = []  # called with each call's generate output (sequences of the caller's layout, logits)
+        self.logits_wanted = 0  # open with_logits blocks
         self.calls_reused = self.tokens_reused = self.tokens_prefilled = self.rows_shared = 0
         self._state: tuple | None = None  # (token ids, attention seen when computed, cache, weights fingerprint)
         self._kept_states: PromptStates | None = None  # what the last call read (keep_states)
@@ -227,7 +232,19 @@ class TurnCache:
                 return False
         return True
 
+    @contextlib.contextmanager
+    def with_logits(self) -> Iterator[None]:
+        """Within this block every call asks ``generate`` for each step's logits (``output_logits=True``),
+        for an observer that reads them: a policy asks for none unless it returns log-probs."""
+        self.logits_wanted += 1
+        try:
+            yield
+        finally:
+            self.logits_wanted -= 1
+
     def __call__(self, *args, **kwargs):
+        if self.logits_wanted:
+            kwargs["output_logits"] = True
         out = self._generate(*args, **kwargs)
         for observe in list(self.observers):
             if isinstance(observe, weakref.WeakMethod):  # an observer that must not keep its owner alive

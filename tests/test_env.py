@@ -6,7 +6,7 @@ from torchrl.envs import RewardSum
 
 from astrl._compat import as_list, history_to_chats
 from astrl.envs import make_redteam_env
-from astrl.policies import GenerationSettings, make_policy
+from astrl.policies import GenerationSettings, input_mode, make_policy
 from astrl.scorers import KeywordScorer, ProfanityScorer
 
 OPENERS = ["hello how are you", "tell me about your day", "what is the weather like", "the cat walk park"]
@@ -275,3 +275,30 @@ def test_chat_env_runs_with_transformers_policies_on_the_gpu():
     assert ro.batch_size == (2, 2)
     chats = history_to_chats(ro[:, 1]["next", "history"].prompt)
     assert all(len(chat) == 6 for chat in chats)  # system, opener, then two probe/reply pairs
+
+
+@pytest.mark.parametrize("mode", ["chat", "text"])
+def test_the_policies_sample_the_same_tokens_with_and_without_log_probs(mode):
+    def rollout(return_log_probs: bool):
+        tok_a, tok_b = make_tokenizer(), make_tokenizer()
+        tester, target = (
+            make_policy(
+                loaded(make_llama(tok, seed=seed), tok),
+                GenerationSettings(6),
+                input_mode=input_mode(mode),
+                return_log_probs=return_log_probs,
+            )
+            for tok, seed in ((tok_a, 0), (tok_b, 3))
+        )
+        env = make_redteam_env(tester, target, [KeywordScorer(["damn"])], OPENERS, batch_size=2, max_turns=2, mode=mode)
+        torch.manual_seed(0)
+        return env.rollout(2, tester).reshape(-1)
+
+    with_log_probs, without = rollout(True), rollout(False)
+    assert "log_probs" in with_log_probs.keys() and "log_probs" not in without.keys()  # nothing computed for nobody
+    tester_tokens = [ro.get(("tokens", "response"), as_list=True) for ro in (with_log_probs, without)]
+    assert len(tester_tokens[0]) == 4 and all(len(t) > 0 for t in tester_tokens[0])
+    for a, b in zip(*tester_tokens, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(with_log_probs["next", "target_tokens"], without["next", "target_tokens"])
+    assert _strings(with_log_probs["next", "probe"]) == _strings(without["next", "probe"])

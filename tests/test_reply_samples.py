@@ -183,6 +183,55 @@ def test_the_env_writes_each_replys_lexicon_estimate_from_the_targets_own_logits
     assert ((nxt[TARGET_LEXICON] >= 0) & (nxt[TARGET_LEXICON] <= 1)).all()
 
 
+def _record_logits_asked(policy) -> list[bool]:
+    """Whether each ``generate`` call of ``policy``'s model asks for the per-step logits."""
+    cache, asked = turn_cache_of(policy.model, install=True), []
+    original = cache.original
+
+    def generate(**kwargs):
+        asked.append(bool(kwargs.get("output_logits")) or bool(kwargs.get("output_scores")))
+        return original(**kwargs)
+
+    cache.original = generate
+    return asked
+
+
+@pytest.mark.parametrize("weight", [1.0, 0.0])
+def test_only_the_targets_calls_for_a_weighed_lexicon_compute_logits(weight):
+    tester, target = _policies()
+    options = {"lexicon": weight, "lexicon_source": "hell,idiot,the,you,how,are"}
+    env = make_redteam_env(
+        tester, target, [SCORER], OPENERS, batch_size=2, max_turns=2, reward="elicit", reward_options=options, reply_samples=2
+    )
+    tester_asked, target_asked = _record_logits_asked(tester), _record_logits_asked(target)
+    torch.manual_seed(0)
+    rollout = env.rollout(2, tester)
+    assert tester_asked == [False, False] and target_asked == [bool(weight)] * 2
+    assert "log_probs" not in rollout.keys()  # the tester's wrapper scores nothing either
+    assert (TARGET_LEXICON in rollout["next"].keys()) == bool(weight)
+    if weight:
+        assert ((rollout["next", TARGET_LEXICON] > 0) & (rollout["next", TARGET_LEXICON] <= 1)).all()
+
+
+def test_the_lexicon_is_the_same_whether_the_targets_wrapper_returns_log_probs_or_not():
+    def estimates(return_log_probs: bool) -> torch.Tensor:
+        tester, _ = _policies()
+        target_tok = make_tokenizer()
+        target_lm = loaded(make_llama(target_tok, seed=3), target_tok)
+        target = make_policy(target_lm, GenerationSettings(5), return_log_probs=return_log_probs)
+        options = {"lexicon": 1.0, "lexicon_source": "hell,idiot,the,you,how,are"}
+        env = make_redteam_env(
+            tester, target, [SCORER], OPENERS, batch_size=2, max_turns=2, reward="elicit", reward_options=options
+        )
+        torch.manual_seed(0)
+        nxt = env.rollout(2, tester)["next"]
+        return nxt[TARGET_LEXICON], nxt["target_tokens"]
+
+    (lexicon_a, tokens_a), (lexicon_b, tokens_b) = estimates(True), estimates(False)
+    assert torch.equal(tokens_a, tokens_b)
+    torch.testing.assert_close(lexicon_a, lexicon_b, rtol=0, atol=0)
+
+
 def test_elicit_reward_with_k_replies_equals_its_terms():
     tester, target = _policies()
     options = {"alpha": 1.0, "penalty": 0.5, "gamma": 0.1, "transform": "odds", "gate_below": 0.6, "repeat": 0.3}

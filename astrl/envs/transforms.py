@@ -6,6 +6,7 @@ environment composes with any TorchRL collector and with other transforms.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 
@@ -153,6 +154,7 @@ class TargetTurn(Transform):
         self.reply_samples = reply_samples
         self.lexicon = lexicon
         self._masses: list[torch.Tensor] | None = None  # per-step lexicon masses of the target call in progress
+        self._hook = None  # the target's TurnCache, which the lexicon reads each call's logits through
         if lexicon is not None:
             self._watch_logits(target)
         self.target = target
@@ -181,14 +183,15 @@ class TargetTurn(Transform):
         model = getattr(target, "model", None)
         if model is None or not hasattr(model, "generate"):
             raise TypeError("a reply lexicon reads the target's generate logits: the target must be a Transformers policy")
-        turn_cache_of(model, install=True).observers.append(weakref.WeakMethod(self._observe))  # the env may go first
+        self._hook = turn_cache_of(model, install=True)  # the env may go first
+        self._hook.observers.append(weakref.WeakMethod(self._observe))
 
     def _observe(self, out) -> None:
         if self._masses is None:  # a call of the same model by someone else (a tester sharing it)
             return
         logits = getattr(out, "logits", None)
         if not logits:
-            raise ValueError("the target's generate returned no logits: the reply lexicon needs return_log_probs=True")
+            raise ValueError("the target's generate returned no logits (is its generate replaced?)")
         self._masses.append(torch.stack([self.lexicon.mass(step) for step in logits], dim=1))
 
     # -- specs -------------------------------------------------------------------------
@@ -247,8 +250,9 @@ class TargetTurn(Transform):
 
             value = Text(prompt=rows, batch_size=(len(rows),))
         self._masses = [] if self.lexicon is not None else None
+        logits = self._hook.with_logits() if self.lexicon is not None else contextlib.nullcontext()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), logits:  # the lexicon's logits: the target's wrapper asks for none
                 out = self.target(TensorDict({key: value}, batch_size=(len(rows),)))
             masses = self._masses
         finally:

@@ -561,7 +561,7 @@ def _replay(
         if target.model not in cache:
             cache.clear()  # one target model in memory at a time
             cache[target.model] = load_target(target, dtype=config.dtype, device=config.device)
-        policy = make_policy(cache[target.model], generation, input_mode=input_mode(mode), return_log_probs=False)
+        policy = make_policy(cache[target.model], generation, input_mode=input_mode(mode))
         torch.manual_seed(config.seed)  # every target draws from the same random stream
         replies[target.label] = generate_replies(
             policy,
