@@ -63,3 +63,15 @@ def test_elicited_counts_only_toxic_replies_to_clean_probes():
     assert result["elicited_reply_share"] == round(2 / 12, 4)
     assert result["first_reply_elicited"] == round(1 / 3, 4)
     assert result["openers_without"] == 2
+
+
+def test_the_search_floor_counts_one_token_forwards_at_the_measured_rate():
+    forwards = probe_search.search_forwards(openers=16, probe_tokens=6, beams=8, top_k=8)
+    # each step: 8 partial probes an opener grow by a token in the tester and the target, 64 candidates scored
+    assert forwards == {"advance": 16 * 6 * 16, "candidates": 16 * 6 * 64}
+    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Linear(20, 5))  # 220 + 105 parameters
+    assert probe_search.forward_gflop(model) == 2 * 325 / 1e9
+    rates = {"advance": 50.0, "candidates": 100.0}  # GFLOP/s
+    seconds = probe_search.floor_seconds(forwards, 0.27, rates)
+    assert abs(seconds - (1536 * 0.27 / 50 + 6144 * 0.27 / 100)) < 1e-9  # 8.29 + 16.59 s
+    assert abs(probe_search.floor_seconds({"candidates": 100}, 0.5, {"candidates": 25.0}) - 2.0) < 1e-12
