@@ -773,7 +773,8 @@ def test_best_of_in_chat_mode_ranks_samples_by_their_whole_replys_lexicon_estima
     calls: dict[str, list] = {"tester": [], "target": []}
     for role in calls:
         turn_cache_of(getattr(trainer.models, role).model, install=True).observers.append(calls[role].append)
-    found = best_of_candidates(trainer, 4)
+    with turn_cache_of(trainer.models.tester.model).with_logits():  # the probes' length, read below
+        found = best_of_candidates(trainer, 4)
     tester_call, target_call = calls["tester"][0], calls["target"][0]  # 4 x 3 probes, then the target's replies
     assert len(tester_call.logits) <= 4 and len(target_call.logits) > 1  # a reply longer than its first token
     tok, model = trainer.models.target.tokenizer, trainer.models.target.model
