@@ -48,12 +48,17 @@ from astrl.scorers import checked_scores, make_scorer
 
 
 def search_forwards(openers: int, probe_tokens: int, beams: int, top_k: int) -> dict[str, int]:
-    """One-token forwards a search makes at most: each step, every opener's ``beams`` partial probes grow by
-    one token in the tester and the target (``advance``: ``beams`` rows each) and the target scores their
-    ``beams * top_k`` candidates (``candidates``); the first step has one partial probe an opener, so this
-    is an upper bound by ``beams`` times one step."""
-    per_step = {"advance": 2 * beams, "candidates": beams * top_k}
-    return {k: openers * probe_tokens * v for k, v in per_step.items()}
+    """The one-token forwards of a search (shared vocabulary): each step the target scores the ``top_k``
+    candidates of every partial probe (``candidates``; one partial probe an opener at the first step,
+    ``beams`` later), and, but at the last step, the kept partial probes grow by a token in the tester and
+    in the target (``advance``). About ``openers * probe_tokens * (beams + beams * top_k)``."""
+    rows, candidates, advance = 1, 0, 0  # partial probes of one opener
+    for step in range(probe_tokens):
+        candidates += rows * top_k
+        rows = min(beams, rows * top_k)
+        if step + 1 < probe_tokens:
+            advance += 2 * rows
+    return {"advance": openers * advance, "candidates": openers * candidates}
 
 
 def forward_gflop(model: torch.nn.Module) -> float:
@@ -67,9 +72,10 @@ def floor_seconds(forwards: dict[str, int], gflop: float, gflops: dict[str, floa
     return sum(count * gflop / gflops[kind] for kind, count in forwards.items())
 
 
-def measured_gflops(model, batch: int, context: int, *, repeats: int = 5) -> float:
+def measured_gflops(model, batch: int, context: int, *, repeats: int = 7) -> float:
     """This machine's GFLOP/s for ``model``'s one-token forwards of ``batch`` rows after ``context`` cached
-    tokens (the median of ``repeats`` after one untimed forward), counting :func:`forward_gflop` a row."""
+    tokens (the fastest of ``repeats`` after one untimed forward: the rate the machine reaches, which a
+    shared machine's other work lowers for some calls), counting :func:`forward_gflop` a row."""
     device = next(model.parameters()).device
     ids = torch.randint(5, 1000, (batch, context), device=device)
     with torch.no_grad():
@@ -85,7 +91,7 @@ def measured_gflops(model, batch: int, context: int, *, repeats: int = 5) -> flo
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-    return batch * forward_gflop(model) / float(np.median(times[1:]))
+    return batch * forward_gflop(model) / min(times[1:])
 
 
 def masses(model, tokenizer, openers: list[str], probes: list[torch.Tensor], lexicons: dict) -> dict[str, torch.Tensor]:
