@@ -145,6 +145,7 @@ def score_tokens(
     entropy: bool = False,
     entropy_grad: bool = True,
     hidden: bool = False,
+    share_prefix: bool = False,
     **forward_kwargs,
 ) -> TokenScores:
     """``log p(continuation_t | prefix, continuation_<t)`` of every continuation token, from one forward.
@@ -155,6 +156,13 @@ def score_tokens(
     model's window. With ``entropy``, the full-vocabulary entropy ``-sum_v p_v log p_v`` there
     (without a graph when ``entropy_grad`` is False); with ``hidden``, the last hidden state there.
     Gradients follow the caller's grad mode. ``forward_kwargs`` go to the model's forward.
+
+    With ``share_prefix`` (and neither ``hidden`` nor ``forward_kwargs``), rows whose prefixes are
+    identical (a GRPO group's conversations: system prompt and opener) read that prefix once: one
+    forward over each distinct prefix but its last token, whose KV cache every row of the group
+    goes on from (gradients flow back through it), then one forward over the rows' tails. The
+    log-probs are those of the row-by-row forward up to float rounding; when no two prefixes are
+    identical, the row-by-row forward runs.
     """
     if len(prefixes) != len(continuations):
         raise ValueError(f"got {len(prefixes)} prefixes but {len(continuations)} continuations")
@@ -162,12 +170,17 @@ def score_tokens(
         raise ValueError("nothing to score: no prefixes and continuations")
     device = next(model.parameters()).device
     rows, starts, lengths = _joined(prefixes, continuations, max_length)
-    ids, mask = pad_ids(rows, pad_token_id, device=device)
     steps = torch.arange(max(max(lengths), 1), device=device)
-    starts_t = torch.tensor(starts, device=device)
-    # token start + t is predicted at position start + t - 1 (a token with no prefix gets nan)
-    positions = (starts_t[:, None] - 1 + steps[None]).clamp(0, ids.shape[1] - 1)
-    logits, last, _ = forward_at(model, ids, mask, positions, hidden=hidden, **forward_kwargs)
+    heads = _shared_heads(rows, starts) if share_prefix and not hidden and not forward_kwargs else None
+    if heads is None:
+        ids, mask = pad_ids(rows, pad_token_id, device=device)
+        starts_t = torch.tensor(starts, device=device)
+        # token start + t is predicted at position start + t - 1 (a token with no prefix gets nan)
+        positions = (starts_t[:, None] - 1 + steps[None]).clamp(0, ids.shape[1] - 1)
+        logits, last, _ = forward_at(model, ids, mask, positions, hidden=hidden, **forward_kwargs)
+    else:  # each distinct head read once; the rows go on from its KV cache with their own tails
+        ids, starts_t, logits = _tails_after_heads(model, rows, starts, heads, steps, pad_token_id, device)
+        last = None
     log_softmax = torch.log_softmax(logits.float(), dim=-1)  # (B, T, vocab), continuation positions only
     targets = ids.gather(1, (starts_t[:, None] + steps[None]).clamp(max=ids.shape[1] - 1))
     log_probs = log_softmax.gather(-1, targets[..., None]).squeeze(-1)
@@ -180,6 +193,49 @@ def score_tokens(
     return TokenScores(log_probs, entropies, last if hidden else None, valid, lengths)
 
 
+def _shared_heads(rows: Sequence[torch.Tensor], starts: Sequence[int]) -> list[int] | None:
+    """For each row, the index of its head (its prefix but the last token) among the distinct heads, in
+    first-seen order; None when no two rows share a head, or a prefix is shorter than two tokens."""
+    if min(starts) < 2:
+        return None
+    index: dict[tuple[int, ...], int] = {}
+    heads = [index.setdefault(tuple(row[: start - 1].tolist()), len(index)) for row, start in zip(rows, starts, strict=True)]
+    return heads if len(index) < len(heads) else None
+
+
+def _tails_after_heads(
+    model: torch.nn.Module,
+    rows: Sequence[torch.Tensor],
+    starts: Sequence[int],
+    heads: list[int],
+    steps: torch.Tensor,
+    pad_token_id: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's tail (its prefix's last token and its continuation) read after its head's KV cache.
+
+    One forward over the distinct heads (right-padded), their cache gathered to the rows, one forward
+    over the tails at their true positions. Returns the tails' ids (right-padded), each continuation's
+    start within its tail (1) and the logits at the positions predicting continuation token ``t``
+    (``(B, T, vocab)``), as :func:`score_tokens` reads them."""
+    first = {}
+    for row, head in enumerate(heads):
+        first.setdefault(head, row)
+    head_ids, head_mask = pad_ids([rows[r][: starts[r] - 1] for r in first.values()], pad_token_id, device=device)
+    extra = {"logits_to_keep": 1} if accepts(model, "logits_to_keep") else {}
+    cache = model(input_ids=head_ids, attention_mask=head_mask, use_cache=True, **extra).past_key_values
+    inverse = torch.tensor(heads, device=device)
+    cache.batch_select_indices(inverse)  # every row goes on from its head's cache
+    ids, tail_mask = pad_ids([row[start - 1 :] for row, start in zip(rows, starts, strict=True)], pad_token_id, device=device)
+    begin = torch.tensor(starts, device=device) - 1  # the tail's first position
+    position_ids = begin[:, None] + torch.arange(ids.shape[1], device=device)[None]
+    mask = torch.cat([head_mask[inverse], tail_mask], dim=1)
+    starts_t = torch.ones(len(rows), dtype=torch.long, device=device)
+    positions = (starts_t[:, None] - 1 + steps[None]).clamp(0, ids.shape[1] - 1)
+    logits = logits_at(model, ids, mask, positions, past_key_values=cache, position_ids=position_ids)
+    return ids, starts_t, logits
+
+
 def token_logprobs(
     model: torch.nn.Module,
     prefixes: Sequence[torch.Tensor],
@@ -187,13 +243,14 @@ def token_logprobs(
     *,
     pad_token_id: int = 0,
     max_length: int | None = None,
+    share_prefix: bool = False,
 ) -> list[torch.Tensor]:
     """:func:`score_tokens`' log-probs as one 1-D float tensor per sample, of the continuation's length.
 
     A prefix may be empty only if its continuation's first token is then not scored: in that case
     the returned row starts with ``nan`` for that token. Rows the model has just read as a prompt
     (:class:`PromptStates`, kept by a ``TurnCache``) are read from the kept hidden states, without
-    gradients, instead of running the model again.
+    gradients, instead of running the model again. ``share_prefix``: see :func:`score_tokens`.
     """
     if len(prefixes) != len(continuations):
         raise ValueError(f"got {len(prefixes)} prefixes but {len(continuations)} continuations")
@@ -208,6 +265,7 @@ def token_logprobs(
             [continuations[i] for i in missing],
             pad_token_id=pad_token_id,
             max_length=max_length,
+            share_prefix=share_prefix,
         ).rows()
         for i, row in zip(missing, scored, strict=True):
             out[i] = row
@@ -299,6 +357,7 @@ def nested_token_logprobs(
     *,
     pad_token_id: int = 0,
     max_length: int | None = None,
+    share_prefix: bool = False,
 ) -> list[torch.Tensor]:
     """:func:`token_logprobs` where rows contained in longer rows are read from the longer row's forward.
 
@@ -307,7 +366,9 @@ def nested_token_logprobs(
     each longest row is run once, from the shortest prefix among the rows it contains, and every row
     reads its continuation's log-probs at its positions there (causal attention makes them the
     same, up to float rounding, as a forward of the row alone). Rows longer than ``max_length`` are
-    not merged (clipping would change their context). Returns what :func:`token_logprobs` returns.
+    not merged (clipping would change their context). With ``share_prefix``, the longest rows that begin
+    with the same prefix (a GRPO group's system prompt and opener) read it once (:func:`score_tokens`).
+    Returns what :func:`token_logprobs` returns.
     """
     if len(prefixes) != len(continuations):
         raise ValueError(f"got {len(prefixes)} prefixes but {len(continuations)} continuations")
@@ -333,6 +394,7 @@ def nested_token_logprobs(
         [rows[r][start[r] :] for r in roots],
         pad_token_id=pad_token_id,
         max_length=max_length,
+        share_prefix=share_prefix,
     )
     by_root = dict(zip(roots, scored, strict=True))
     out = []

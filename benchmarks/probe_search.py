@@ -31,6 +31,7 @@ per opener without that access would have to match.
 
 from __future__ import annotations
 
+import copy
 import time
 
 import numpy as np
@@ -44,6 +45,53 @@ from astrl.ragged import pad_ids
 from astrl.rewards.lexicon import reply_lexicon
 from astrl.sampling.search import PrefixCache, lexicon_beam_search
 from astrl.scorers import checked_scores, make_scorer
+
+
+def search_forwards(openers: int, probe_tokens: int, beams: int, top_k: int) -> dict[str, int]:
+    """The one-token forwards of a search (shared vocabulary): each step the target scores the ``top_k``
+    candidates of every partial probe (``candidates``; one partial probe an opener at the first step,
+    ``beams`` later), and, but at the last step, the kept partial probes grow by a token in the tester and
+    in the target (``advance``). About ``openers * probe_tokens * (beams + beams * top_k)``."""
+    rows, candidates, advance = 1, 0, 0  # partial probes of one opener
+    for step in range(probe_tokens):
+        candidates += rows * top_k
+        rows = min(beams, rows * top_k)
+        if step + 1 < probe_tokens:
+            advance += 2 * rows
+    return {"advance": openers * advance, "candidates": openers * candidates}
+
+
+def forward_gflop(model: torch.nn.Module) -> float:
+    """GFLOP of one token's forward: 2 per parameter (each weight one multiply-add; attention over a short
+    context left out). 0.27 for SmolLM2-135M (its tied LM head counted once)."""
+    return 2 * sum(p.numel() for p in model.parameters()) / 1e9
+
+
+def floor_seconds(forwards: dict[str, int], gflop: float, gflops: dict[str, float]) -> float:
+    """Seconds of ``forwards`` one-token forwards (per batch kind) at the measured ``gflops`` (GFLOP/s per kind)."""
+    return sum(count * gflop / gflops[kind] for kind, count in forwards.items())
+
+
+def measured_gflops(model, batch: int, context: int, *, repeats: int = 7) -> float:
+    """This machine's GFLOP/s for ``model``'s one-token forwards of ``batch`` rows after ``context`` cached
+    tokens (the fastest of ``repeats`` after one untimed forward: the rate the machine reaches, which a
+    shared machine's other work lowers for some calls), counting :func:`forward_gflop` a row."""
+    device = next(model.parameters()).device
+    ids = torch.randint(5, 1000, (batch, context), device=device)
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+        step = torch.randint(5, 1000, (batch, 1), device=device)
+        times = []
+        for _ in range(repeats + 1):
+            past = copy.deepcopy(cache)  # outside the timing: the search's own copies count as its overhead
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            model(input_ids=step, past_key_values=past, use_cache=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    return batch * forward_gflop(model) / min(times[1:])
 
 
 def masses(model, tokenizer, openers: list[str], probes: list[torch.Tensor], lexicons: dict) -> dict[str, torch.Tensor]:
@@ -132,6 +180,12 @@ def main() -> None:
         )  # fmt: skip
         bounded_seconds = time.perf_counter() - start
 
+    per_batch = min(8, count)  # lexicon_beam_search's openers_per_batch
+    context = round(float(np.mean([len(tok(o)["input_ids"]) for o in openers]))) + args.new_tokens // 2
+    batches = {"advance": per_batch * args.beams, "candidates": min(256, per_batch * args.beams * args.top_k)}
+    gflops = {kind: measured_gflops(model, size, context) for kind, size in batches.items()}
+    forwards = search_forwards(count, args.new_tokens, args.beams, args.top_k)
+    floor = floor_seconds(forwards, forward_gflop(model), gflops)
     repeated = [o for o in openers for _ in range(args.samples)]
     of_samples = {k: v.view(count, args.samples) for k, v in masses(model, tok, repeated, sampled, lexicons).items()}
     of_search = {label: masses(model, tok, openers, [f.tokens for f in fs], lexicons) for label, fs in searches.items()}
@@ -184,6 +238,17 @@ def main() -> None:
                 "sampling": r(sample_seconds / count),
                 "search": r(search_seconds / count),
                 **({"bounded_search": r(bounded_seconds / count)} if args.max_nll is not None else {}),
+            },
+            "flop_floor": {
+                "forward_gflop": r(forward_gflop(model)),
+                "forwards": forwards,
+                "batch_rows": batches,
+                "context_tokens": context,
+                "achieved_gflops": {k: r(v, 1) for k, v in gflops.items()},
+                "floor_s": r(floor, 3),
+                "search_s": r(search_seconds, 3),
+                "search_vs_floor": r(search_seconds / floor, 2),
+                **({"bounded_vs_floor": r(bounded_seconds / floor, 2)} if args.max_nll is not None else {}),
             },
             "wordlist_judge": judged and {"replies_per_probe": args.replies, "reply_tokens": args.reply_tokens, **judged},
             "examples": [{"opener": f.opener[-60:], "probe": f.text, "mass": r(f.mass)} for f in found[:5]],

@@ -63,3 +63,17 @@ def test_elicited_counts_only_toxic_replies_to_clean_probes():
     assert result["elicited_reply_share"] == round(2 / 12, 4)
     assert result["first_reply_elicited"] == round(1 / 3, 4)
     assert result["openers_without"] == 2
+
+
+def test_the_search_floor_counts_one_token_forwards_at_the_measured_rate():
+    forwards = probe_search.search_forwards(openers=16, probe_tokens=6, beams=8, top_k=8)
+    # an opener: 8 candidates at the first step, then 8 partial probes x 8 candidates at each of the 5 others;
+    # after each step but the last, 8 partial probes grow by a token in the tester and in the target
+    assert forwards == {"advance": 16 * 5 * 2 * 8, "candidates": 16 * (8 + 5 * 64)}
+    assert probe_search.search_forwards(1, 3, beams=4, top_k=2) == {"advance": 2 * 2 + 2 * 4, "candidates": 2 + 4 + 8}
+    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Linear(20, 5))  # 220 + 105 parameters
+    assert probe_search.forward_gflop(model) == 2 * 325 / 1e9
+    rates = {"advance": 50.0, "candidates": 100.0}  # GFLOP/s
+    seconds = probe_search.floor_seconds(forwards, 0.27, rates)
+    assert abs(seconds - (1280 * 0.27 / 50 + 5248 * 0.27 / 100)) < 1e-9  # 6.91 + 14.17 s
+    assert abs(probe_search.floor_seconds({"candidates": 100}, 0.5, {"candidates": 25.0}) - 2.0) < 1e-12

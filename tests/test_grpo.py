@@ -364,3 +364,42 @@ def test_a_kl_coefficient_without_reference_log_probs_is_an_error_not_a_dropped_
     loss.kl_coef = 0.0  # no KL term asked for: the loss needs no reference
     out = trainer.algorithm.loss(batch)
     assert "kl_to_ref" not in out.keys() and "loss_kl_to_ref" not in out.keys() and out["loss_objective"].isfinite()
+
+
+def test_chat_groups_read_their_prompt_once_with_the_loss_and_log_probs_of_row_by_row_forwards(tmp_path, monkeypatch):
+    from astrl import lm_scoring
+
+    trainer = _trainer(_config(tmp_path, prompts_per_step=2, group_size=3, turns=2))
+    trainer._build()
+    algorithm = trainer.algorithm
+    assert algorithm.share_prefix and algorithm.loss_module.share_prefix  # chat mode
+    heads = []
+    original = lm_scoring._tails_after_heads
+    monkeypatch.setattr(lm_scoring, "_tails_after_heads", lambda *a: heads.append((max(a[3]) + 1, len(a[3]))) or original(*a))
+    batch, _ = algorithm.collect()
+    # the reference log-probs: the first-turn prompt of each opener's 3 conversations read once (2 rows fewer each)
+    assert len(heads) == 1 and heads[0][0] <= heads[0][1] - 4
+    n = batch.batch_size[0]
+    batch.set("advantage", torch.linspace(-1.0, 1.0, n).reshape(n, 1, 1))
+    params = [p for p in algorithm.models.tester.model.parameters() if p.requires_grad]
+    results = {}
+    for share in (True, False):
+        algorithm.loss_module.share_prefix = share
+        out = algorithm.loss(batch)
+        grads = torch.autograd.grad(out["loss_objective"], params)
+        results[share] = (out["loss_objective"].detach(), grads, batch.get(("log_probs", "full"), as_list=True))
+    assert heads == [heads[0], heads[0]]  # the loss forward shared them too (and only with share_prefix)
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-5, atol=1e-6)
+    for g, h in zip(results[True][1], results[False][1], strict=True):
+        torch.testing.assert_close(g, h, rtol=1e-4, atol=1e-6)
+    with torch.no_grad():  # the reference log-probs equal a row-by-row forward
+        prompts, responses = batch.get(("tokens", "prompt"), as_list=True), batch.get(("tokens", "response"), as_list=True)
+        plain = lm_scoring.token_logprobs(algorithm.models.reference, prompts, responses, pad_token_id=0)
+    for row, p, expected in zip(batch.get(("ref_log_probs", "full"), as_list=True), prompts, plain, strict=True):
+        torch.testing.assert_close(row[len(p) :], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_text_mode_keeps_the_row_by_row_forward(tmp_path):
+    trainer = _trainer(_config(tmp_path, mode="text"))
+    trainer._build()
+    assert not trainer.algorithm.share_prefix and not trainer.algorithm.loss_module.share_prefix

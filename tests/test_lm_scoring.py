@@ -191,3 +191,37 @@ def test_nested_rows_read_from_the_longer_row_equal_rows_scored_alone(tok, arch)
     assert nested_token_logprobs(model, [], []) == []
     with pytest.raises(ValueError, match="got 1 prefixes but 2 continuations"):
         nested_token_logprobs(model, [a], [b, c])
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_rows_with_one_prefix_read_it_once_and_equal_rows_scored_alone(tok, arch):
+    model = make_llama(tok) if arch == "llama" else make_gpt2(tok, n_positions=40)
+    opener, other = ragged(tok, [9, 4], seed=10)
+    # a GRPO group: four conversations of one opener (two of them two turns deep), and one of another opener
+    tails = ragged(tok, [3, 5, 2, 6, 4, 3], seed=11)
+    conts = ragged(tok, [4, 2, 5, 3, 4, 2], seed=12)
+    prefixes = [opener, opener, torch.cat([opener, tails[0], tails[1]]), opener, other, torch.cat([other, tails[2]])]
+    calls = []
+    original = model.forward
+    model.forward = lambda *args, **kw: calls.append(kw["input_ids"].shape) or original(*args, **kw)
+    scores = {}
+    for share in (False, True):
+        model.zero_grad()
+        rows = token_logprobs(model, prefixes, conts, pad_token_id=tok.pad_token_id, share_prefix=share)
+        torch.cat(rows).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        scores[share] = (rows, grads)
+    assert calls[-2][0] == 4 and calls[-1][0] == 6  # the distinct prefixes (but their last token), then every row's tail
+    assert calls[-2][1] == 9 + 3 + 5 - 1  # the longest distinct prefix, without its last token
+    for a, b in zip(scores[True][0], scores[False][0], strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(scores[True][0][3], plain(model, opener, conts[3])[0], rtol=1e-5, atol=1e-5)
+    assert len(scores[True][1]) == len(scores[False][1]) > 0  # gradients reach the same weights, with the same values
+    for a, b in zip(scores[True][1], scores[False][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():  # nothing to share (distinct prefixes, or one of a single token): the row-by-row forward
+        calls.clear()
+        token_logprobs(model, [opener, other], conts[:2], share_prefix=True)
+        token_logprobs(model, [opener[:1], opener[:1]], conts[:2], share_prefix=True)
+        assert [c[0] for c in calls] == [2, 2]

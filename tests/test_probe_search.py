@@ -354,3 +354,35 @@ def test_chat_search_warm_start_reads_the_targets_reply_and_tunes_on_the_testers
     summary = json.loads((tmp_path / "run" / "warm_start.json").read_text())
     clean = [c for c in found if c["probe_score"] <= 0.5 and c["response_tokens"].numel()]
     assert summary["select"] == "search" and summary["kept"] == len(clean) > 0
+
+
+def test_rows_are_read_without_copying_the_cache_and_the_search_finds_exactly_what_deep_copies_found(monkeypatch):
+    import copy
+
+    import astrl.sampling.search as search
+
+    tok = make_tokenizer()
+    model = make_llama(tok)
+    cache = PrefixCache(model, [torch.tensor(tok(o)["input_ids"]) for o in OPENERS], tok.pad_token_id)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.cache.layers]
+    ids = [id(layer.keys) for layer in cache.cache.layers]
+    grown = cache.advance(torch.tensor([0, 0, 2]), torch.tensor([[5], [6], [7]]))
+    cache.next_logits(torch.tensor([1, 2]), [torch.tensor([8, 9]), torch.tensor([10])])
+    assert [id(layer.keys) for layer in cache.cache.layers] == ids  # the kept rows are neither replaced nor written
+    for layer, (keys, values) in zip(cache.cache.layers, before, strict=True):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+    assert grown.cache.layers[0].keys.shape[0] == 3
+
+    lexicon = ReplyLexicon(tok, WORDS)
+    options = dict(length=3, beams=3, top_k=4, max_nll=6.0)
+    found = lexicon_beam_search(model, model, tok, tok, OPENERS, lexicon, **options)
+
+    def deep(cache, owners):
+        cache = copy.deepcopy(cache)
+        cache.batch_select_indices(owners)
+        return cache
+
+    monkeypatch.setattr(search, "_rows_of", deep)
+    expected = lexicon_beam_search(model, model, tok, tok, OPENERS, lexicon, **options)
+    for a, b in zip(found, expected, strict=True):
+        assert torch.equal(a.tokens, b.tokens) and (a.mass, a.logprob, a.nll) == (b.mass, b.logprob, b.nll)

@@ -84,8 +84,7 @@ class PrefixCache:
     def _forward(self, owners: torch.Tensor, tails: Sequence[torch.Tensor]):
         """One forward of right-padded ``tails`` after the rows ``owners``: (their last logits, the cache
         holding rows + tails, the joined attention mask)."""
-        cache = copy.deepcopy(self.cache)
-        cache.batch_select_indices(owners)
+        cache = _rows_of(self.cache, owners)
         ids, mask = pad_ids([t.reshape(-1).long() for t in tails], self.pad_token_id, device=self.device)
         positions = self.lengths[owners][:, None] + torch.arange(ids.shape[1], device=self.device)[None]
         full_mask = torch.cat([self.mask[owners], mask], dim=1)
@@ -110,6 +109,24 @@ class PrefixCache:
         new = copy.copy(self)
         new.cache, new.mask, new.lengths, new.last = cache, mask, self.lengths[owners] + tokens.shape[1], logits
         return new
+
+
+def _rows_of(cache, owners: torch.Tensor):
+    """A new cache holding the rows ``owners`` of ``cache``, which stays as it is.
+
+    Selecting rows and the forward that extends them build new tensors (indexing, ``torch.cat``), so a
+    copy of the cache's layer objects suffices: a deep copy would first duplicate every row's keys and
+    values only to throw the copy away."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    if layers and all(type(layer) is DynamicLayer for layer in layers):
+        cache = copy.copy(cache)
+        cache.layers = [copy.copy(layer) for layer in layers]
+    else:  # a cache of another kind (sliding windows, offloading): no assumption about how it stores rows
+        cache = copy.deepcopy(cache)
+    cache.batch_select_indices(owners)
+    return cache
 
 
 def banned_tokens(tokenizer, lexicon: ReplyLexicon, vocab_size: int) -> torch.Tensor:

@@ -156,7 +156,9 @@ class ResponseGRPOLoss(GRPOLoss):
     head runs on the response positions (:func:`astrl.rewards.token_logprobs`), laid out as
     GRPOLoss expects (left-padded over prompt + response, masked to the response). With an entropy
     bonus the full distribution is needed, so GRPOLoss's own path is used (its ``sft`` mask also
-    covers the response tokens only).
+    covers the response tokens only). With ``share_prefix``, rows whose prompts begin the same way (a
+    group's system prompt and opener) read that prompt once in the forward (and the backward), see
+    :func:`astrl.lm_scoring.score_tokens`.
     """
 
     def __init__(
@@ -168,6 +170,7 @@ class ResponseGRPOLoss(GRPOLoss):
         max_length: int | None,
         kl_coef: float = 0.0,
         kl_token_cap: float | None = KL_TOKEN_CAP,
+        share_prefix: bool = False,
         **kwargs,
     ) -> None:
         unused = [k for k in ("kl_to_ref_coeff", "kl_to_inference_coeff", "kl_mask_threshold") if kwargs.get(k) is not None]
@@ -178,6 +181,7 @@ class ResponseGRPOLoss(GRPOLoss):
         super().__init__(actor_network, **kwargs)
         object.__setattr__(self, "_scored_model", model)  # already registered through actor_network
         self.pad_token_id, self.max_length = pad_token_id, max_length
+        self.share_prefix = share_prefix
         self.kl_coef, self.kl_token_cap = kl_coef, checked_cap(kl_token_cap)
         # set by the caller for a minibatch seen before any update since its collection: its behaviour
         # log-probs are the current ones (ratio exactly 1), taken from this forward into last_behaviour
@@ -224,7 +228,12 @@ class ResponseGRPOLoss(GRPOLoss):
         responses = tensordict.get(TOKENS_RESPONSE, as_list=True)
         # a conversation's earlier turns begin its later ones: one forward (and backward) for them all
         rows = nested_token_logprobs(
-            self._scored_model, prompts, responses, pad_token_id=self.pad_token_id, max_length=self.max_length
+            self._scored_model,
+            prompts,
+            responses,
+            pad_token_id=self.pad_token_id,
+            max_length=self.max_length,
+            share_prefix=self.share_prefix,
         )
         if self.behaviour_from_current:  # no update since collection: the behaviour policy is this one
             self.last_behaviour = nested(full_rows(prompts, [r.detach() for r in rows]))
@@ -394,6 +403,9 @@ class GRPOAlgorithm(OnPolicy):
     def __init__(self, config: TrainConfig, models: RunModels, env, policy, stream=None) -> None:
         super().__init__(config, models, env, policy, stream)
         self._behaviour_due: BehaviourDue | None = None
+        # chat mode: a group's rows begin with one system prompt and opener, read once per forward. Text mode
+        # keeps the row-by-row forward (equal up to float rounding), whose numbers its published results have.
+        self.share_prefix = config.mode == "chat"
 
         def scorer(model):  # parameters for the loss module; entropy bonus path
             return TransformersWrapper(
@@ -412,6 +424,7 @@ class GRPOAlgorithm(OnPolicy):
             kl_coef=config.kl_coef,
             kl_token_cap=config.kl_token_cap,
             masking_strategy="sft",
+            share_prefix=self.share_prefix,
         )
         self.loss_module.set_keys(ref_log_probs=REF_LOG_PROBS_FULL)
 
@@ -459,7 +472,9 @@ class GRPOAlgorithm(OnPolicy):
             batch.set(LOG_PROBS_FULL, nested(full_rows(prompts, [torch.full((len(r),), float("nan")) for r in responses])))
             self._behaviour_due = BehaviourDue(batch, weights_fingerprint(self.models.tester.model))
         with torch.inference_mode():
-            ref = nested_token_logprobs(self.models.reference, prompts, responses, pad_token_id=pad, max_length=window)
+            ref = nested_token_logprobs(
+                self.models.reference, prompts, responses, pad_token_id=pad, max_length=window, share_prefix=self.share_prefix
+            )
         batch.set(REF_LOG_PROBS_FULL, nested(full_rows(prompts, [r.clone() for r in ref])))
         return batch
 
@@ -488,7 +503,14 @@ class GRPOAlgorithm(OnPolicy):
         window, pad = self.models.tester.context_window, self.tokenizer.pad_token_id
         with torch.no_grad():
             # a conversation's earlier turns begin its later ones: read them from the later rows' forward
-            logprobs = nested_token_logprobs(self.models.tester.model, prompts, responses, pad_token_id=pad, max_length=window)
+            logprobs = nested_token_logprobs(
+                self.models.tester.model,
+                prompts,
+                responses,
+                pad_token_id=pad,
+                max_length=window,
+                share_prefix=self.share_prefix,
+            )
         rows.set(LOG_PROBS_FULL, nested(full_rows(prompts, logprobs)))  # into the batch's rows
         due.pending -= {id(td) for td in rows.tensordicts}
 

@@ -1,0 +1,208 @@
+"""One chat-mode GRPO step of a shipped config, timed phase by phase.
+
+A ``Trainer`` is built from ``--config`` (default ``configs/demo.yaml``) with the chat overrides of
+the issue's measurement (``mode=chat turns=2 max_new_tokens=12 warm_start_probes=0``; the demo's 16-token
+replies, 4 reply samples, 4 openers x 4 conversations) plus any ``--set KEY=VALUE``, and runs
+``Trainer.train_step()``: one untimed step, then ``--repeats`` timed ones. Timers wrap:
+
+- the tester's policy call per turn, and the ``model.generate`` inside it (the rest is the wrapper:
+  chat templates, tokenisation, log-probs);
+- the target's turn per turn (``TargetTurn._step``): its ``model.generate``, the reply lexicon (the
+  lexicon mass of every generated position and the per-reply estimate), the rest of its policy call
+  (templates, tokenisation), and the rest of the env step (target view, clipping to the window, the
+  rendered context of the likelihood term);
+- the scorers, the likelihood term (``probe_logprobs``), the rest of the reward transform;
+- the reference log-probs (``training_batch``), the behaviour log-probs read before the first update,
+  each minibatch's loss forward (current log-probs + objective), its backward and the optimizer step.
+
+``collect_rest`` is what the collection spent outside these (collector, env bookkeeping, advantages);
+``update_rest`` the rest of the step (metrics, archive, samples). The JSON holds medians over the
+timed steps. The script uses only public entry points of the package and a few of its methods, so
+it measures an older checkout too (run it with that checkout first on ``PYTHONPATH``).
+
+    python benchmarks/chat_step.py --threads 2 --repeats 3
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+
+import torch
+from _common import ROOT, Timer, base_parser, emit, r, setup
+
+import astrl.rewards.astprompter as astprompter
+from astrl.envs.transforms import ScoreReward, TargetTurn
+from astrl.prefill import turn_cache_of
+from astrl.training.config import load_config
+from astrl.training.trainer import Trainer
+
+CHAT = ["mode=chat", "turns=2", "max_new_tokens=12", "warm_start_probes=0", "warm_start_select=best_of"]
+
+
+class ChatStep:
+    """A config-built trainer whose ``train_step`` is timed phase by phase."""
+
+    def __init__(self, config_path: str, overrides: list[str]) -> None:
+        self.config = load_config(ROOT / config_path if not config_path.startswith("/") else config_path, overrides)
+        self.trainer = Trainer(self.config, progress=False)
+        self.trainer._build()  # what train() does before its first step
+        self.timer = Timer(self.config.device)
+        self.turn = {"tester": 0, "target": 0}
+        self._instrument()
+
+    def _wrap(self, owner, name: str, section) -> None:
+        original = getattr(owner, name)
+
+        def timed(*a, **kw):
+            with self.timer.section(section() if callable(section) else section):
+                return original(*a, **kw)
+
+        setattr(owner, name, timed)
+
+    def _instrument(self) -> None:
+        trainer, timer = self.trainer, self.timer
+        algorithm = trainer.algorithm
+        transforms = list(trainer.env.transform)
+        target_turn = next(t for t in transforms if isinstance(t, TargetTurn))
+        self.role = None
+
+        def tester_call(forward):
+            def call(*a, **kw):
+                self.turn["tester"] += 1
+                self.role = "tester"
+                try:
+                    with timer.section(f"tester_turn{self.turn['tester']}"):
+                        return forward(*a, **kw)
+                finally:
+                    self.role = None
+
+            return call
+
+        trainer.policy.forward = tester_call(trainer.policy.forward)
+        step = target_turn._step
+
+        def target_step(*a, **kw):
+            self.turn["target"] += 1
+            self.role = "target"
+            try:
+                with timer.section(f"target_turn{self.turn['target']}"):
+                    return step(*a, **kw)
+            finally:
+                self.role = None
+
+        target_turn._step = target_step
+        self._wrap(target_turn, "_answer", lambda: f"target_turn{self.turn['target']}_policy")
+        for model in {id(m): m for m in (trainer.models.tester.model, trainer.models.target.model)}.values():
+            hook = turn_cache_of(model)  # timed inside the cache hook, which the trainer finds and clears
+            owner, name = (hook, "_generate") if hook is not None else (model, "generate")
+            self._wrap(owner, name, lambda: f"{self.role}_turn{self.turn[self.role]}_generate")
+        if target_turn.lexicon is not None:
+            self._wrap(target_turn.lexicon, "mass", "reply_lexicon")
+            self._wrap(target_turn.lexicon, "estimate", "reply_lexicon")
+        for transform in transforms:
+            if isinstance(transform, ScoreReward):
+                transform.scorers = {k: _timed(fn, timer, "scorers_env") for k, fn in transform.scorers.items()}
+            if isinstance(transform, astprompter.ASTPrompterReward):
+                transform.scorer = _timed(transform.scorer, timer, "scorers_reward")
+                self._wrap(transform, "compute", "reward_transform")
+        self._wrap(algorithm, "training_batch", "reference_logprobs")
+        if hasattr(algorithm, "_read_behaviour"):
+            self._wrap(algorithm, "_read_behaviour", "behaviour_logprobs")
+        self._wrap(algorithm, "loss", "loss_forward")
+        self._wrap(trainer, "_optimizer_step", "optimizer")
+
+    def step(self) -> dict:
+        self.timer.seconds.clear()
+        self.turn = {"tester": 0, "target": 0}
+        likelihood = astprompter.probe_logprobs
+        astprompter.probe_logprobs = self.timer.wrap("likelihood_term", likelihood)
+        backward = torch.Tensor.backward
+        torch.Tensor.backward = self.timer.wrap("backward", backward)
+        try:
+            row = self.trainer.train_step()
+        finally:
+            astprompter.probe_logprobs = likelihood
+            torch.Tensor.backward = backward
+        s = dict(self.timer.seconds)
+        parts: dict[str, float] = {}
+        for turn in range(1, self.config.turns + 1):
+            tester, generate = s.get(f"tester_turn{turn}", 0.0), s.get(f"tester_turn{turn}_generate", 0.0)
+            parts[f"tester_turn{turn}_generate"] = generate
+            parts[f"tester_turn{turn}_wrapper"] = tester - generate
+            target, policy = s.get(f"target_turn{turn}", 0.0), s.get(f"target_turn{turn}_policy", 0.0)
+            generate = s.get(f"target_turn{turn}_generate", 0.0)
+            parts[f"target_turn{turn}_generate"] = generate
+            parts[f"target_turn{turn}_wrapper"] = policy - generate  # templates, tokenisation, lexicon hook
+            parts[f"target_turn{turn}_env"] = target - policy  # target view, window clipping, rendered contexts
+        parts["reply_lexicon"] = s.get("reply_lexicon", 0.0)  # inside the target's wrapper time
+        parts["scorers"] = s.get("scorers_env", 0.0) + s.get("scorers_reward", 0.0)
+        parts["likelihood_term"] = s.get("likelihood_term", 0.0)
+        parts["reward_rest"] = s.get("reward_transform", 0.0) - parts["likelihood_term"] - s.get("scorers_reward", 0.0)
+        parts["reference_logprobs"] = s.get("reference_logprobs", 0.0)
+        collect = row["collect_seconds"]
+        counted = sum(s.get(k, 0.0) for k in s if k.count("_") == 1 and k.startswith(("tester_turn", "target_turn")))
+        counted += s.get("scorers_env", 0.0) + s.get("reward_transform", 0.0) + parts["reference_logprobs"]
+        parts["collect_rest"] = collect - counted
+        parts["behaviour_logprobs"] = s.get("behaviour_logprobs", 0.0)
+        parts["loss_forward"] = s.get("loss_forward", 0.0)
+        parts["backward"] = s.get("backward", 0.0)
+        parts["optimizer"] = s.get("optimizer", 0.0)
+        update = row["step_seconds"] - collect
+        parts["update_rest"] = update - sum(parts[k] for k in ("behaviour_logprobs", "loss_forward", "backward", "optimizer"))
+        return {"step_s": row["step_seconds"], "collect_s": collect, "update_s": update, "parts": parts, "row": row}
+
+
+def _timed(scorer, timer: Timer, name: str):
+    class Timed:
+        def __call__(self, *a, **kw):
+            with timer.section(name):
+                return scorer(*a, **kw)
+
+        def __getattr__(self, key):
+            return getattr(scorer, key)
+
+    return Timed()
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/demo.yaml")
+    parser.add_argument("--set", action="append", default=[], help="more KEY=VALUE overrides (after the chat ones)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps after one untimed step")
+    args = parser.parse_args()
+    info = setup(args)
+    with tempfile.TemporaryDirectory() as run_dir:
+        overrides = [*CHAT, f"device={args.device}", f"dtype={args.dtype}", f"seed={args.seed}", "total_steps=1000"]
+        overrides += [f"run_dir={run_dir}", *args.set]
+        start = time.perf_counter()
+        bench = ChatStep(args.config, overrides)
+        build_s = time.perf_counter() - start
+        warm = bench.step()
+        steps = []
+        for _ in range(args.repeats):
+            steps.append(bench.step())
+            print({k: r(v, 2) for k, v in steps[-1].items() if k not in ("parts", "row")}, flush=True)
+    median = statistics.median
+    parts = steps[0]["parts"].keys()
+    emit(
+        {
+            "benchmark": "chat_step",
+            **info,
+            "config": args.config,
+            "overrides": overrides[: -1 - len(args.set)] + args.set,
+            "repeats": args.repeats,
+            **{k: r(median([s[k] for s in steps]), 3) for k in ("step_s", "collect_s", "update_s")},
+            "breakdown_s": {k: r(median([s["parts"][k] for s in steps]), 3) for k in parts},
+            "per_step_s": [r(s["step_s"], 2) for s in steps],
+            "per_step_breakdown_s": [{k: r(v, 2) for k, v in s["parts"].items()} for s in steps],
+            "reward_mean": [r(s["row"].get("reward_mean", float("nan")), 6) for s in steps],
+            "warmup_step_s": r(warm["step_s"], 2),
+            "build_s": r(build_s, 2),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()
