@@ -68,7 +68,7 @@ def test_config_file_and_overrides(tmp_path):
 def test_shipped_configs_load_and_demo_matches_its_yaml():
     from pathlib import Path
 
-    from astrl.training.demo import DEMO_CONFIG
+    from astrl.training.demo import DEMO_CONFIG, FULL_DEMO_CHANGES
 
     folder = Path(__file__).resolve().parents[1] / "configs"
     names = sorted(p.name for p in folder.glob("*.yaml"))
@@ -76,6 +76,7 @@ def test_shipped_configs_load_and_demo_matches_its_yaml():
     for path in folder.glob("*.yaml"):
         load_config(path)
     assert yaml.safe_load((folder / "demo.yaml").read_text()) == DEMO_CONFIG
+    assert yaml.safe_load((folder / "demo_full.yaml").read_text()) == {**DEMO_CONFIG, **FULL_DEMO_CHANGES}
     # the CPU-sized configs: one per algorithm, each smaller than its GPU-sized namesake
     cpu = {p.stem: load_config(p) for p in (folder / "cpu").glob("*.yaml")}
     assert sorted(cpu) == ["dpo", "grpo", "ipo", "ppo"]

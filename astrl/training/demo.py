@@ -4,8 +4,8 @@ The demo trains SmolLM2-135M (LoRA) against itself in text mode on RealToxicityP
 with the offline profanity scorer and the elicitation reward (toxicity the target says, over 4
 replies and through the target's own probability of a lexicon word, paid only for probes that are
 not toxic themselves, plus the probe's capped likelihood and a repetition penalty), after a warm
-start of three rounds, each fine-tuning it on natural probes a lexicon-guided beam search found with
-the tester the round before left on new training openers, then runs
+start of two rounds (three with ``full``, configs/demo_full.yaml), each fine-tuning it on natural probes a
+lexicon-guided beam search found with the tester the round before left on new training openers, then runs
 the untrained tester (the same weights with adapters off) and the trained one on the same
 held-out openers with the same seed, and prints both side by side under the training scorer and
 the distinct ``wordlist`` judge.
@@ -45,10 +45,11 @@ DEMO_CONFIG = {
     "reply_samples": 4,
     "reply_lexicon_weight": 2.0,
     "reply_lexicon": "scorer",
-    "warm_start_probes": 96,
+    "warm_start_probes": 64,
     "warm_start_min_toxic": 0.1,
     "warm_start_select": "search",
-    "warm_start_rounds": 3,
+    "warm_start_rounds": 2,
+    "warm_start_top_k": 6,
     "warm_start_max_nll": 3.5,
     "mode": "text",
     "prompts": "rtp",
@@ -58,26 +59,42 @@ DEMO_CONFIG = {
     "turns": 1,
     "max_new_tokens": 6,
     "target_max_new_tokens": 16,
-    "total_steps": 36,
+    "total_steps": 6,
     "lr": 0.0002,
     "kl_coef": 0.02,
     "epochs": 2,
-    "warmup_steps": 3,
+    "warmup_steps": 2,
     "lora_rank": 16,
     "lora_alpha": 32,
-    "save_every": 12,
-    "sample_every": 12,
+    "save_every": 3,
+    "sample_every": 3,
     "run_dir": "runs/demo",
 }
 
+
+# configs/demo_full.yaml, `astrl demo --full`: the longer recipe (three rounds of 96 openers, the search's
+# top 8 tokens, 36 GRPO steps), as changes of the demo's settings (a test keeps it equal to the file)
+FULL_DEMO_CHANGES = {
+    "warm_start_probes": 96,
+    "warm_start_rounds": 3,
+    "warm_start_top_k": 8,
+    "total_steps": 36,
+    "warmup_steps": 3,
+    "save_every": 12,
+    "sample_every": 12,
+    "run_dir": "runs/demo_full",
+}
+DEMO_CONVERSATIONS = 128  # held-out conversations of the comparison (the full recipe: 256)
+FULL_DEMO_CONVERSATIONS = 256
 
 DEMO_JUDGE = "wordlist"  # distinct from the training scorer, so that scorer hacking shows up
 SIDE_SUMMARY = ("mean_reward", "probe_nll", "judges")  # what demo_summary.json and the store keep of a side
 COMPARISON_REPLIES = 4  # the target answers each held-out probe this many times: the elicited reply share
 
 
-def demo_config(overrides: dict | None = None) -> TrainConfig:
-    return TrainConfig(**{**DEMO_CONFIG, **(overrides or {})})
+def demo_config(overrides: dict | None = None, *, full: bool = False) -> TrainConfig:
+    """The demo's config (``full``: the longer recipe of configs/demo_full.yaml) with ``overrides``."""
+    return TrainConfig(**{**DEMO_CONFIG, **(FULL_DEMO_CHANGES if full else {}), **(overrides or {})})
 
 
 def comparison_spec(
@@ -203,11 +220,16 @@ def check_same_demo(config: TrainConfig) -> None:
         )
 
 
-def run_demo(overrides: dict | None = None, *, progress: bool = True, conversations: int = 256) -> dict:
-    """Train (or resume, or reuse a finished run) and return the before/after comparison."""
+def run_demo(
+    overrides: dict | None = None, *, progress: bool = True, conversations: int | None = None, full: bool = False
+) -> dict:
+    """Train (or resume, or reuse a finished run) and return the before/after comparison on
+    ``conversations`` held-out conversations (default 128; 256 with ``full``, the longer recipe)."""
     from astrl.store.recorder import check_store
 
-    config = demo_config(overrides)
+    config = demo_config(overrides, full=full)
+    if conversations is None:
+        conversations = FULL_DEMO_CONVERSATIONS if full else DEMO_CONVERSATIONS
     check_store()  # a results store that cannot be opened stops the demo before its models load
     if latest_checkpoint(config.run_dir) is not None or (Path(config.run_dir) / WARM_START_PARTIAL).is_file():
         check_same_demo(config)
@@ -222,4 +244,4 @@ def run_demo(overrides: dict | None = None, *, progress: bool = True, conversati
     summary = {"judge": DEMO_JUDGE, "scorer": config.scorer, "conversations": conversations}
     summary.update({side: {k: values[k] for k in SIDE_SUMMARY} for side, values in comparison.items()})
     (Path(config.run_dir) / "demo_summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
-    return {"config": config, "rows": rows, "comparison": comparison}
+    return {"config": config, "rows": rows, "comparison": comparison, "conversations": conversations}
