@@ -36,6 +36,7 @@ import time
 import numpy as np
 import torch
 from _common import base_parser, emit, r, setup
+from lexicon_signal import pearson as text_pearson
 
 from astrl._compat import as_list
 from astrl.envs import make_redteam_env
@@ -50,10 +51,8 @@ JUDGE, SCORER = "wordlist", "profanity"
 
 
 def pearson(a: np.ndarray, b: np.ndarray) -> float | None:
-    """Pearson's correlation, rounded; None when either side is constant."""
-    a, b = a - a.mean(), b - b.mean()
-    norm = float(np.linalg.norm(a) * np.linalg.norm(b))
-    return r(float((a * b).sum()) / norm) if norm > 0 else None
+    """:func:`lexicon_signal.pearson` (rounded; None when either side is constant) of two arrays."""
+    return text_pearson(torch.from_numpy(np.asarray(a)), torch.from_numpy(np.asarray(b)))
 
 
 def rate(per_opener: np.ndarray, seed: int) -> dict:

@@ -295,16 +295,17 @@ def lookahead_estimate(
     ``rows[owners[r]] + tails[r]`` (``m_t``: the lexicon mass of position t, :meth:`ReplyLexicon.mass`); a
     continuation that reaches a ``stops`` token counts no position after it."""
     look = cache.advance(owners, tails)
-    log_miss = torch.zeros(len(owners))
     alive = torch.ones(len(owners), dtype=torch.bool)
+    masses, counted = [], []
     for t in range(lookahead):
-        log_miss += (-lexicon.mass(look.last).clamp(0.0, 1.0 - 1e-7)).log1p() * alive
+        masses.append(lexicon.mass(look.last))
+        counted.append(alive)
         if t + 1 == lookahead:
             break
         step = look.last.argmax(-1).cpu()
-        alive &= ~torch.isin(step, torch.tensor(sorted(stops), dtype=torch.long))
+        alive = alive & ~torch.isin(step, torch.tensor(sorted(stops), dtype=torch.long))
         look = look.advance(torch.arange(len(owners)), step[:, None])
-    return 1.0 - log_miss.exp()
+    return ReplyLexicon.estimate(torch.stack(masses, dim=1), torch.stack(counted, dim=1))
 
 
 def _search(tester_lm, target_lm, shared_vocab, openers, frame, lexicon, banned, *, length, beams, top_k, max_nll):

@@ -197,7 +197,7 @@ def reply_tokens(config) -> int:
     ``warm_start_reply_tokens``, else 1 in text mode (the next-token mass) and the run's reply length in chat mode."""
     if config.warm_start_reply_tokens is not None:
         return config.warm_start_reply_tokens
-    return 1 if config.mode == "text" else config.target_max_new_tokens or config.max_new_tokens
+    return 1 if config.mode == "text" else config.generation(target=True).max_new_tokens
 
 
 def best_of_candidates(trainer, count: int, round_index: int = 0) -> list[dict]:
