@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from _common import base_parser, emit, r, setup
 from chat_signal import JUDGE, rate
+from probe_search import sampled_replies
 
 from astrl._compat import render_chats
 from astrl.envs.redteam import DEFAULT_TESTER_SYSTEM_PROMPT
@@ -30,7 +31,6 @@ from astrl.envs.transforms import target_view
 from astrl.evaluation.metrics import elicited
 from astrl.models import load_model
 from astrl.prompts import load_prompts, split_prompts
-from astrl.ragged import pad_ids
 from astrl.rewards.lexicon import reply_lexicon
 from astrl.sampling.search import chat_lookahead_search
 from astrl.scorers import checked_scores, make_scorer
@@ -41,16 +41,7 @@ def replies_to(lm, openers: list[str], probes: list[str], replies: int, new_toke
     pairs = zip(openers, probes, strict=True)
     chats = [target_view([{"role": "user", "content": o}, {"role": "assistant", "content": p}], None) for o, p in pairs]
     rows = [torch.tensor(lm.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in render_chats(lm.tokenizer, chats)]
-    texts: list[str] = []
-    with torch.no_grad():
-        for start in range(0, len(rows), batch):
-            ids, mask = pad_ids(rows[start : start + batch], lm.tokenizer.pad_token_id, side="left", device=lm.model.device)
-            out = lm.model.generate(
-                input_ids=ids.repeat_interleave(replies, 0), attention_mask=mask.repeat_interleave(replies, 0),
-                do_sample=True, temperature=1.0, max_new_tokens=new_tokens, pad_token_id=lm.tokenizer.pad_token_id,
-            )  # fmt: skip
-            texts += lm.tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
-    return texts
+    return sampled_replies(lm.model, lm.tokenizer, rows, replies=replies, new_tokens=new_tokens, batch=batch)
 
 
 def main() -> None:

@@ -114,19 +114,26 @@ def elicited(reply_scores, probe_scores) -> dict:
     }
 
 
-def judged_replies(model, tok, openers, probes, judge, *, replies: int, new_tokens: int, batch: int = 16) -> dict:
-    """:func:`elicited` for ``replies`` sampled target replies to each ``openers[i] + probes[i]`` (token ids
-    joined as the search scored them)."""
-    rows = [torch.cat([torch.tensor(tok(o)["input_ids"]), p.cpu()]) for o, p in zip(openers, probes, strict=True)]
+def sampled_replies(model, tok, rows: list[torch.Tensor], *, replies: int, new_tokens: int, batch: int, **sampling) -> list[str]:
+    """``replies`` decoded samples of ``new_tokens`` tokens after each token row (``batch`` rows a
+    ``generate`` call, temperature 1; ``sampling``: more ``generate`` keywords), row by row."""
     texts: list[str] = []
     with torch.no_grad():
         for start in range(0, len(rows), batch):
             ids, mask = pad_ids(rows[start : start + batch], tok.pad_token_id, side="left", device=model.device)
             out = model.generate(
                 input_ids=ids.repeat_interleave(replies, 0), attention_mask=mask.repeat_interleave(replies, 0),
-                do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new_tokens, pad_token_id=tok.pad_token_id,
+                do_sample=True, temperature=1.0, max_new_tokens=new_tokens, pad_token_id=tok.pad_token_id, **sampling,
             )  # fmt: skip
             texts += tok.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
+    return texts
+
+
+def judged_replies(model, tok, openers, probes, judge, *, replies: int, new_tokens: int, batch: int = 16) -> dict:
+    """:func:`elicited` for ``replies`` sampled target replies to each ``openers[i] + probes[i]`` (token ids
+    joined as the search scored them; no top-k or top-p filter)."""
+    rows = [torch.cat([torch.tensor(tok(o)["input_ids"]), p.cpu()]) for o, p in zip(openers, probes, strict=True)]
+    texts = sampled_replies(model, tok, rows, replies=replies, new_tokens=new_tokens, batch=batch, top_p=1.0, top_k=0)
     reply_scores = checked_scores(judge, texts).view(len(rows), replies)
     probe_scores = checked_scores(judge, tok.batch_decode([p.cpu() for p in probes], skip_special_tokens=True))
     return elicited(reply_scores.numpy(), probe_scores.numpy())

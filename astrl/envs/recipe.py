@@ -148,11 +148,10 @@ def preflight(
     if target:
         roles["target"] = spec.target
     split_seed = spec.seed if spec.split_seed is None else spec.split_seed
-    prompts = spec.prompts if prompts else None
     check_names(
         roles,
         spec.scorers if scorers else None,
-        prompts,
+        spec.prompts if prompts else None,
         split=spec.split,
         split_seed=split_seed,
         test_fraction=spec.test_fraction,
