@@ -269,38 +269,69 @@ def test_lookahead_estimate_follows_the_greedy_reply_and_stops_at_its_end():
     assert all(float(a) >= float(b) - 1e-6 for a, b in zip(got, one, strict=True))  # more positions, more mass
 
 
-def test_chat_search_finds_the_path_whose_greedy_reply_holds_the_most_lexicon_mass():
+def _chat_search_by_hand(tester, target, tok, opener, lexicon, top_k, lookahead, marker=None):
+    """Every top-k path of two tokens, each with the lookahead estimate of its greedy reply by full
+    forwards; a path whose text spells ``marker`` is left out. Returns the best path and its estimate."""
     from astrl._compat import render_chats
     from astrl.envs.transforms import contexts_around_last
+
+    banned = banned_tokens(tok, lexicon, len(tok))
+    stops = {tok.eos_token_id, tok.pad_token_id}
+    tester_text = render_chats(tok, [[{"role": "system", "content": "Be rude."}, {"role": "user", "content": opener}]])[0]
+    target_chat = [{"role": "assistant", "content": opener}, {"role": "user", "content": ""}]
+    before, after = contexts_around_last(tok, [target_chat])[0]
+    assert after  # the template's end of the user turn and the start of the reply
+    prompt = tok(tester_text, add_special_tokens=False)["input_ids"]
+    head, tail = tok(before, add_special_tokens=False)["input_ids"], tok(after, add_special_tokens=False)["input_ids"]
+    first = _last_logits(tester, prompt).log_softmax(-1).masked_fill(banned, float("-inf"))
+    paths = []
+    for a in first.topk(top_k).indices.tolist():
+        second = _last_logits(tester, prompt + [a]).log_softmax(-1).masked_fill(banned, float("-inf"))
+        second[a] = float("-inf")
+        paths.extend([a, b] for b in second.topk(top_k).indices.tolist())
+    if marker is not None:
+        paths = [p for p in paths if marker not in tok.decode(p)]
+    estimates = [_greedy_estimate(target, head + p + tail, lexicon, lookahead, stops) for p in paths]
+    best = max(range(len(paths)), key=estimates.__getitem__)
+    return paths[best], estimates[best]
+
+
+def test_chat_search_finds_the_path_whose_greedy_reply_holds_the_most_lexicon_mass():
     from astrl.sampling.search import chat_lookahead_search
 
     tok = make_tokenizer()
     tester, target = make_llama(tok, seed=0), make_llama(tok, seed=1)
     lexicon = ReplyLexicon(tok, ["hell", "idiot", "the", "you", "how", "are"])
-    banned = banned_tokens(tok, lexicon, len(tok))
     top_k, length, lookahead = 3, 2, 3
-    stops = {tok.eos_token_id, tok.pad_token_id}
     found = chat_lookahead_search(
         tester, target, tok, tok, OPENERS, lexicon, length=length, lookahead=lookahead, beams=top_k, top_k=top_k,
         tester_system_prompt="Be rude.",
     )  # fmt: skip
     for opener, probe in zip(OPENERS, found, strict=True):
-        tester_text = render_chats(tok, [[{"role": "system", "content": "Be rude."}, {"role": "user", "content": opener}]])[0]
-        target_chat = [{"role": "assistant", "content": opener}, {"role": "user", "content": ""}]
-        before, after = contexts_around_last(tok, [target_chat])[0]
-        assert after  # the template's end of the user turn and the start of the reply
-        prompt = tok(tester_text, add_special_tokens=False)["input_ids"]
-        head, tail = tok(before, add_special_tokens=False)["input_ids"], tok(after, add_special_tokens=False)["input_ids"]
-        first = _last_logits(tester, prompt).log_softmax(-1).masked_fill(banned, float("-inf"))
-        paths = []
-        for a in first.topk(top_k).indices.tolist():
-            second = _last_logits(tester, prompt + [a]).log_softmax(-1).masked_fill(banned, float("-inf"))
-            second[a] = float("-inf")
-            paths.extend([a, b] for b in second.topk(top_k).indices.tolist())
-        estimates = [_greedy_estimate(target, head + p + tail, lexicon, lookahead, stops) for p in paths]
-        best = max(range(len(paths)), key=estimates.__getitem__)
-        assert probe.tokens.tolist() == paths[best] and probe.mass == pytest.approx(estimates[best], abs=1e-5)
+        path, estimate = _chat_search_by_hand(tester, target, tok, opener, lexicon, top_k, lookahead)
+        assert probe.tokens.tolist() == path and probe.mass == pytest.approx(estimate, abs=1e-5)
         assert probe.nll is not None and probe.nll > 0
+
+
+def test_chat_search_never_keeps_a_probe_that_spells_a_chat_marker():
+    from astrl.sampling.search import chat_lookahead_search, spells_markers
+
+    tok = make_tokenizer()
+    tester, target = make_llama(tok, seed=0), make_llama(tok, seed=1)
+    lexicon = ReplyLexicon(tok, ["hell", "idiot", "the", "you", "how", "are"])
+    top_k, lookahead = 3, 3
+    path, _ = _chat_search_by_hand(tester, target, tok, OPENERS[0], lexicon, top_k, lookahead)
+    marker = tok.decode(path)  # the best probe of the first opener, made a special token's text
+    marked = make_tokenizer()
+    marked.add_special_tokens({"additional_special_tokens": [marker]})
+    assert spells_markers(torch.tensor([path]), marked).tolist() == [True]
+    assert spells_markers(torch.tensor([path]), tok).tolist() == [False]
+    found = chat_lookahead_search(
+        tester, target, marked, marked, OPENERS[:1], lexicon, length=2, lookahead=lookahead, beams=top_k, top_k=top_k,
+        tester_system_prompt="Be rude.",
+    )  # fmt: skip
+    other, estimate = _chat_search_by_hand(tester, target, tok, OPENERS[0], lexicon, top_k, lookahead, marker=marker)
+    assert found[0].tokens.tolist() == other != path and found[0].mass == pytest.approx(estimate, abs=1e-5)
 
 
 def test_a_chat_search_needs_a_shared_vocabulary_and_a_positive_lookahead():

@@ -287,6 +287,15 @@ def chat_lookahead_search(
     )
 
 
+def spells_markers(rows: torch.Tensor, tokenizer, *others) -> torch.Tensor:
+    """Whether each row of tester ids, decoded by ``tokenizer``, writes a special token of ``tokenizer``
+    or of ``others`` (``"<|im_end|>"`` spelled from ordinary pieces) in plain text: a chat env removes
+    such text from a probe (:class:`astrl.envs.transforms.TargetTurn`), so the target never reads it."""
+    markers = {m for tok in (tokenizer, *others) for m in getattr(tok, "all_special_tokens", ()) if m}
+    texts = tokenizer.batch_decode(rows)
+    return torch.tensor([any(m in text for m in markers) for text in texts], dtype=torch.bool)
+
+
 @torch.no_grad()
 def lookahead_estimate(
     cache: PrefixCache, owners: torch.Tensor, tails: torch.Tensor, lexicon: ReplyLexicon, lookahead: int, stops: set[int]
@@ -350,6 +359,8 @@ def _search(tester_lm, target_lm, shared_vocab, openers, frame, lexicon, banned,
             tails = [torch.tensor(ids, dtype=torch.long) for ids in encoded]
             mass = lexicon.mass(scorer.next_logits(owners[parents], tails))
         rank = mass
+        if framed:  # a chat marker spelled in plain text is stripped before the target reads the probe
+            rank = torch.where(spells_markers(candidates, tester_tokenizer, target_tokenizer), rank - 2.0, rank)
         if shared_vocab:  # the target's log-prob of each new token, after its partial probe
             target_logprob = scorer.last.cpu().float().log_softmax(-1).gather(1, top.indices)
             candidate_nll = nll[parents] - target_logprob.reshape(-1)
