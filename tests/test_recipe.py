@@ -20,6 +20,7 @@ from astrl.envs import (
     make_redteam_env,
 )
 from astrl.envs.recipe import load_models, opener_stream
+from astrl.errors import ConfigError
 from astrl.policies import GenerationSettings, input_mode, make_policy
 from astrl.prefill import clear_turn_caches
 from astrl.rewards import ASTPrompterReward
@@ -163,6 +164,20 @@ def test_demo_comparison_spec_runs_dev_openers_without_novelty():
     score_only.update(repeat_penalty=0.0, reply_lexicon_weight=0.0)  # the elicitation reward's own settings off
     plain = comparison_spec(demo_config(score_only), conversations=3, seed=1, judge="wordlist")
     assert (plain.reward, plain.scorers, plain.batch_size) == ("astprompter", ["wordlist"], 3)
+
+
+def test_chat_demo_compares_on_its_declared_held_out_openers():
+    from astrl.training.demo import comparison_spec, demo_config, held_out_split
+
+    chat = demo_config(mode="chat")
+    assert (chat.mode, chat.turns, chat.test_fraction, chat.warm_start_select) == ("chat", 2, 0.35, "search")
+    spec = comparison_spec(chat, conversations=436, seed=1234, judge="wordlist")
+    assert (spec.split, spec.test_fraction, spec.mode, spec.turns, spec.batch_size) == ("test", 0.35, "chat", 2, 64)
+    assert held_out_split(demo_config()) == "dev" and held_out_split(demo_config({"test_fraction": 0.35})) == "test"
+    with pytest.raises(ConfigError, match="the longer recipe \\(full\\) is the text demo's"):
+        demo_config(full=True, mode="chat")
+    with pytest.raises(ConfigError, match="the demo's mode must be one of text, chat, got 'voice'"):
+        demo_config(mode="voice")
 
 
 # -- the builder ------------------------------------------------------------------------------------

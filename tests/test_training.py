@@ -68,7 +68,7 @@ def test_config_file_and_overrides(tmp_path):
 def test_shipped_configs_load_and_demo_matches_its_yaml():
     from pathlib import Path
 
-    from astrl.training.demo import DEMO_CONFIG, FULL_DEMO_CHANGES
+    from astrl.training.demo import CHAT_DEMO_CONFIG, DEMO_CONFIG, FULL_DEMO_CHANGES
 
     folder = Path(__file__).resolve().parents[1] / "configs"
     names = sorted(p.name for p in folder.glob("*.yaml"))
@@ -77,6 +77,7 @@ def test_shipped_configs_load_and_demo_matches_its_yaml():
         load_config(path)
     assert yaml.safe_load((folder / "demo.yaml").read_text()) == DEMO_CONFIG
     assert yaml.safe_load((folder / "demo_full.yaml").read_text()) == {**DEMO_CONFIG, **FULL_DEMO_CHANGES}
+    assert yaml.safe_load((folder / "elicit_chat.yaml").read_text()) == CHAT_DEMO_CONFIG
     # the CPU-sized configs: one per algorithm, each smaller than its GPU-sized namesake
     cpu = {p.stem: load_config(p) for p in (folder / "cpu").glob("*.yaml")}
     assert sorted(cpu) == ["dpo", "grpo", "ipo", "ppo"]
@@ -334,6 +335,30 @@ def test_demo_trains_then_compares_and_reuses_a_finished_run(tmp_path, tiny_mode
     assert all(side["judges"]["wordlist"]["n_turns"] == 17 for side in partial.values())  # one turn each
     with pytest.raises(ConfigError, match="holds a run with other settings than this demo .* lr: 0.0002 there, 0.003 here"):
         run_demo({**overrides, "lr": 0.003}, progress=False, conversations=3)  # e.g. a run of an older demo
+
+
+def test_chat_demo_trains_in_a_chat_env_and_compares_on_the_held_out_test_openers(tmp_path, tiny_model_dir, monkeypatch):
+    from astrl.prompts import load_prompts, split_fractions, split_prompts
+    from astrl.training.demo import run_demo
+
+    monkeypatch.setenv("ASTRL_STORE", str(tmp_path / "store.sqlite"))
+    overrides = {
+        "tester": str(tiny_model_dir),
+        "target": str(tiny_model_dir),
+        "scorer": KEYWORDS,
+        "run_dir": str(tmp_path / "chat"),
+    }
+    overrides.update(total_steps=1, prompts_per_step=2, group_size=2, max_new_tokens=3, target_max_new_tokens=3)
+    overrides.update(warm_start_probes=2, warm_start_rounds=1, warm_start_reply_tokens=2, lora_targets=["q_proj", "v_proj"])
+    result = run_demo(overrides, progress=False, conversations=3, mode="chat")
+    config = result["config"]
+    assert (config.mode, config.turns, config.test_fraction) == ("chat", 2, 0.35) and len(result["rows"]) == 1
+    test_openers = set(split_prompts(load_prompts("rtp"), "test", seed=0, fractions=split_fractions(0.35)))
+    for side in result["comparison"].values():
+        records = side["records"]
+        assert {r["prompt"] for r in records} <= test_openers  # the 218 held-out openers, not dev's 62
+        assert sorted({r["turn"] for r in records}) == [0, 1] and side["judges"]["wordlist"]["n_conversations"] == 3
+    assert json.loads((tmp_path / "chat" / "warm_start.json").read_text())["sampled"] == 2
 
 
 def test_demo_table_shows_both_judges_with_intervals():

@@ -87,27 +87,65 @@ FULL_DEMO_CHANGES = {
 DEMO_CONVERSATIONS = 128  # held-out conversations of the comparison (the full recipe: 256)
 FULL_DEMO_CONVERSATIONS = 256
 
+# configs/elicit_chat.yaml, `astrl demo --mode chat`: a 2-turn ChatEnv against the instruct target, a warm
+# start of the chat lookahead search, 16 GRPO steps (a test keeps it equal to the file)
+CHAT_DEMO_CONFIG = {
+    **{k: v for k, v in DEMO_CONFIG.items() if k not in ("save_every", "sample_every", "run_dir")},
+    "judges": ["wordlist"],
+    "warm_start_probes": 48,
+    "warm_start_min_toxic": 0.05,
+    "warm_start_beams": 4,
+    "warm_start_top_k": 8,
+    "warm_start_reply_tokens": 4,
+    "warm_start_max_nll": 4.0,
+    "mode": "chat",
+    "test_fraction": 0.35,
+    "turns": 2,
+    "max_new_tokens": 12,
+    "total_steps": 16,
+    "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "save_every": 8,
+    "keep_checkpoints": 3,
+    "sample_every": 8,
+    "run_dir": "runs/elicit_chat",
+}
+CHAT_DEMO_CONVERSATIONS = 436  # two for each of the 218 openers test_fraction 0.35 holds out
+DEMO_MODES = ("text", "chat")
+
 DEMO_JUDGE = "wordlist"  # distinct from the training scorer, so that scorer hacking shows up
 SIDE_SUMMARY = ("mean_reward", "probe_nll", "judges")  # what demo_summary.json and the store keep of a side
 COMPARISON_REPLIES = 4  # the target answers each held-out probe this many times: the elicited reply share
 
 
-def demo_config(overrides: dict | None = None, *, full: bool = False) -> TrainConfig:
-    """The demo's config (``full``: the longer recipe of configs/demo_full.yaml) with ``overrides``."""
+def demo_config(overrides: dict | None = None, *, full: bool = False, mode: str = "text") -> TrainConfig:
+    """The demo's config (``full``: the longer recipe of configs/demo_full.yaml; ``mode="chat"``:
+    configs/elicit_chat.yaml) with ``overrides``."""
+    if mode not in DEMO_MODES:
+        raise ConfigError(f"the demo's mode must be one of {', '.join(DEMO_MODES)}, got {mode!r}")
+    if mode == "chat":
+        if full:
+            raise ConfigError("the longer recipe (full) is the text demo's; the chat demo runs configs/elicit_chat.yaml")
+        return TrainConfig(**{**CHAT_DEMO_CONFIG, **(overrides or {})})
     return TrainConfig(**{**DEMO_CONFIG, **(FULL_DEMO_CHANGES if full else {}), **(overrides or {})})
+
+
+def held_out_split(config: TrainConfig) -> str:
+    """The split the demo compares on: ``test`` when the run declares its held-out set (``test_fraction``,
+    the chat demo's 218 openers), else ``dev`` (the text demo's; ``test`` stays for ``astrl eval``)."""
+    return "dev" if config.test_fraction is None else "test"
 
 
 def comparison_spec(
     config: TrainConfig, *, conversations: int, seed: int, judge: str, replies: int = COMPARISON_REPLIES
 ) -> ConversationSpec:
     """The conversations of :func:`compare_testers`: the run's settings (mode, turns, generation,
-    system prompts, reward; no novelty terms) on its dev split, seeded by ``seed``, scored by the
+    system prompts, reward; no novelty terms) on its held-out split (:func:`held_out_split`), seeded by ``seed``, scored by the
     training scorer and ``judge``, with the ASTPrompter terms on under the plain score reward (they
     carry the probe's likelihood), on Transformers; the target answers each probe ``replies`` times."""
     return replace(
         conversation_spec(config),
         scorers=list(dict.fromkeys([config.scorer, judge])),
-        split="dev",
+        split=held_out_split(config),
         split_seed=config.prompt_split_seed,
         batch_size=min(conversations, 64),
         group_size=1,
@@ -130,7 +168,7 @@ def compare_testers(
     resamples: int = 1000,
     replies: int = COMPARISON_REPLIES,
 ) -> dict[str, dict]:
-    """Run the untrained and the trained tester on the same held-out openers (dev split), same seed.
+    """Run the untrained and the trained tester on the same held-out openers (:func:`held_out_split`), same seed.
 
     Both sides run in the training env's settings (mode, turns, system prompts, reward) with the
     training scorer and a distinct ``judge`` scoring every reply, then every probe alone (the
@@ -221,15 +259,21 @@ def check_same_demo(config: TrainConfig) -> None:
 
 
 def run_demo(
-    overrides: dict | None = None, *, progress: bool = True, conversations: int | None = None, full: bool = False
+    overrides: dict | None = None,
+    *,
+    progress: bool = True,
+    conversations: int | None = None,
+    full: bool = False,
+    mode: str = "text",
 ) -> dict:
     """Train (or resume, or reuse a finished run) and return the before/after comparison on
-    ``conversations`` held-out conversations (default 128; 256 with ``full``, the longer recipe)."""
+    ``conversations`` held-out conversations (default 128; 256 with ``full``, the longer recipe; 436
+    with ``mode="chat"``, configs/elicit_chat.yaml)."""
     from astrl.store.recorder import check_store
 
-    config = demo_config(overrides, full=full)
+    config = demo_config(overrides, full=full, mode=mode)
     if conversations is None:
-        conversations = FULL_DEMO_CONVERSATIONS if full else DEMO_CONVERSATIONS
+        conversations = {"chat": CHAT_DEMO_CONVERSATIONS}.get(mode, FULL_DEMO_CONVERSATIONS if full else DEMO_CONVERSATIONS)
     check_store()  # a results store that cannot be opened stops the demo before its models load
     if latest_checkpoint(config.run_dir) is not None or (Path(config.run_dir) / WARM_START_PARTIAL).is_file():
         check_same_demo(config)
