@@ -199,8 +199,8 @@ def test_each_warm_start_round_searches_new_openers_with_the_tester_the_rounds_b
     rounds, tuned = [], []
     real_find, real_tune = warm.search_candidates, warm.fine_tune
 
-    def find(trainer_, count, round_index):
-        rounds.append((round_index, lora(), real_find(trainer_, count, round_index)))
+    def find(config, models, count, round_index):
+        rounds.append((round_index, lora(), real_find(config, models, count, round_index)))
         return rounds[-1][2]
 
     def tune(*args, **kwargs):

@@ -368,11 +368,11 @@ def test_a_warm_start_stopped_in_a_round_resumes_after_the_last_round_it_finishe
     real = warm.sample_candidates
     rounds: list[int] = []
 
-    def find(trainer_, count, round_index):
+    def find(config, models, count, round_index):
         rounds.append(round_index)
         if crash and round_index == 2:
             raise RuntimeError("stopped in round 2")
-        return real(trainer_, count, round_index)
+        return real(config, models, count, round_index)
 
     monkeypatch.setattr(warm, "sample_candidates", find)
     crash = False
@@ -423,7 +423,7 @@ def test_a_new_run_in_the_directory_of_a_stopped_warm_start_starts_again(tmp_pat
     (tmp_path / "run" / WARM_START_PARTIAL).write_bytes(b"another run's rounds")
     rounds: list[int] = []
     real = warm.sample_candidates
-    monkeypatch.setattr(warm, "sample_candidates", lambda t, c, r: rounds.append(r) or real(t, c, r))
+    monkeypatch.setattr(warm, "sample_candidates", lambda cfg, m, c, r: rounds.append(r) or real(cfg, m, c, r))
     _trainer(_config(tmp_path, **settings)).train()
     assert rounds == [0, 1] and not (tmp_path / "run" / WARM_START_PARTIAL).exists()
 
@@ -701,7 +701,7 @@ def test_the_warm_start_and_training_sample_only_the_runs_training_openers(tmp_p
     seed = 5 if split_seed is None else 0
     train = set(split_prompts(load_prompts("builtin"), "train", seed=seed))
     held_out = set(split_prompts(load_prompts("builtin"), "test", seed=seed))
-    openers = {c["opener"] for c in sample_candidates(trainer, 40)}
+    openers = {c["opener"] for c in sample_candidates(trainer.config, trainer.models, 40)}
     assert openers <= train and not openers & held_out and len(openers) > 10
     trainer._build()
     assert set(trainer.stream.prompts) == train  # the RL steps draw from the same split
@@ -802,7 +802,7 @@ def test_best_of_in_chat_mode_ranks_samples_by_their_whole_replys_lexicon_estima
     for role in calls:
         turn_cache_of(getattr(trainer.models, role).model, install=True).observers.append(calls[role].append)
     with turn_cache_of(trainer.models.tester.model).with_logits():  # the tester's step count, read below
-        found = best_of_candidates(trainer, 4)
+        found = best_of_candidates(trainer.config, trainer.models, 4)
     tester_call, target_call = calls["tester"][0], calls["target"][0]  # 4 x 3 probes, then the target's replies
     assert len(tester_call.logits) <= 4 and len(target_call.logits) > 1  # a reply longer than its first token
     tok, model = trainer.models.target.tokenizer, trainer.models.target.model

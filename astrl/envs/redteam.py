@@ -140,50 +140,70 @@ def make_redteam_env(
 
     The env's ``reply_lexicon`` attribute is the :class:`~astrl.rewards.lexicon.ReplyLexicon` in use (or None).
     """
+    _check_env_args(max_turns, batch_size, mode, advance)
+    check_reward_options(reward, reward_options)
+    stream = _opener_stream(prompts, batch_size, seed)
+    tester_tokenizer, tester_window, tester_max_new = policy_limits(tester, "tester")
+    score = ScoreReward(scorers, reward_scorer=reward_scorer, reply_samples=reply_samples)
+    reward_scorer_ = score.scorers[score.reward_scorer]
+    options = dict(reward_options or {})
+    lexicon = _reply_lexicon(target, reward_scorer_, options)
+    rewards = [score, *_reward_terms(reward, target, reward_scorer_, mode, options, novelty, reward_shaping)]
+    base = RedTeamEnv(mode=mode, batch_size=batch_size, tester_system_prompt=tester_system_prompt, tokenizer=tester_tokenizer)
+    primer = DataLoadingPrimer(dataloader=stream, batch_size=(batch_size,))
+    turn = TargetTurn(
+        target,
+        tester_tokenizer=tester_tokenizer,
+        tester_window=tester_window,
+        tester_max_new_tokens=tester_max_new,
+        mode=mode,
+        target_system_prompt=target_system_prompt,
+        advance=advance,
+        reply_samples=reply_samples,
+        lexicon=lexicon,
+    )
+    env = TransformedEnv(base, Compose(primer, turn, *rewards, StepCounter(max_steps=max_turns)))
+    env.prompt_stream = stream
+    env.reply_lexicon = lexicon
+    return env
+
+
+def _check_env_args(max_turns: int, batch_size: int, mode: str, advance: Advance | None) -> None:
+    """Refuse a turn count or batch size below 1, or ``advance`` outside text mode."""
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if advance is not None and mode != "text":
         raise ValueError("advance is only used in text mode")
-    check_reward_options(reward, reward_options)
+
+
+def _opener_stream(prompts: Sequence[str] | PromptStream, batch_size: int, seed: int) -> PromptStream:
+    """``prompts`` as a stream of ``batch_size`` openers a draw (a given stream must draw that many)."""
     stream = prompts if isinstance(prompts, PromptStream) else PromptStream(list(prompts), batch_size, seed=seed)
     if stream.batch_size != batch_size:
         raise ValueError(f"PromptStream batch_size {stream.batch_size} differs from env batch_size {batch_size}")
-    tester_tokenizer, tester_window, tester_max_new = policy_limits(tester, "tester")
-    score = ScoreReward(scorers, reward_scorer=reward_scorer, reply_samples=reply_samples)
-    reward_scorer_ = score.scorers[score.reward_scorer]
-    options = dict(reward_options or {})
-    lexicon = _reply_lexicon(target, reward_scorer_, options)
-    rewards = [score]
+    return stream
+
+
+def _reward_terms(
+    reward: str,
+    target,
+    scorer: Scorer,
+    mode: str,
+    options: dict,
+    novelty: Mapping[str, object] | None,
+    reward_shaping: Mapping[str, object] | None,
+) -> list:
+    """The reward transforms after the score, in the order they run: the likelihood reward (unless
+    ``reward`` is ``"score"``), the novelty terms, then the shaping."""
+    terms = []
     if reward != "score":
-        rewards.append(_likelihood_reward(reward, target, reward_scorer_, mode, options))
-    rewards.extend(make_novelty(novelty))
+        terms.append(_likelihood_reward(reward, target, scorer, mode, options))
+    terms.extend(make_novelty(novelty))
     if reward_shaping:
-        rewards.append(RewardShaping(**reward_shaping))
-    base = RedTeamEnv(mode=mode, batch_size=batch_size, tester_system_prompt=tester_system_prompt, tokenizer=tester_tokenizer)
-    env = TransformedEnv(
-        base,
-        Compose(
-            DataLoadingPrimer(dataloader=stream, batch_size=(batch_size,)),
-            TargetTurn(
-                target,
-                tester_tokenizer=tester_tokenizer,
-                tester_window=tester_window,
-                tester_max_new_tokens=tester_max_new,
-                mode=mode,
-                target_system_prompt=target_system_prompt,
-                advance=advance,
-                reply_samples=reply_samples,
-                lexicon=lexicon,
-            ),
-            *rewards,
-            StepCounter(max_steps=max_turns),
-        ),
-    )
-    env.prompt_stream = stream
-    env.reply_lexicon = lexicon
-    return env
+        terms.append(RewardShaping(**reward_shaping))
+    return terms
 
 
 def _reply_lexicon(target, scorer: Scorer, options: dict):

@@ -192,27 +192,13 @@ def compute_advantages(
         raise ValueError(f"mode must be one of {ADVANTAGE_MODES}, got {mode!r}")
     if not 0.0 <= gamma <= 1.0 or not 0.0 <= lmbda <= 1.0:
         raise ValueError(f"gamma and lmbda must lie in [0, 1], got {gamma} and {lmbda}")
-    k = critic.tensor_keys if critic is not None else PPOLoss._AcceptedKeys()
-    if keys:
-        accepted = sorted(PPOLoss._AcceptedKeys.__dataclass_fields__)
-        unknown = sorted(set(keys) - set(accepted))
-        if unknown:
-            raise ValueError(f"unknown key names {unknown}; accepted: {accepted}")
-        k = dataclasses.replace(k, **keys)
+    k = _advantage_keys(critic, keys)
     batch = _batch_size(td)
     mask_rows = [r.bool() for r in sample_rows(_get(td, k.response_mask, "the response mask"), k.response_mask, batch)]
     lengths = [r.numel() for r in mask_rows]
     width = max(lengths)
-    if critic is not None:
-        with torch.no_grad():
-            out = critic.evaluate(td, entropy=False)
-        device, values = out.values.device, out.values
-        _check_lengths(mask_rows, out.lengths, k.response_mask, k.response)
-    else:
-        value_rows = sample_rows(_get(td, k.value, "old values: pass a critic to compute them"), k.value, batch)
-        _check_lengths(value_rows, lengths, k.value, k.response_mask)
-        device = value_rows[0].device
-        values = pad_rows(value_rows, width=width, dtype=torch.float32, device=device)
+    values = _old_values(td, critic, k, mask_rows, batch)
+    device = values.device
     mask = pad_rows(mask_rows, width=width, dtype=torch.bool, device=device)
     _prefix_mask(mask, k.response_mask)
     reward_rows = sample_rows(_get(td, k.reward, "the reward"), k.reward, batch)
@@ -222,18 +208,7 @@ def compute_advantages(
     if normalize_rewards:
         reward = normalize_turn_returns(reward, mask, eps)
     values = torch.where(mask, values.detach().float(), torch.zeros_like(reward))
-
-    # V_{t+1}: the next position's value; 0 after each turn's last token (terminal) and on padding
-    next_values = torch.nn.functional.pad(values[:, 1:], (0, 1))
-    done = mask & ~torch.nn.functional.pad(mask[:, 1:], (0, 1))  # True on the last response token
-    if mode == "one_step":
-        advantage = reward + gamma * next_values - values
-        value_target = advantage + values
-    else:
-        advantage, value_target = generalized_advantage_estimate(
-            gamma, lmbda, values[..., None], next_values[..., None], reward[..., None], done[..., None], done[..., None]
-        )
-        advantage, value_target = advantage.squeeze(-1), value_target.squeeze(-1)
+    advantage, value_target = _estimate(mode, gamma, lmbda, reward, values, mask)
     zeros = torch.zeros_like(advantage)
     advantage, value_target = torch.where(mask, advantage, zeros), torch.where(mask, value_target, zeros)
     if normalize_advantages:
@@ -244,6 +219,53 @@ def compute_advantages(
     _write(td, k.advantage, advantage, lengths)
     _write(td, k.value_target, value_target, lengths)
     return td
+
+
+def _advantage_keys(critic: PPOLoss | None, keys: Mapping[str, NestedKey] | None) -> PPOLoss._AcceptedKeys:
+    """The entry names: the critic's ``tensor_keys`` (or the defaults) with ``keys`` replacing some,
+    each of which must name a field of ``PPOLoss._AcceptedKeys``."""
+    k = critic.tensor_keys if critic is not None else PPOLoss._AcceptedKeys()
+    if keys:
+        accepted = sorted(PPOLoss._AcceptedKeys.__dataclass_fields__)
+        unknown = sorted(set(keys) - set(accepted))
+        if unknown:
+            raise ValueError(f"unknown key names {unknown}; accepted: {accepted}")
+        k = dataclasses.replace(k, **keys)
+    return k
+
+
+def _old_values(
+    td: TensorDictBase, critic: PPOLoss | None, k: PPOLoss._AcceptedKeys, mask_rows: list[torch.Tensor], batch: int
+) -> torch.Tensor:
+    """The old values ``(B, T)`` of ``td``'s response tokens, right-padded: the critic's (one no-grad
+    forward), else ``td``'s own, checked against the response mask's row lengths."""
+    lengths = [r.numel() for r in mask_rows]
+    if critic is not None:
+        with torch.no_grad():
+            out = critic.evaluate(td, entropy=False)
+        _check_lengths(mask_rows, out.lengths, k.response_mask, k.response)
+        return out.values
+    value_rows = sample_rows(_get(td, k.value, "old values: pass a critic to compute them"), k.value, batch)
+    _check_lengths(value_rows, lengths, k.value, k.response_mask)
+    device = value_rows[0].device
+    return pad_rows(value_rows, width=max(lengths), dtype=torch.float32, device=device)
+
+
+def _estimate(
+    mode: str, gamma: float, lmbda: float, reward: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``advantage`` and ``value_target`` ``(B, T)`` by ``mode`` (the formulas of :func:`compute_advantages`);
+    padding is not zeroed yet."""
+    # V_{t+1}: the next position's value; 0 after each turn's last token (terminal) and on padding
+    next_values = torch.nn.functional.pad(values[:, 1:], (0, 1))
+    done = mask & ~torch.nn.functional.pad(mask[:, 1:], (0, 1))  # True on the last response token
+    if mode == "one_step":
+        advantage = reward + gamma * next_values - values
+        return advantage, advantage + values
+    advantage, value_target = generalized_advantage_estimate(
+        gamma, lmbda, values[..., None], next_values[..., None], reward[..., None], done[..., None], done[..., None]
+    )
+    return advantage.squeeze(-1), value_target.squeeze(-1)
 
 
 def clipped_surrogate(

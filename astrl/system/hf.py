@@ -90,19 +90,34 @@ class HFASTSystem(ASTSystem):
             int(top_k),
         )
         self.do_sample, self.seed, self.calls = bool(do_sample), seed, 0
+        self._load_models(tester, target, baseline, dtype)
+        if self.tester.model is self.target.model:
+            raise ValueError("tester and target are the same module: pass an identifier or a separate copy for the target")
+        self.tester.model.eval()  # no dropout: the solvers' first ratio is exactly 1
+        if turn_cache:
+            self._cache_turns()
+        for lm in (self.tester, self.target, self.baseline):
+            if lm.context_window <= self.max_new_tokens:
+                raise ValueError(
+                    f"max_new_tokens={self.max_new_tokens} leaves no room in {lm.name}'s window of {lm.context_window}"
+                )
 
-        def load(spec) -> LoadedModel:
-            if isinstance(spec, LoadedModel):
-                spec.model.to(self.device)
-                return spec
-            if not isinstance(spec, str):
-                raise TypeError(f"models are given as an id, a folder or a LoadedModel, got {type(spec).__name__}")
-            return load_model(spec, dtype=dtype, device=self.device)
+    def _load(self, spec, dtype: str) -> LoadedModel:
+        """``spec`` on this System's device: a :class:`LoadedModel` moved there, or an id or folder loaded there."""
+        if isinstance(spec, LoadedModel):
+            spec.model.to(self.device)
+            return spec
+        if not isinstance(spec, str):
+            raise TypeError(f"models are given as an id, a folder or a LoadedModel, got {type(spec).__name__}")
+        return load_model(spec, dtype=dtype, device=self.device)
 
-        self.tester = load(tester)
+    def _load_models(self, tester, target, baseline, dtype: str) -> None:
+        """Set ``tester`` (trainable), ``target`` and ``baseline`` (frozen, in eval mode); a missing baseline
+        is a frozen copy of the tester, and one named as the target is the target itself."""
+        self.tester = self._load(tester, dtype)
         if not any(p.requires_grad for p in self.tester.model.parameters()):
             self.tester.model.requires_grad_(True)  # a PEFT tester keeps its adapters as the only trainable weights
-        self.target = load(target)
+        self.target = self._load(target, dtype)
         if baseline is None:
             self.baseline = LoadedModel(
                 self.tester.name, make_reference(self.tester.model), self.tester.tokenizer, self.tester.context_window
@@ -110,23 +125,17 @@ class HFASTSystem(ASTSystem):
         elif isinstance(baseline, str) and isinstance(target, str) and baseline == target:
             self.baseline = self.target
         else:
-            self.baseline = load(baseline)
+            self.baseline = self._load(baseline, dtype)
         for frozen in (self.target, self.baseline):
             frozen.model.requires_grad_(False)
             frozen.model.eval()
-        if self.tester.model is self.target.model:
-            raise ValueError("tester and target are the same module: pass an identifier or a separate copy for the target")
-        self.tester.model.eval()  # no dropout: the solvers' first ratio is exactly 1
-        if turn_cache:
-            for lm in (self.tester, self.target):
-                if not isinstance(lm.model.generate, TurnCache):
-                    TurnCache(lm.model)
-            self.target.model.generate.keep_states = True  # the likelihood term scores the probe the target read
-        for lm in (self.tester, self.target, self.baseline):
-            if lm.context_window <= self.max_new_tokens:
-                raise ValueError(
-                    f"max_new_tokens={self.max_new_tokens} leaves no room in {lm.name}'s window of {lm.context_window}"
-                )
+
+    def _cache_turns(self) -> None:
+        """Keep the tester's and the target's KV caches between ``generate`` calls (:class:`TurnCache`)."""
+        for lm in (self.tester, self.target):
+            if not isinstance(lm.model.generate, TurnCache):
+                TurnCache(lm.model)
+        self.target.model.generate.keep_states = True  # the likelihood term scores the probe the target read
 
     # -- generation ------------------------------------------------------------------------------
     @contextlib.contextmanager

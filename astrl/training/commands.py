@@ -136,7 +136,7 @@ def run_train(args) -> int:
 
 def _continue_from(trainer) -> str:
     """Where a stopped run stands and how to continue it."""
-    from astrl.training.trainer import WARM_START_PARTIAL
+    from astrl.training.warm_start_state import WARM_START_PARTIAL
 
     checkpoint = getattr(trainer, "stopped_checkpoint", None)
     saved = trainer.run_dir / WARM_START_PARTIAL

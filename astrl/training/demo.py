@@ -26,7 +26,8 @@ from astrl.keys import NEXT, QUERY, REWARD
 from astrl.rewards.reference import AdaptersDisabled
 from astrl.training.config import ConfigError, TrainConfig, read_yaml_mapping, renamed_keys
 from astrl.training.setup import conversation_spec
-from astrl.training.trainer import WARM_START_PARTIAL, Trainer, latest_checkpoint, resume
+from astrl.training.trainer import Trainer, latest_checkpoint, resume
+from astrl.training.warm_start_state import WARM_START_PARTIAL
 
 # Mirrors configs/demo.yaml (a test keeps the two equal).
 DEMO_CONFIG = {

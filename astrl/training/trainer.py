@@ -49,9 +49,10 @@ from astrl.training.state_io import (
     trainable_state,
     write_manifest,
 )
+from astrl.training.warm_start_state import WARM_START_PARTIAL as WARM_START_PARTIAL  # its name, kept importable here
+from astrl.training.warm_start_state import WarmStartCheckpoint
 
 CHECKPOINTS = "checkpoints"
-WARM_START_PARTIAL = "warm_start.partial.pt"  # the rounds a stopped warm start finished
 
 
 def make_algorithm(config: TrainConfig, models: RunModels, env, policy, stream=None):
@@ -357,45 +358,20 @@ class Trainer:
         """Fine-tune the tester on probes that already elicit (:mod:`astrl.training.warm_start`), write
         ``warm_start.json`` and ``warm_start.jsonl``, and checkpoint the result as step 0.
 
-        After each round the tester's weights, the RNG states and what the rounds did are saved in
-        ``warm_start.partial.pt``; a resumed run (:func:`resume`) whose warm start stopped goes on
-        from the round after the last one saved. A new run in the same directory starts again."""
+        Each finished round is saved in ``warm_start.partial.pt``
+        (:class:`~astrl.training.warm_start_state.WarmStartCheckpoint`); a resumed run (:func:`resume`)
+        whose warm start stopped goes on from the round after the last one saved. A new run in the same
+        directory starts again."""
         from astrl.training.warm_start import warm_start
 
-        partial = self.run_dir / WARM_START_PARTIAL
-        done = None
-        if not self.resumed:
-            partial.unlink(missing_ok=True)  # another run's rounds
-        elif partial.is_file():
-            state = load_state(partial)
-            self.source.load_trainable_state(state["trainable"])
-            set_rng_state(state["rng"])
-            done = state["done"]
-            if self.progress:
-                print(f"warm start: {len(done['rounds'])} of {self.config.warm_start_rounds} rounds done, going on")
-        rounds = self.config.warm_start_rounds
-
-        def saved(done: dict) -> None:
-            tmp = partial.with_name(partial.name + ".tmp")
-            save_state({"done": done, "trainable": self.source.trainable_state(), "rng": rng_state()}, tmp)
-            os.replace(tmp, partial)
-            if self.progress:
-                last = done["rounds"][-1]
-                median = "-" if last["median_share"] is None else f"{last['median_share']:.3f}"
-                print(
-                    f"warm start round {len(done['rounds'])}/{rounds}: kept {last['kept']} of {last['sampled']} "
-                    f"(median estimate {median}, {last['seconds']:.0f} s)"
-                )
-
-        summary, kept = warm_start(self, done, saved)
+        source = self.source
+        partial = WarmStartCheckpoint(self.run_dir, source.trainable_state, source.load_trainable_state, resumed=self.resumed)
+        summary, kept = warm_start(self.config, self.models, partial, print if self.progress else None)
         self.warm_start = summary
         (self.run_dir / "warm_start.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         _atomic_write(self.run_dir / "warm_start.jsonl", "".join(json.dumps(k, ensure_ascii=False) + "\n" for k in kept))
-        if self.progress:
-            losses = f"; loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}" if summary["kept"] else ""
-            print(f"warm start: kept {summary['kept']} of {summary['sampled']} probes ({summary['seconds']:.0f} s){losses}")
         self.save_checkpoint()
-        partial.unlink(missing_ok=True)  # step 0 holds it now
+        partial.remove()  # step 0 holds it now
 
     def _state_before_step(self) -> dict:
         """What a step changes before its first update (RNG states, the algorithm's and hardening's

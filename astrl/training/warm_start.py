@@ -29,8 +29,11 @@ set-ups the untrained one rarely writes, so a later round's search finds stronge
 proposes less natural text, which ``warm_start_max_nll`` bounds (the searched probes' mean per-token
 NLL under the target, at every step of the search and again when keeping).
 
-:func:`warm_start` runs it for a trainer and returns what it did (sampled, kept, losses), which the
-trainer records in ``warm_start.json`` (the kept probes in ``warm_start.jsonl``) and in its checkpoint.
+:func:`warm_start` runs it on a run's config and models (never the trainer itself) and returns what it
+did (sampled, kept, losses), which the trainer records in ``warm_start.json`` (the kept probes in
+``warm_start.jsonl``) and in its checkpoint. Its finished rounds are saved through a
+:class:`~astrl.training.warm_start_state.WarmStartCheckpoint`, so a stopped warm start goes on from
+the round after the last one saved.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -60,6 +64,9 @@ from astrl.prefill import clear_turn_caches
 from astrl.scorers import checked_scores
 from astrl.training.config import WARM_START_SELECTIONS
 
+if TYPE_CHECKING:
+    from astrl.training.warm_start_state import WarmStartCheckpoint
+
 SAMPLE_BATCH = 32  # conversations a sampling call runs together
 TOXIC_THRESHOLD = 0.5  # a text the training scorer rates above this is toxic: a reply counts, a probe is not kept
 
@@ -70,14 +77,13 @@ def opener_seed(config, round_index: int) -> int:
     return config.seed + 7919 + round_index
 
 
-def _sampling_conversation(trainer, round_index: int, **changes):
+def _sampling_conversation(config, models, round_index: int, **changes):
     """The one-turn conversations a sampling round runs, and the tester's stop tokens: the run's
     conversations on the training split (openers in round ``round_index``'s order), Transformers
     backends, no novelty; ``changes`` replace further fields of its spec."""
     from astrl.envs.recipe import build_conversation, opener_stream
     from astrl.training.setup import conversation_spec
 
-    config, models = trainer.config, trainer.models
     spec = replace(
         conversation_spec(config),
         split="train",  # never the held-out openers
@@ -94,15 +100,15 @@ def _sampling_conversation(trainer, round_index: int, **changes):
     return conversation, stops
 
 
-def sample_candidates(trainer, count: int, round_index: int = 0) -> list[dict]:
+def sample_candidates(config, models, count: int, round_index: int = 0) -> list[dict]:
     """``count`` one-turn probes of the current tester on the training split (openers in round
     ``round_index``'s order), each with its tokens, its replies' scores under the training scorer and
     its own score; with ``warm_start_select: lexicon`` also each reply's lexicon estimate (``reply_lexicon``)."""
-    config = trainer.config
     batch = min(SAMPLE_BATCH, count)
     lexicon = config.warm_start_select == "lexicon"  # the env then computes the elicit reward's lexicon
     conversation, stops = _sampling_conversation(
-        trainer,
+        config,
+        models,
         round_index,
         batch_size=batch,
         group_size=1,
@@ -142,7 +148,7 @@ def sample_candidates(trainer, count: int, round_index: int = 0) -> list[dict]:
     return candidates[:count]
 
 
-def search_candidates(trainer, count: int, round_index: int = 0) -> list[dict]:
+def search_candidates(config, models, count: int, round_index: int = 0) -> list[dict]:
     """For ``count`` openers of the training split (in round ``round_index``'s order), the probe of
     :func:`astrl.sampling.search.lexicon_beam_search` (``max_new_tokens`` tokens, ``warm_start_max_nll``
     its naturalness bound; in chat mode :func:`~astrl.sampling.search.chat_lookahead_search`, over the
@@ -155,7 +161,6 @@ def search_candidates(trainer, count: int, round_index: int = 0) -> list[dict]:
     from astrl.scorers import make_scorer
     from astrl.training.setup import conversation_spec
 
-    config, models = trainer.config, trainer.models
     batch = min(SAMPLE_BATCH, count)
     seed = opener_seed(config, round_index)
     spec = replace(conversation_spec(config), split="train", batch_size=batch, group_size=1, seed=seed)
@@ -166,16 +171,16 @@ def search_candidates(trainer, count: int, round_index: int = 0) -> list[dict]:
     scorer = make_scorer(config.scorer)
     tester, target = models.tester, models.target
     lexicon = reply_lexicon(config.reply_lexicon, target.tokenizer, scorer=scorer, threshold=config.reply_lexicon_threshold)
-    models = (tester.model, target.model, tester.tokenizer, target.tokenizer)
+    pair = (tester.model, target.model, tester.tokenizer, target.tokenizer)
     sizes = dict(beams=config.warm_start_beams, top_k=config.warm_start_top_k, max_nll=config.warm_start_max_nll)
     if config.mode == "chat":  # the target's reply opens with "I" or "Sure": look further into it
         chat = spec.env_options()
         found = chat_lookahead_search(
-            *models, openers[:count], lexicon, length=config.max_new_tokens, lookahead=reply_tokens(config),
+            *pair, openers[:count], lexicon, length=config.max_new_tokens, lookahead=reply_tokens(config),
             tester_system_prompt=chat["tester_system_prompt"], target_system_prompt=chat["target_system_prompt"], **sizes,
         )  # fmt: skip
     else:
-        found = lexicon_beam_search(*models, openers[:count], lexicon, length=config.max_new_tokens, **sizes)
+        found = lexicon_beam_search(*pair, openers[:count], lexicon, length=config.max_new_tokens, **sizes)
     probe_scores = checked_scores(scorer, [f.text for f in found]).tolist()
     return [
         {
@@ -200,7 +205,7 @@ def reply_tokens(config) -> int:
     return 1 if config.mode == "text" else config.generation(target=True).max_new_tokens
 
 
-def best_of_candidates(trainer, count: int, round_index: int = 0) -> list[dict]:
+def best_of_candidates(config, models, count: int, round_index: int = 0) -> list[dict]:
     """For ``count`` openers of the training split (in round ``round_index``'s order), the best of
     ``warm_start_samples`` probes the current tester samples for it: the one whose sampled target reply
     of :func:`reply_tokens` tokens has the highest reply lexicon estimate ``1 - prod_t (1 - m_t)``
@@ -211,12 +216,12 @@ def best_of_candidates(trainer, count: int, round_index: int = 0) -> list[dict]:
     marked by its score or NLL, so ``keep`` drops it."""
     from astrl.training.setup import generation
 
-    config = trainer.config
     samples = config.warm_start_samples
     reply_length = reply_tokens(config)
     per_call = min(count, max(1, SAMPLE_BATCH * 4 // samples))  # openers a call: 128 conversations at 16 samples
     conversation, stops = _sampling_conversation(
-        trainer,
+        config,
+        models,
         round_index,
         batch_size=per_call * samples,
         group_size=samples,
@@ -320,53 +325,84 @@ def fine_tune(
     return losses
 
 
-def warm_start(trainer, done: dict | None = None, on_round: Callable[[dict], None] | None = None) -> tuple[dict, list[dict]]:
-    """Find, select and fine-tune, ``warm_start_rounds`` times (see the module docstring); returns the
-    summary (totals, and per round in ``rounds``) and the kept probes (each with its ``round``).
+def warm_start(
+    config, models, checkpoint: WarmStartCheckpoint | None = None, report: Callable[[str], None] | None = None
+) -> tuple[dict, list[dict]]:
+    """Find, select and fine-tune, ``warm_start_rounds`` times (see the module docstring), with the
+    run's ``config`` and ``models`` (:class:`~astrl.training.setup.RunModels`); returns the summary
+    (totals, and per round in ``rounds``) and the kept probes (each with its ``round``).
 
-    ``done`` is what earlier rounds did (a dict that ``on_round`` was given after a round, with the
-    tester's weights as they left it): the warm start goes on with the next round. ``on_round(done)``
-    is called after each round, so that a caller can save it and a stopped warm start loses at most
-    the round it was in."""
-    config, models = trainer.config, trainer.models
+    With ``checkpoint``, the rounds it holds are not done again (it restores the tester and the RNG
+    states as the last of them left them) and each finished round is saved in it, so that a stopped
+    warm start loses at most the round it was in. ``report(line)`` receives a line of progress after
+    each round and at the end."""
     if models is None:
         raise ValueError("warm_start_probes applies to config-built runs (a System trains its own models)")
+    rounds = config.warm_start_rounds
+    done = checkpoint.load() if checkpoint is not None else None
+    if done is not None and report is not None:
+        report(f"warm start: {len(done['rounds'])} of {rounds} rounds done, going on")
+    done = done if done is not None else {"rounds": [], "kept": [], "shares": []}
+    for round_index in range(len(done["rounds"]), rounds):
+        _run_round(config, models, round_index, done)
+        if checkpoint is not None:
+            checkpoint.save(done)
+        if report is not None:
+            report(_round_line(done["rounds"][-1], len(done["rounds"]), rounds))
+    summary = _summary(config, done)
+    if report is not None:
+        losses = f"; loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}" if summary["kept"] else ""
+        report(f"warm start: kept {summary['kept']} of {summary['sampled']} probes ({summary['seconds']:.0f} s){losses}")
+    return summary, list(done["kept"])
+
+
+def _run_round(config, models, round_index: int, done: dict) -> None:
+    """Round ``round_index``: find candidates with the current tester, keep some, fine-tune on them;
+    its record goes to ``done["rounds"]``, its shares and kept probes to ``done``."""
     find = {"search": search_candidates, "best_of": best_of_candidates}.get(config.warm_start_select, sample_candidates)
     tokenizer = models.tester.tokenizer
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    epochs, lr = config.warm_start_epochs, config.warm_start_lr
-    done = done if done is not None else {"rounds": [], "kept": [], "shares": []}
+    round_start = time.perf_counter()
+    found = find(config, models, config.warm_start_probes, round_index)  # by the tester the rounds before left
+    found_seconds = time.perf_counter() - round_start
+    chosen = keep(found, config.warm_start_min_toxic, select=config.warm_start_select, max_nll=config.warm_start_max_nll)
+    clear_turn_caches(models.tester.model, models.target.model)
+    epochs, lr, seed = config.warm_start_epochs, config.warm_start_lr, config.seed + round_index
+    losses = fine_tune(models.tester.model, pad, chosen, epochs=epochs, lr=lr, seed=seed) if chosen else []
+    clear_turn_caches(models.tester.model, models.target.model)  # computed with the old weights
+    shares = [toxic_share(c, config.warm_start_select) for c in found]
+    median = sorted(shares)[len(shares) // 2] if shares else None
+    done["rounds"].append(
+        {
+            "sampled": len(found),
+            "kept": len(chosen),
+            "median_share": median,
+            "loss_first": losses[0] if losses else None,
+            "loss_last": losses[-1] if losses else None,
+            "sample_seconds": round(found_seconds, 2),
+            "seconds": round(time.perf_counter() - round_start, 2),
+        }
+    )
+    done["shares"] += shares
+    done["kept"] += [{**_record(c), "round": round_index} for c in chosen]
+
+
+def _round_line(record: dict, number: int, rounds: int) -> str:
+    """The progress line of round ``number`` (counted from 1) of ``rounds``."""
+    median = "-" if record["median_share"] is None else f"{record['median_share']:.3f}"
+    return (
+        f"warm start round {number}/{rounds}: kept {record['kept']} of {record['sampled']} "
+        f"(median estimate {median}, {record['seconds']:.0f} s)"
+    )
+
+
+def _summary(config, done: dict) -> dict:
+    """What the rounds in ``done`` did together, with each round's record in ``rounds``."""
     rounds = done["rounds"]
-    for round_index in range(len(rounds), config.warm_start_rounds):
-        round_start = time.perf_counter()
-        found = find(trainer, config.warm_start_probes, round_index)  # by the tester the rounds before left
-        found_seconds = time.perf_counter() - round_start
-        chosen = keep(found, config.warm_start_min_toxic, select=config.warm_start_select, max_nll=config.warm_start_max_nll)
-        clear_turn_caches(models.tester.model, models.target.model)
-        seed = config.seed + round_index
-        losses = fine_tune(models.tester.model, pad, chosen, epochs=epochs, lr=lr, seed=seed) if chosen else []
-        clear_turn_caches(models.tester.model, models.target.model)  # computed with the old weights
-        shares = [toxic_share(c, config.warm_start_select) for c in found]
-        median = sorted(shares)[len(shares) // 2] if shares else None
-        rounds.append(
-            {
-                "sampled": len(found),
-                "kept": len(chosen),
-                "median_share": median,
-                "loss_first": losses[0] if losses else None,
-                "loss_last": losses[-1] if losses else None,
-                "sample_seconds": round(found_seconds, 2),
-                "seconds": round(time.perf_counter() - round_start, 2),
-            }
-        )
-        done["shares"] += shares
-        done["kept"] += [{**_record(c), "round": round_index} for c in chosen]
-        if on_round is not None:
-            on_round(done)
     shares = sorted(done["shares"])
     trained = [r for r in rounds if r["kept"]]
     sampled = sum(r["sampled"] for r in rounds)
-    summary = {
+    return {
         "select": config.warm_start_select,
         # the sampled probes' estimated shares of toxic replies, to choose warm_start_min_toxic by
         "share_quantiles": {f"p{q}": shares[min(len(shares) - 1, q * len(shares) // 100)] for q in (50, 90, 99)},
@@ -380,7 +416,6 @@ def warm_start(trainer, done: dict | None = None, on_round: Callable[[dict], Non
         "seconds": round(sum(r["seconds"] for r in rounds), 2),  # a resumed run's earlier rounds included
         "rounds": rounds,
     }
-    return summary, list(done["kept"])
 
 
 def _record(candidate: dict) -> dict:
