@@ -12,6 +12,9 @@ from astrl.errors import one_line
 LATER: dict[str, str] = {}
 
 
+TOP_K_HELP = "0: the backend's default (Transformers: the model's, else 50; vLLM: none); at least the vocabulary size: off"
+
+
 def _add_generation_args(p) -> None:
     p.add_argument(
         "--max-new-tokens", type=at_least(1), default=32, help="new tokens per tester turn (and per target turn unless set)"
@@ -19,7 +22,7 @@ def _add_generation_args(p) -> None:
     p.add_argument("--target-max-new-tokens", type=at_least(1), default=None)
     p.add_argument("--temperature", type=positive, default=1.0)
     p.add_argument("--top-p", type=fraction, default=1.0)
-    p.add_argument("--top-k", type=at_least(0), default=0, help="0 disables top-k filtering")
+    p.add_argument("--top-k", type=at_least(0), default=0, help=TOP_K_HELP)
     p.add_argument("--greedy", action="store_true", help="greedy decoding for both models")
 
 
@@ -333,7 +336,7 @@ def _add_replay(sub) -> None:
     p.add_argument("--max-new-tokens", type=at_least(1), default=None, help="reply length (default: the run's, else 32)")
     p.add_argument("--temperature", type=positive, default=1.0)
     p.add_argument("--top-p", type=fraction, default=1.0)
-    p.add_argument("--top-k", type=at_least(0), default=0, help="0 disables top-k filtering")
+    p.add_argument("--top-k", type=at_least(0), default=0, help=TOP_K_HELP)
     p.add_argument("--batch-size", type=at_least(1), default=16, help="replies generated together (attacks x samples)")
     _add_report_args(p, unit="reply", tables="rows of the report's attack and disagreement tables")
     _add_run_args(p)

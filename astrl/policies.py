@@ -15,8 +15,10 @@ class GenerationSettings:
     """Sampling settings for one model's turns.
 
     ``temperature=1`` keeps the log-probs the wrappers return (``make_policy(..., return_log_probs=True)``)
-    equal to the sampling distribution (they are computed from raw logits). ``top_k=0`` and ``top_p=1`` disable
-    those filters. Set ``do_sample=False`` for greedy decoding.
+    equal to the sampling distribution (they are computed from raw logits). ``top_p=1`` disables nucleus
+    filtering; ``top_k=0`` leaves top-k to the backend's default (Transformers: the model's generation config,
+    else 50; vLLM: off), and a ``top_k`` of at least the vocabulary size disables it. Set ``do_sample=False``
+    for greedy decoding.
     """
 
     max_new_tokens: int = 32
