@@ -265,6 +265,15 @@ class AlgorithmSection:
             "(std) or not divided (none), so a group whose returns barely differ moves the tester barely."
         },
     )
+    guide_search: bool = field(
+        default=False,
+        metadata={
+            "help": "grpo: every group gains one conversation whose first probe is the lexicon search's for its opener "
+            "(the warm start's search settings: warm_start_beams, warm_start_top_k, warm_start_max_nll, "
+            "warm_start_reply_tokens), sampled under a processor that allows only the searched tokens; its advantage "
+            "is taken in its group and its ratio clipped like the others' (search-guided GRPO)."
+        },
+    )
     total_steps: int = field(default=100, metadata={"help": "Training steps (one collection and its updates each)."})
     lr: float = field(default=1e-4, metadata={"help": "Peak learning rate of the tester (warm-up, then linear decay to 0)."})
     weight_decay: float = field(default=0.0, metadata={"help": "Weight decay of the optimizer."})
@@ -355,6 +364,7 @@ class AlgorithmSection:
                     "set target_kl=null for a constant coefficient",
                 ),
                 (0 <= self.weak_supervision <= 1, f"weak_supervision must be in [0, 1], got {self.weak_supervision}"),
+                *self._guide_checks(),
                 (
                     self.weak_supervision == 0 or self.algorithm in ("dpo", "ipo"),
                     f"weak_supervision needs algorithm dpo or ipo, got {self.algorithm!r}",
@@ -362,6 +372,29 @@ class AlgorithmSection:
             ]
         )
         self._check_optimisation()
+
+    def _guide_checks(self) -> list[tuple[bool, str]]:
+        """``guide_search`` needs GRPO collected here on Transformers, the reply lexicon and no novelty terms."""
+        if not self.guide_search:
+            return []
+        return [
+            (self.algorithm == "grpo", f"guide_search adds members to GRPO groups: set algorithm: grpo, got {self.algorithm!r}"),
+            (
+                self.collector == "local" and self.backend == "transformers" and self.target_backend == "transformers",
+                f"guide_search searches and forces probes on Transformers models in this process: set collector: local, "
+                f"backend and target_backend: transformers (got {self.collector!r}, {self.backend!r}, {self.target_backend!r})",
+            ),
+            (
+                self.reward == "elicit" and self.reply_lexicon_weight > 0,
+                f"guide_search searches for the elicit reward's reply lexicon: set reward: elicit and reply_lexicon_weight "
+                f"> 0 (reward is {self.reward!r}, reply_lexicon_weight {self.reply_lexicon_weight})",
+            ),
+            (
+                not (self.novelty_ngram or self.novelty_embedding),
+                "guide_search runs its conversations in an env of their own, without the novelty terms' history: "
+                "set novelty_ngram and novelty_embedding to 0",
+            ),
+        ]
 
     def _check_optimisation(self) -> None:
         _raise_first(
@@ -482,9 +515,9 @@ class WarmStartSection:
                     f"warm_start_reply_tokens must be >= 1 (or null), got {self.warm_start_reply_tokens}",
                 ),
                 (
-                    self.warm_start_reply_tokens is None or self.warm_start_select in ("search", "best_of"),
+                    self.warm_start_reply_tokens is None or self.warm_start_select in ("search", "best_of") or self.guide_search,
                     f"warm_start_reply_tokens sets the reply that search and best_of read: set warm_start_select: search "
-                    f"or best_of (warm_start_select is {self.warm_start_select!r})",
+                    f"or best_of, or guide_search: true (warm_start_select is {self.warm_start_select!r})",
                 ),
                 (self.warm_start_beams >= 1, f"warm_start_beams must be >= 1, got {self.warm_start_beams}"),
                 (self.warm_start_top_k >= 1, f"warm_start_top_k must be >= 1, got {self.warm_start_top_k}"),
@@ -495,9 +528,9 @@ class WarmStartSection:
                     f"warm_start_max_nll must be > 0 (or null), got {self.warm_start_max_nll}",
                 ),
                 (
-                    self.warm_start_max_nll is None or self.warm_start_select in ("search", "best_of"),
-                    f"warm_start_max_nll bounds searched or best-of probes: set warm_start_select: search or best_of "
-                    f"(warm_start_select is {self.warm_start_select!r})",
+                    self.warm_start_max_nll is None or self.warm_start_select in ("search", "best_of") or self.guide_search,
+                    f"warm_start_max_nll bounds searched or best-of probes: set warm_start_select: search or best_of, or "
+                    f"guide_search: true (warm_start_select is {self.warm_start_select!r})",
                 ),
                 (self.warm_start_lr > 0, f"warm_start_lr must be > 0, got {self.warm_start_lr}"),
             ]

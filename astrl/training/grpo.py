@@ -427,29 +427,49 @@ class GRPOAlgorithm(OnPolicy):
             share_prefix=self.share_prefix,
         )
         self.loss_module.set_keys(ref_log_probs=REF_LOG_PROBS_FULL)
+        self.guide = None
+        if config.guide_search:
+            from astrl.training.guidance import SearchGuide
+
+            self.guide = SearchGuide(config, models)
+
+    def step_metrics(self) -> dict:
+        """With ``guide_search``: the guided members' mean search estimate and reward (``guide_mass``, ``guide_reward``)."""
+        return dict(self.guide.last) if self.guide is not None else {}
 
     # -- collection ------------------------------------------------------------------
     def collect(self) -> tuple[TensorDictBase, TensorDictBase]:
-        """One batch of completed conversations -> (training turns, raw flat rollout)."""
+        """One batch of completed conversations -> (training turns, raw flat rollout); with
+        ``guide_search`` the training turns also hold each group's guided conversation
+        (:mod:`astrl.training.guidance`), the raw rollout only the sampled ones."""
         data = self.next_rollout()
-        return self.training_batch(data, self.advantages(data)), data
+        if self.guide is None:
+            return self.training_batch(data, self.advantages(data)), data
+        guided = self.guide.rollout(data)
+        return self.training_batch(data, self.advantages(data, guided), guided), data
 
-    def advantages(self, data: TensorDictBase) -> torch.Tensor:
-        """:func:`turn_group_advantages` of a flat, trajectory-contiguous rollout's returns."""
-        rewards = data[NEXT, REWARD].reshape(-1).float()
+    def advantages(self, data: TensorDictBase, *guided: TensorDictBase) -> torch.Tensor:
+        """:func:`turn_group_advantages` of a flat, trajectory-contiguous rollout's returns; each rollout of
+        ``guided`` (one conversation per group, in group order) adds one member to every group, its
+        advantages following ``data``'s."""
+        parts = (data, *guided)
+        rewards = [part[NEXT, REWARD].reshape(-1).float() for part in parts]
         if self.config.returns == "to_go":
-            rewards = returns_to_go(rewards, data[NEXT, DONE].reshape(-1))
-        return turn_group_advantages(
-            rewards, as_list(data[QUERY]), data[STEP_COUNT], self.config.group_size, scale=self.config.group_scale
-        )
+            rewards = [returns_to_go(r, part[NEXT, DONE].reshape(-1)) for r, part in zip(rewards, parts, strict=True)]
+        openers = [opener for part in parts for opener in as_list(part[QUERY])]
+        turns = torch.cat([part[STEP_COUNT].reshape(-1) for part in parts])
+        members = self.config.group_size + len(guided)
+        return turn_group_advantages(torch.cat(rewards), openers, turns, members, scale=self.config.group_scale)
 
-    def training_batch(self, data: TensorDictBase, advantages: torch.Tensor) -> TensorDictBase:
-        """Exact tokens (prompt + response up to EOS), reference log-probs, advantage, conversation index;
-        the behaviour log-probs are read later, before the first update (see :meth:`minibatches`)."""
-        prompts = data.get(TOKENS_PROMPT, as_list=True)
-        responses = data.get(TOKENS_RESPONSE, as_list=True)
-        done = data[NEXT, DONE].reshape(-1).long()
-        conversations = done.cumsum(0) - done  # the rollout is flat and trajectory-contiguous
+    def training_batch(self, data: TensorDictBase, advantages: torch.Tensor, *guided: TensorDictBase) -> TensorDictBase:
+        """Exact tokens (prompt + response up to EOS), reference log-probs, advantage, conversation index
+        of every turn of ``data`` and then of ``guided`` (:meth:`advantages`' order); the behaviour
+        log-probs are read later, before the first update (see :meth:`minibatches`)."""
+        parts = (data, *guided)
+        prompts = [p for part in parts for p in part.get(TOKENS_PROMPT, as_list=True)]
+        responses = [r for part in parts for r in part.get(TOKENS_RESPONSE, as_list=True)]
+        done = torch.cat([part[NEXT, DONE].reshape(-1).long() for part in parts])
+        conversations = done.cumsum(0) - done  # each rollout is flat and trajectory-contiguous
         items = []
         for prompt, response, advantage, conversation in zip(prompts, responses, advantages, conversations, strict=True):
             response = response[: int(response_mask(response, self.stops).sum())]

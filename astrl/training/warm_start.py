@@ -157,7 +157,6 @@ def search_candidates(config, models, count: int, round_index: int = 0) -> list[
     and its mean per-token NLL under the target (``probe_nll``)."""
     from astrl.envs.recipe import opener_stream
     from astrl.rewards.lexicon import reply_lexicon
-    from astrl.sampling.search import chat_lookahead_search, lexicon_beam_search
     from astrl.scorers import make_scorer
     from astrl.training.setup import conversation_spec
 
@@ -169,18 +168,9 @@ def search_candidates(config, models, count: int, round_index: int = 0) -> list[
     while len(openers) < count:
         openers.extend(stream.next_batch())
     scorer = make_scorer(config.scorer)
-    tester, target = models.tester, models.target
-    lexicon = reply_lexicon(config.reply_lexicon, target.tokenizer, scorer=scorer, threshold=config.reply_lexicon_threshold)
-    pair = (tester.model, target.model, tester.tokenizer, target.tokenizer)
-    sizes = dict(beams=config.warm_start_beams, top_k=config.warm_start_top_k, max_nll=config.warm_start_max_nll)
-    if config.mode == "chat":  # the target's reply opens with "I" or "Sure": look further into it
-        chat = spec.env_options()
-        found = chat_lookahead_search(
-            *pair, openers[:count], lexicon, length=config.max_new_tokens, lookahead=reply_tokens(config),
-            tester_system_prompt=chat["tester_system_prompt"], target_system_prompt=chat["target_system_prompt"], **sizes,
-        )  # fmt: skip
-    else:
-        found = lexicon_beam_search(*pair, openers[:count], lexicon, length=config.max_new_tokens, **sizes)
+    target_tokenizer = models.target.tokenizer
+    lexicon = reply_lexicon(config.reply_lexicon, target_tokenizer, scorer=scorer, threshold=config.reply_lexicon_threshold)
+    found = search_probes(config, models, openers[:count], lexicon)
     probe_scores = checked_scores(scorer, [f.text for f in found]).tolist()
     return [
         {
@@ -195,6 +185,27 @@ def search_candidates(config, models, count: int, round_index: int = 0) -> list[
         }
         for f, score in zip(found, probe_scores, strict=True)
     ]
+
+
+def search_probes(config, models, openers: list[str], lexicon) -> list:
+    """The current tester's searched probe (:class:`~astrl.sampling.search.SearchedProbe`) for each of
+    ``openers`` under the run's search settings: :func:`~astrl.sampling.search.lexicon_beam_search` of
+    ``max_new_tokens`` tokens (``warm_start_beams`` x ``warm_start_top_k``, ``warm_start_max_nll``), in chat
+    mode :func:`~astrl.sampling.search.chat_lookahead_search` over the target's greedy reply of
+    :func:`reply_tokens` tokens, with the run's system prompts."""
+    from astrl.sampling.search import chat_lookahead_search, lexicon_beam_search
+    from astrl.training.setup import conversation_spec
+
+    tester, target = models.tester, models.target
+    pair = (tester.model, target.model, tester.tokenizer, target.tokenizer)
+    sizes = dict(beams=config.warm_start_beams, top_k=config.warm_start_top_k, max_nll=config.warm_start_max_nll)
+    if config.mode == "chat":  # the target's reply opens with "I" or "Sure": look further into it
+        chat = conversation_spec(config).env_options()
+        return chat_lookahead_search(
+            *pair, openers, lexicon, length=config.max_new_tokens, lookahead=reply_tokens(config),
+            tester_system_prompt=chat["tester_system_prompt"], target_system_prompt=chat["target_system_prompt"], **sizes,
+        )  # fmt: skip
+    return lexicon_beam_search(*pair, openers, lexicon, length=config.max_new_tokens, **sizes)
 
 
 def reply_tokens(config) -> int:
