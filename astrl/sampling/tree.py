@@ -21,8 +21,8 @@ from torchrl.envs.llm.transforms import DataLoadingPrimer
 
 from astrl._compat import Chat, as_list, chats_to_history, history_to_chats
 from astrl.envs.recipe import Conversation, opener_stream
-from astrl.envs.redteam import DEFAULT_TESTER_SYSTEM_PROMPT, make_redteam_env
-from astrl.envs.transforms import Advance, TargetTurn
+from astrl.envs.redteam import make_redteam_env
+from astrl.envs.transforms import TargetTurn
 from astrl.keys import (
     BEST,
     CHOSEN_MASK,
@@ -121,10 +121,12 @@ class TreeSampler:
         tree_depth: levels of probes below each opener (>= 1).
         min_reward_gap: a sibling group makes a pair only if ``best - worst >= min_reward_gap``;
             a group whose rewards are all equal never makes one.
-        mode, tester_system_prompt, target_system_prompt, reward_scorer, advance, reward,
-            reward_options, novelty, reply_samples: as in :func:`~astrl.envs.make_redteam_env`. Novelty terms
-            score each level against the probes of earlier levels and calls: siblings of one
-            level do not count against each other.
+        mode: as in :func:`~astrl.envs.make_redteam_env`.
+        env_options: the other keyword settings of :func:`~astrl.envs.make_redteam_env`
+            (``tester_system_prompt``, ``target_system_prompt``, ``reward_scorer``, ``advance``, ``reward``,
+            ``reward_options``, ``novelty``, ``reply_samples``, ...), with its defaults. Novelty terms score
+            each level against the probes of earlier levels and calls: siblings of one level do not count
+            against each other.
         seed: seeds the opener order and the sampling of each call (generation runs under a
             forked torch RNG seeded from ``seed`` and the call count, so the global RNG is left
             untouched and a resumed sampler draws the same batch). ``None`` uses the global RNG.
@@ -142,15 +144,8 @@ class TreeSampler:
         tree_depth: int = 3,
         min_reward_gap: float = 0.0,
         mode: str = "chat",
-        tester_system_prompt: str | None = DEFAULT_TESTER_SYSTEM_PROMPT,
-        target_system_prompt: str | None = None,
-        reward_scorer: str | None = None,
-        advance: Advance | None = None,
-        reward: str = "score",
-        reward_options: Mapping[str, object] | None = None,
-        novelty: Mapping[str, object] | None = None,
-        reply_samples: int = 1,
         seed: int | None = 0,
+        **env_options,
     ) -> None:
         if num_trees < 1:
             raise ValueError(f"num_trees must be >= 1, got {num_trees}")
@@ -172,14 +167,7 @@ class TreeSampler:
             batch_size=num_trees,
             max_turns=tree_depth,
             mode=mode,
-            tester_system_prompt=tester_system_prompt,
-            target_system_prompt=target_system_prompt,
-            reward_scorer=reward_scorer,
-            advance=advance,
-            reward=reward,
-            reward_options=reward_options,
-            novelty=novelty,
-            reply_samples=reply_samples,
+            **env_options,
         )
         self.transforms: list[Transform] = [t for t in self.env.transform if not isinstance(t, (DataLoadingPrimer, StepCounter))]
         self.target_turn = next(t for t in self.transforms if isinstance(t, TargetTurn))
