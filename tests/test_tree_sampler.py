@@ -261,6 +261,7 @@ def test_pairs_feed_the_ipo_loss_and_bad_settings_are_rejected():
         ({"num_trees": 0}, "num_trees must be >= 1, got 0"),
         ({"min_reward_gap": -0.1}, "min_reward_gap must be >= 0, got -0.1"),
         ({"reward": "bleu"}, "reward must be one of"),
+        ({"reward_shaping": {"mode": "turn_penalty"}}, "TreeSampler does not apply reward_shaping"),
     ):
         with pytest.raises(ValueError, match=message):
             TreeSampler(tester, target, [KeywordScorer(["the"])], OPENERS, **kwargs)

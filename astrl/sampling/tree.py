@@ -124,7 +124,7 @@ class TreeSampler:
         mode: as in :func:`~astrl.envs.make_redteam_env`.
         env_options: the other keyword settings of :func:`~astrl.envs.make_redteam_env`
             (``tester_system_prompt``, ``target_system_prompt``, ``reward_scorer``, ``advance``, ``reward``,
-            ``reward_options``, ``novelty``, ``reply_samples``, ...), with its defaults. Novelty terms score
+            ``reward_options``, ``novelty``, ``reply_samples``), with its defaults; no ``reward_shaping``. Novelty terms score
             each level against the probes of earlier levels and calls: siblings of one level do not count
             against each other.
         seed: seeds the opener order and the sampling of each call (generation runs under a
@@ -149,6 +149,8 @@ class TreeSampler:
     ) -> None:
         if num_trees < 1:
             raise ValueError(f"num_trees must be >= 1, got {num_trees}")
+        if env_options.get("reward_shaping"):
+            raise ValueError("TreeSampler does not apply reward_shaping (its rewards are each node's own env step)")
         check_tree_shape(tree_width, tree_depth, min_reward_gap)
         if getattr(tester, "pad_output", False):
             raise ValueError("the tester policy must be built with pad_output=False (astrl.policies.make_policy does)")
