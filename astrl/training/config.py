@@ -517,7 +517,7 @@ class WarmStartSection:
                 (
                     self.warm_start_reply_tokens is None or self.warm_start_select in ("search", "best_of") or self.guide_search,
                     f"warm_start_reply_tokens sets the reply that search and best_of read: set warm_start_select: search "
-                    f"or best_of, or guide_search: true (warm_start_select is {self.warm_start_select!r})",
+                    f"or best_of (warm_start_select is {self.warm_start_select!r}), or guide_search: true",
                 ),
                 (self.warm_start_beams >= 1, f"warm_start_beams must be >= 1, got {self.warm_start_beams}"),
                 (self.warm_start_top_k >= 1, f"warm_start_top_k must be >= 1, got {self.warm_start_top_k}"),
@@ -529,8 +529,8 @@ class WarmStartSection:
                 ),
                 (
                     self.warm_start_max_nll is None or self.warm_start_select in ("search", "best_of") or self.guide_search,
-                    f"warm_start_max_nll bounds searched or best-of probes: set warm_start_select: search or best_of, or "
-                    f"guide_search: true (warm_start_select is {self.warm_start_select!r})",
+                    f"warm_start_max_nll bounds searched or best-of probes: set warm_start_select: search or best_of "
+                    f"(warm_start_select is {self.warm_start_select!r}), or guide_search: true",
                 ),
                 (self.warm_start_lr > 0, f"warm_start_lr must be > 0, got {self.warm_start_lr}"),
             ]
