@@ -169,7 +169,7 @@ class AttackArchive:
         if not path.is_file():
             raise FileNotFoundError(f"attack archive {str(path)!r} not found")
         archive = cls(threshold, scorers)
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
             if not line.strip():
                 continue
             try:

@@ -43,7 +43,7 @@ def _read_lines(path: Path) -> list[str]:
 
 def _read_jsonl(path: Path) -> list[str]:
     prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
         if not line.strip():
             continue
         try:

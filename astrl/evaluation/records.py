@@ -204,7 +204,7 @@ def read_records(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise EvaluationError(f"{str(path)!r} not found: is this an 'astrl eval' output folder?")
     records = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
         if not line.strip():
             continue
         try:

@@ -125,7 +125,7 @@ def read_attacks(path: str | Path) -> tuple[list[ReplayAttack], list[str]]:
     if not path.is_file():
         raise FileNotFoundError(f"attack file {str(path)!r} not found")
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8").split("\n")
     except UnicodeDecodeError:
         raise EvaluationError(f"attack file {str(path)!r} is not UTF-8 text") from None
     attacks, notes, seen, empty = [], [], set(), 0
@@ -141,7 +141,7 @@ def read_attacks(path: str | Path) -> tuple[list[ReplayAttack], list[str]]:
             except ValueError as err:
                 raise EvaluationError(str(err)) from None
         else:
-            attack = ReplayAttack(probe=line)
+            attack = ReplayAttack(probe=line.removesuffix("\r"))
         if not attack.probe.strip():
             empty += 1
             continue

@@ -406,7 +406,7 @@ class Trainer:
         path = self.run_dir / "samples.jsonl"
         if path.exists():
             kept = []
-            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            for line in path.read_text(encoding="utf-8", errors="replace").split("\n"):
                 try:
                     record = json.loads(line)
                 except ValueError:

@@ -1,0 +1,28 @@
+"""JSONL files astrl writes with ensure_ascii=False hold strings with U+0085, U+2028 or U+2029 raw; every
+reader splits lines on "\\n" only (str.splitlines would cut such a record in two)."""
+
+from __future__ import annotations
+
+import json
+
+from astrl.archive import Attack, AttackArchive
+from astrl.evaluation.records import read_records
+
+ODD = "a\x85b\u2028c\u2029d\x1ce"  # line breaks to str.splitlines, plain characters to JSON
+
+
+def test_eval_records_with_unicode_line_breaks_in_a_probe_read_back_whole(tmp_path):
+    record = {"conversation": 0, "turn": 0, "prompt": "hi", "probe": ODD, "response": "r" + ODD, "empty_probe": False}
+    record.update(probe_nll=1.5, scores={"wordlist": {"reply": 0.9, "probe": 0.1}})
+    path = tmp_path / "conversations.jsonl"
+    path.write_text(json.dumps(record, ensure_ascii=False) + "\n" + json.dumps({**record, "turn": 1}, ensure_ascii=False) + "\n")
+    assert len(path.read_text().splitlines()) > 2  # what the reader must not do
+    records = read_records(path)
+    assert [(r["turn"], r["probe"], r["response"]) for r in records] == [(0, ODD, "r" + ODD), (1, ODD, "r" + ODD)]
+
+
+def test_an_attack_archive_with_unicode_line_breaks_reads_back_whole(tmp_path):
+    path = tmp_path / "attacks.jsonl"
+    AttackArchive.append(path, [Attack(probe=ODD, reply="x" + ODD, scores={"s": 0.9})])
+    archive = AttackArchive.read(path)
+    assert [(a.probe, a.reply) for a in archive.attacks] == [(ODD, "x" + ODD)]
