@@ -85,11 +85,12 @@ def contexts_before_last(tokenizer, chats: Sequence[Chat]) -> list[str]:
     return [before for before, _ in contexts_around_last(tokenizer, chats)]
 
 
-def strip_special_tokens(text: str, tokenizer) -> str:
-    """``text`` without the tokenizer's special tokens (EOS, pad, chat markers) written in it."""
-    for token in sorted(getattr(tokenizer, "all_special_tokens", ()), key=len, reverse=True):
-        if token:
-            text = text.replace(token, "")
+def strip_special_tokens(text: str, tokenizer, *others) -> str:
+    """``text`` without the special tokens (EOS, pad, chat markers) of ``tokenizer`` and of ``others``
+    written in it (longest first)."""
+    markers = {m for tok in (tokenizer, *others) for m in getattr(tok, "all_special_tokens", ()) if m}
+    for token in sorted(markers, key=len, reverse=True):
+        text = text.replace(token, "")
     return text
 
 
@@ -296,7 +297,8 @@ class TargetTurn(Transform):
         tester_chats = history_to_chats(next_td[HISTORY].prompt)
         # a chat marker the tester spelled in plain text ("<|im_end|>") would be read back by a chat
         # template as the end of its turn: the probe both sides keep is the text without it
-        probes = [self._strip_markers(chat[-1]["content"]) for chat in tester_chats]
+        tokenizers = (self.target_tokenizer, self.tester_tokenizer)
+        probes = [strip_special_tokens(chat[-1]["content"], *tokenizers) for chat in tester_chats]
         tester_chats = [chat[:-1] + [{**chat[-1], "content": p}] for chat, p in zip(tester_chats, probes, strict=True)]
         target_chats = fit_chats(
             [target_view(c, self.target_system_prompt) for c in tester_chats], self.target_tokenizer, self.target_budget
@@ -306,10 +308,6 @@ class TargetTurn(Transform):
         grown = [chat + [{"role": "user", "content": reply}] for chat, reply in zip(tester_chats, first, strict=True)]
         self._set_tester_view(next_td, fit_chats(grown, self.tester_tokenizer, self.tester_budget))
         return probes, contexts_before_last(self.target_tokenizer, target_chats), replies, ids, mask
-
-    def _strip_markers(self, probe: str) -> str:
-        """``probe`` without the special tokens of the tester's and the target's tokenizers written in it."""
-        return strip_special_tokens(strip_special_tokens(probe, self.target_tokenizer), self.tester_tokenizer)
 
     def _step_text(self, td: TensorDictBase, next_td: TensorDictBase):
         contexts = as_list(td[TEXT_PROMPT])

@@ -291,9 +291,10 @@ def spells_markers(rows: torch.Tensor, tokenizer, *others) -> torch.Tensor:
     """Whether each row of tester ids, decoded by ``tokenizer``, writes a special token of ``tokenizer``
     or of ``others`` (``"<|im_end|>"`` spelled from ordinary pieces) in plain text: a chat env removes
     such text from a probe (:class:`astrl.envs.transforms.TargetTurn`), so the target never reads it."""
-    markers = {m for tok in (tokenizer, *others) for m in getattr(tok, "all_special_tokens", ()) if m}
+    from astrl.envs.transforms import strip_special_tokens
+
     texts = tokenizer.batch_decode(rows)
-    return torch.tensor([any(m in text for m in markers) for text in texts], dtype=torch.bool)
+    return torch.tensor([strip_special_tokens(text, tokenizer, *others) != text for text in texts], dtype=torch.bool)
 
 
 @torch.no_grad()

@@ -273,8 +273,10 @@ def run_demo(
     from astrl.store.recorder import check_store
 
     config = demo_config(overrides, full=full, mode=mode)
-    if conversations is None:
-        conversations = {"chat": CHAT_DEMO_CONVERSATIONS}.get(mode, FULL_DEMO_CONVERSATIONS if full else DEMO_CONVERSATIONS)
+    if conversations is None and mode == "chat":
+        conversations = CHAT_DEMO_CONVERSATIONS
+    elif conversations is None:
+        conversations = FULL_DEMO_CONVERSATIONS if full else DEMO_CONVERSATIONS
     check_store()  # a results store that cannot be opened stops the demo before its models load
     if latest_checkpoint(config.run_dir) is not None or (Path(config.run_dir) / WARM_START_PARTIAL).is_file():
         check_same_demo(config)
