@@ -79,6 +79,21 @@ def is_peft_model(model: torch.nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` as it is now, in eval mode and without gradients. A ``generate`` hook set on
+    the instance (:class:`astrl.prefill.SharedPrefill`, :class:`astrl.prefill.TurnCache`, with its
+    caches) stays with the original and is not copied."""
+    hook = vars(model).pop("generate", None)
+    try:
+        clone = copy.deepcopy(model)
+    finally:
+        if hook is not None:
+            model.generate = hook
+    clone.eval()
+    clone.requires_grad_(False)
+    return clone
+
+
 def make_reference(tester: torch.nn.Module) -> torch.nn.Module:
     """The reference for ``tester``: its base with adapters disabled if it is a PEFT (LoRA) model,
     otherwise a frozen copy taken now (before training changes the tester).
@@ -88,6 +103,47 @@ def make_reference(tester: torch.nn.Module) -> torch.nn.Module:
     """
     if is_peft_model(tester):
         return AdaptersDisabled(tester)
-    reference = copy.deepcopy(tester).eval()
-    reference.requires_grad_(False)
-    return reference
+    return frozen_copy(tester)
+
+
+class PinnedReference(torch.nn.Module):
+    """A reference that is ``base`` until :meth:`pin` and then a frozen copy of the tester as it stood
+    at that call (e.g. the tester its warm start left, as the SFT policy is the reference in RLHF).
+
+    Losses and scorers keep this one object, so pinning reaches every holder of the reference. The copy
+    costs one more model in memory; a checkpoint keeps its trainable state
+    (:meth:`astrl.training.algorithm.TrainingSource.reference_state`).
+    """
+
+    def __init__(self, base: torch.nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "base", base)  # not a submodule: it may be the tester's own weights
+        self.pinned: torch.nn.Module | None = None
+
+    @property
+    def current(self) -> torch.nn.Module:
+        """The model the reference scores with now."""
+        return self.base if self.pinned is None else self.pinned
+
+    def pin(self, tester: torch.nn.Module) -> torch.nn.Module:
+        """Become a frozen copy of ``tester`` as it is now; returns the copy."""
+        self.pinned = frozen_copy(tester)
+        return self.pinned
+
+    @property
+    def config(self):
+        return self.current.config
+
+    @property
+    def generation_config(self):
+        return getattr(self.current, "generation_config", None)
+
+    def parameters(self, recurse: bool = True):
+        return self.current.parameters(recurse)
+
+    def get_output_embeddings(self) -> torch.nn.Module | None:
+        model = self.current
+        return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+    def forward(self, *args, **kwargs):
+        return self.current(*args, **kwargs)

@@ -168,3 +168,15 @@ class TrainingSource(ABC):
     @abstractmethod
     def load_trainable_state(self, state: Any) -> None:
         """Restore :meth:`trainable_state`."""
+
+    def after_warm_start(self) -> None:
+        """Called once the warm start has trained the tester, before step 0 is saved."""
+        return None
+
+    def reference_state(self) -> Any:
+        """The weights of a reference pinned during the run, for a checkpoint (None: nothing pinned)."""
+        return None
+
+    def load_reference_state(self, state: Any) -> None:
+        """Restore :meth:`reference_state`."""
+        raise TypeError(f"{type(self).__name__} pins no reference; its checkpoints hold none to restore")

@@ -25,6 +25,7 @@ from astrl.yaml_data import read_yaml_mapping, yaml_problem
 ALGORITHMS = ("grpo", "ppo", "dpo", "ipo")
 RETURNS = ("turn", "to_go")
 GROUP_SCALES = ("std", "none")
+KL_REFERENCES = ("base", "warm_start")
 WARM_START_SELECTIONS = ("share", "lexicon", "search", "best_of")  # how the warm start finds and rates its probes
 OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "adagrad")
 # Keys that were renamed, old name -> new name: files and overrides that use the old name still load, with a warning.
@@ -300,6 +301,14 @@ class AlgorithmSection:
             "(the start value when target_kl is set)."
         },
     )
+    kl_reference: str = field(
+        default="base",
+        metadata={
+            "help": "The reference of the KL term (grpo, ppo) and of the preference losses (dpo, ipo): the tester before "
+            "training (base) or the tester as its warm start left it (warm_start; one more copy of the model in memory), "
+            "so that the KL keeps the RL near the warm start's probes instead of pulling it back to the untrained tester."
+        },
+    )
     kl_token_cap: float | None = field(
         default=10.0,
         metadata={
@@ -365,6 +374,7 @@ class AlgorithmSection:
                 ),
                 (0 <= self.weak_supervision <= 1, f"weak_supervision must be in [0, 1], got {self.weak_supervision}"),
                 *self._guide_checks(),
+                *self._reference_checks(),
                 (
                     self.weak_supervision == 0 or self.algorithm in ("dpo", "ipo"),
                     f"weak_supervision needs algorithm dpo or ipo, got {self.algorithm!r}",
@@ -393,6 +403,25 @@ class AlgorithmSection:
                 not (self.novelty_ngram or self.novelty_embedding),
                 "guide_search runs its conversations in an env of their own, without the novelty terms' history: "
                 "set novelty_ngram and novelty_embedding to 0",
+            ),
+        ]
+
+    def _reference_checks(self) -> list[tuple[bool, str]]:
+        """``kl_reference: warm_start`` needs a warm start and a term that reads the reference."""
+        return [
+            (
+                self.kl_reference in KL_REFERENCES,
+                f"kl_reference must be one of {KL_REFERENCES}, got {self.kl_reference!r}",
+            ),
+            (
+                self.kl_reference == "base" or self.warm_start_probes > 0,
+                f"kl_reference: warm_start pins the tester its warm start leaves: set warm_start_probes > 0 "
+                f"(got {self.warm_start_probes})",
+            ),
+            (
+                self.kl_reference == "base" or self.kl_coef > 0 or self.algorithm in ("dpo", "ipo"),
+                f"kl_reference: warm_start changes the KL term, which kl_coef {self.kl_coef} switches off: "
+                f"set kl_coef > 0 (e.g. 0.02)",
             ),
         ]
 

@@ -3,6 +3,8 @@
 
 With ``lora: true`` and the same base for tester and target, one copy of the base weights
 serves all three roles: the tester (adapters on), the reference and the target (adapters off).
+With ``kl_reference: warm_start`` the reference is a :class:`~astrl.rewards.reference.PinnedReference`:
+the untrained tester until the warm start ends, then a frozen copy of the tester it left.
 With target hardening (``harden_every > 0``) the target is its own model with its own LoRA
 adapter (a second copy of the base when it shares the tester's), and ``original_target`` is that
 model with its adapter off.
@@ -21,7 +23,7 @@ from astrl.models import LoadedModel, add_lora, load_model
 from astrl.policies import GenerationSettings
 from astrl.prompts import PromptStream
 from astrl.rewards import make_reference
-from astrl.rewards.reference import AdaptersDisabled
+from astrl.rewards.reference import AdaptersDisabled, PinnedReference
 from astrl.training.config import TrainConfig
 
 
@@ -57,13 +59,14 @@ def build_models(config: TrainConfig, tester_lm: LoadedModel | None = None) -> R
     model = add_lora(base, **lora_settings(config)) if config.lora else base
     model.eval()  # no dropout: behaviour and training log-probs must agree
     tester = LoadedModel(tester_lm.name, model, tester_lm.tokenizer, tester_lm.context_window)
-    reference = make_reference(model)
+    untrained = make_reference(model)  # also the target when the target shares the tester's base
+    reference = PinnedReference(untrained) if config.kl_reference == "warm_start" else untrained
     if config.harden_every > 0:
         target_model = add_lora(target_lm.model, **lora_settings(config)).eval()
         target = LoadedModel(target_lm.name, target_model, target_lm.tokenizer, target_lm.context_window)
         return RunModels(tester, reference, target, shared_base=False, original_target=AdaptersDisabled(target_model))
     if same_base:  # one adapters-off view: what the target reads is what the reference would score
-        target = LoadedModel(tester_lm.name, reference, tester_lm.tokenizer, tester_lm.context_window)
+        target = LoadedModel(tester_lm.name, untrained, tester_lm.tokenizer, tester_lm.context_window)
     else:
         target = load_model(config.target, dtype=config.dtype, device=config.device)
         target.model.requires_grad_(False)

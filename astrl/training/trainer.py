@@ -34,6 +34,7 @@ import torch
 from astrl.archive import ARCHIVE_FILE, AttackArchive
 from astrl.models import LoadedModel
 from astrl.prefill import SharedPrefill, clear_turn_caches
+from astrl.rewards.reference import PinnedReference
 from astrl.training.algorithm import Algorithm, DataPath, TrainingSource
 from astrl.training.config import ConfigError, TrainConfig, load_config
 from astrl.training.setup import RunModels, build_env, build_models, build_stream, conversation_spec, training_conversation
@@ -161,6 +162,22 @@ class ConfigSource(TrainingSource):
 
     def load_trainable_state(self, state: dict) -> None:
         load_trainable_state(self.models.tester.model, state)
+
+    def after_warm_start(self) -> None:
+        """With ``kl_reference: warm_start``, the reference becomes a frozen copy of the warm-started tester."""
+        if isinstance(self.models.reference, PinnedReference):
+            self.models.reference.pin(self.models.tester.model)
+
+    def reference_state(self) -> dict | None:
+        reference = self.models.reference
+        if not isinstance(reference, PinnedReference) or reference.pinned is None:
+            return None
+        return trainable_state(reference.pinned)
+
+    def load_reference_state(self, state: dict) -> None:
+        if not isinstance(self.models.reference, PinnedReference):
+            raise ConfigError("the checkpoint holds a pinned reference but this run has kl_reference: base")
+        load_trainable_state(self.models.reference.pin(self.models.tester.model), state)
 
 
 class SystemSource(TrainingSource):
@@ -367,6 +384,7 @@ class Trainer:
         source = self.source
         partial = WarmStartCheckpoint(self.run_dir, source.trainable_state, source.load_trainable_state, resumed=self.resumed)
         summary, kept = warm_start(self.config, self.models, partial, print if self.progress else None)
+        source.after_warm_start()
         self.warm_start = summary
         (self.run_dir / "warm_start.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         _atomic_write(self.run_dir / "warm_start.jsonl", "".join(json.dumps(k, ensure_ascii=False) + "\n" for k in kept))
@@ -542,6 +560,9 @@ class Trainer:
             state["hardening"] = self.hardening.state_dict()
         if self.warm_start is not None:
             state["warm_start"] = self.warm_start
+        reference = self.source.reference_state()
+        if reference is not None:
+            state["reference"] = reference
         state.update(replace or {})
         save_state(state, tmp / STATE_FILE)
         write_manifest(tmp)
@@ -572,6 +593,7 @@ class Trainer:
         self._pending_stream_state = state["stream"]
         self._build()
         self.source.load_trainable_state(state["trainable"])
+        self._load_reference(folder, state)
         self.algorithm.load_state_dict(state["algorithm"])
         if "archive" in state:
             self.archive.load_state_dict(state["archive"])
@@ -588,6 +610,19 @@ class Trainer:
         self.generator.set_state(state["generator"])
         set_rng_state(state["rng"])
         self.warm_start = state.get("warm_start")
+
+    def _load_reference(self, folder: Path, state: dict) -> None:
+        """Restore a pinned reference (``kl_reference: warm_start``). A checkpoint saved without one can
+        be pinned only at step 0, where the tester is still the warm start's."""
+        if "reference" in state:
+            self.source.load_reference_state(state["reference"])
+        elif self.config.kl_reference == "warm_start" and state.get("warm_start") is not None:
+            if self.step > 0:
+                raise ConfigError(
+                    f"checkpoint {str(folder)!r} (step {self.step}) was saved with kl_reference: base, so it holds no "
+                    "warm-started reference to restore: resume with kl_reference=base"
+                )
+            self.source.after_warm_start()
 
 
 def _int(value) -> int:
