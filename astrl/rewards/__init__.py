@@ -17,6 +17,7 @@ _EXPORTS = {
     "ASTPrompterReward": "astrl.rewards.astprompter",
     "ASTPrompterWeights": "astrl.rewards.astprompter",
     "AdaptersDisabled": "astrl.rewards.reference",
+    "PinnedReference": "astrl.rewards.reference",
     "ClippedKLReward": "astrl.rewards.kl",
     "ElicitReward": "astrl.rewards.astprompter",
     "ElicitWeights": "astrl.rewards.astprompter",
