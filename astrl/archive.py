@@ -24,6 +24,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from astrl.jsonl import numbered_lines
+
 ARCHIVE_FILE = "attacks.jsonl"
 FIELDS = ("probe", "reply", "conversation", "scores", "reward", "step", "turn", "count")
 
@@ -169,9 +171,7 @@ class AttackArchive:
         if not path.is_file():
             raise FileNotFoundError(f"attack archive {str(path)!r} not found")
         archive = cls(threshold, scorers)
-        for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
-            if not line.strip():
-                continue
+        for number, line in numbered_lines(path.read_text(encoding="utf-8")):
             try:
                 archive.add(Attack.from_dict(json.loads(line)))
             except (json.JSONDecodeError, ValueError, TypeError) as err:

@@ -22,6 +22,8 @@ import random
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from astrl.jsonl import numbered_lines
+
 SPLITS = ("train", "dev", "test", "all")
 DEFAULT_FRACTIONS = (0.8, 0.1, 0.1)
 
@@ -43,9 +45,7 @@ def _read_lines(path: Path) -> list[str]:
 
 def _read_jsonl(path: Path) -> list[str]:
     prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
-        if not line.strip():
-            continue
+    for number, line in numbered_lines(path.read_text(encoding="utf-8")):
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:

@@ -12,6 +12,7 @@ GROUND = (
     "astrl._compat",
     "astrl.errors",
     "astrl.yaml_data",
+    "astrl.jsonl",
     "astrl._lazy",
     "astrl.argtypes",
     "astrl.hub",

@@ -26,3 +26,20 @@ def test_an_attack_archive_with_unicode_line_breaks_reads_back_whole(tmp_path):
     AttackArchive.append(path, [Attack(probe=ODD, reply="x" + ODD, scores={"s": 0.9})])
     archive = AttackArchive.read(path)
     assert [(a.probe, a.reply) for a in archive.attacks] == [(ODD, "x" + ODD)]
+
+
+def test_numbered_lines_skips_blank_lines_keeps_numbers_and_splits_at_newline_only():
+    from astrl.jsonl import numbered_lines
+
+    text = '{"a": 1}\n\n  \n{"b": "' + ODD + '"}\n'
+    assert list(numbered_lines(text)) == [(1, '{"a": 1}'), (4, '{"b": "' + ODD + '"}')]
+
+
+def test_prompt_files_and_replay_attack_files_with_unicode_line_breaks_read_back_whole(tmp_path):
+    from astrl.evaluation.replay import read_attacks
+    from astrl.prompts import load_prompts
+
+    path = tmp_path / "lines.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "probe": p}, ensure_ascii=False) + "\n" for p in (ODD, "x" + ODD)))
+    assert load_prompts(str(path)) == [ODD, "x" + ODD]
+    assert [a.probe for a in read_attacks(path)[0]] == [ODD, "x" + ODD]

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from astrl.evaluation import metrics as m
+from astrl.jsonl import numbered_lines
 from astrl.similarity import self_bleu
 
 SCORE_PARTS = ("reply", "probe", "combined")
@@ -204,9 +205,7 @@ def read_records(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise EvaluationError(f"{str(path)!r} not found: is this an 'astrl eval' output folder?")
     records = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
-        if not line.strip():
-            continue
+    for number, line in numbered_lines(path.read_text(encoding="utf-8")):
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:

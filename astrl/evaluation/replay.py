@@ -41,6 +41,7 @@ from astrl.archive import ARCHIVE_FILE, normalize_probe
 from astrl.errors import one_line
 from astrl.evaluation.metrics import DEFAULT_THRESHOLD, elicitation_metrics
 from astrl.evaluation.records import EvaluationError
+from astrl.jsonl import numbered_lines
 from astrl.keys import HISTORY, TEXT, TOKENS_RESPONSE
 
 REPLIES_FILE = "replies.jsonl"
@@ -125,14 +126,12 @@ def read_attacks(path: str | Path) -> tuple[list[ReplayAttack], list[str]]:
     if not path.is_file():
         raise FileNotFoundError(f"attack file {str(path)!r} not found")
     try:
-        lines = path.read_text(encoding="utf-8").split("\n")
+        text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise EvaluationError(f"attack file {str(path)!r} is not UTF-8 text") from None
     attacks, notes, seen, empty = [], [], set(), 0
     as_json = path.suffix in (".jsonl", ".json")
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    for number, line in numbered_lines(text):
         if as_json:
             try:
                 attack = _attack(json.loads(line), f"{path}:{number}")

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from astrl.archive import ARCHIVE_FILE, AttackArchive
+from astrl.jsonl import numbered_lines
 from astrl.models import LoadedModel
 from astrl.prefill import SharedPrefill, clear_turn_caches
 from astrl.rewards.reference import PinnedReference
@@ -424,7 +425,7 @@ class Trainer:
         path = self.run_dir / "samples.jsonl"
         if path.exists():
             kept = []
-            for line in path.read_text(encoding="utf-8", errors="replace").split("\n"):
+            for _, line in numbered_lines(path.read_text(encoding="utf-8", errors="replace")):
                 try:
                     record = json.loads(line)
                 except ValueError:
