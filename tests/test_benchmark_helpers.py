@@ -1,4 +1,5 @@
-"""The arithmetic of benchmarks/train_loop.py and probe_search.py (the benchmarks are run by hand, never timed here)."""
+"""The arithmetic of benchmarks/train_loop.py, probe_search.py and turns_at_equal_compute.py (the benchmarks are run by
+hand, never timed here)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from tensordict import TensorDict, lazy_stack
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import probe_search  # noqa: E402
 import train_loop  # noqa: E402
+import turns_at_equal_compute  # noqa: E402
 
 
 def test_summarize_takes_the_median_of_per_step_ratios():
@@ -77,3 +79,24 @@ def test_the_search_floor_counts_one_token_forwards_at_the_measured_rate():
     seconds = probe_search.floor_seconds(forwards, 0.27, rates)
     assert abs(seconds - (1280 * 0.27 / 50 + 5248 * 0.27 / 100)) < 1e-9  # 6.91 + 14.17 s
     assert abs(probe_search.floor_seconds({"candidates": 100}, 0.5, {"candidates": 25.0}) - 2.0) < 1e-12
+
+
+def test_turns_at_equal_compute_counts_replies_conversations_and_pairs_by_hand():
+    def record(opener, conversation, turn, replies, probe=0.0):
+        scores = {"wordlist": {"reply": replies[0], "replies": replies, "probe": probe}}
+        return {"prompt": opener, "conversation": conversation, "turn": turn, "scores": scores}
+
+    records = [
+        record("a", 0, 0, [1.0, 0.0]), record("a", 0, 1, [0.0, 0.0]),
+        record("a", 1, 0, [0.0, 0.0]), record("a", 1, 1, [1.0, 1.0]),
+        record("a", 2, 0, [0.0, 1.0], probe=1.0), record("a", 2, 1, [0.0, 0.0]),  # a toxic probe: not elicited
+        record("b", 3, 0, [0.0, 0.0]), record("b", 3, 1, [0.0, 0.0]),
+        record("b", 4, 0, [0.0, 1.0]), record("b", 4, 1, [0.0, 0.0]),
+    ]  # fmt: skip
+    tables = turns_at_equal_compute.opener_tables(records, "wordlist")
+    assert [t.shape for t in tables] == [(3, 2, 2), (2, 2, 2)]
+    stats = turns_at_equal_compute.statistics(tables)
+    assert stats["reply_share_turn_1"] == 2 / 10 and stats["reply_share_turn_2"] == 2 / 10
+    assert stats["two_turn_conversations_elicited"] == 3 / 5  # conversations 0, 1 and 4
+    # pairs: (0, 1) of a (conversation 2 left over), (3, 4) of b; first turns only: (0 elicits) and (4 elicits)
+    assert stats["one_turn_pairs_elicited"] == 1.0 and stats["pairs_minus_two_turn"] == 1.0 - 3 / 5
