@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -101,8 +102,16 @@ def test_a_resumed_run_restores_the_pinned_reference_not_the_resumed_tester(tmp_
 def test_a_checkpoint_saved_against_the_base_does_not_resume_against_the_warm_start(tmp_path):
     config = _config(tmp_path, total_steps=1, save_every=1, kl_reference="base", **WARM)
     _trainer(config).train()
+    overrides = ["kl_reference=warm_start", "total_steps=2"]
     with pytest.raises(ConfigError, match=r"step 1\) was saved with kl_reference: base.*resume with kl_reference=base"):
-        resume(config.run_dir, ["kl_reference=warm_start", "total_steps=2"], progress=False, tester_lm=_loaded(make_tokenizer()))
+        resume(config.run_dir, overrides, progress=False, tester_lm=_loaded(make_tokenizer()))
+    shutil.rmtree(config.run_dir + "/checkpoints/step_000001")  # at step 0 the tester is still the warm start's
+    trainer = resume(config.run_dir, overrides, progress=False, tester_lm=_loaded(make_tokenizer()))
+    pinned, tester = trainable_state(trainer.models.reference.pinned), trainable_state(trainer.models.tester.model)
+    assert pinned.keys() == tester.keys() and all(torch.equal(pinned[k], v) for k, v in tester.items())
+    trainer.save_checkpoint()  # now step 0 holds the pinned reference
+    with pytest.raises(ConfigError, match="holds a pinned reference but this run has kl_reference: base"):
+        resume(config.run_dir, ["total_steps=2"], progress=False, tester_lm=_loaded(make_tokenizer()))
 
 
 def _loaded(tok):

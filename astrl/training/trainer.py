@@ -177,7 +177,9 @@ class ConfigSource(TrainingSource):
 
     def load_reference_state(self, state: dict) -> None:
         if not isinstance(self.models.reference, PinnedReference):
-            raise ConfigError("the checkpoint holds a pinned reference but this run has kl_reference: base")
+            raise ConfigError(
+                "the checkpoint holds a pinned reference but this run has kl_reference: base: resume with kl_reference=warm_start"
+            )
         load_trainable_state(self.models.reference.pin(self.models.tester.model), state)
 
 
