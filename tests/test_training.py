@@ -78,6 +78,13 @@ def test_shipped_configs_load_and_demo_matches_its_yaml():
     assert yaml.safe_load((folder / "demo.yaml").read_text()) == DEMO_CONFIG
     assert yaml.safe_load((folder / "demo_full.yaml").read_text()) == {**DEMO_CONFIG, **FULL_DEMO_CHANGES}
     assert yaml.safe_load((folder / "elicit_chat.yaml").read_text()) == CHAT_DEMO_CONFIG
+    # the guided text recipe is the demo's warm start and reward with these changes only
+    guided = yaml.safe_load((folder / "elicit_guided.yaml").read_text())
+    changed = {k for k in {*guided, *DEMO_CONFIG} if guided.get(k) != DEMO_CONFIG.get(k)}
+    assert changed == {
+        "split_seed", "judges", "likelihood_cap", "guide_search", "test_fraction", "prompts_per_step", "total_steps", "lr",
+        "kl_reference", "save_every", "keep_checkpoints", "sample_every", "run_dir",
+    }  # fmt: skip
     # the CPU-sized configs: one per algorithm, each smaller than its GPU-sized namesake
     cpu = {p.stem: load_config(p) for p in (folder / "cpu").glob("*.yaml")}
     assert sorted(cpu) == ["dpo", "grpo", "ipo", "ppo"]
