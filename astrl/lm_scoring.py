@@ -30,7 +30,8 @@ _HEAD_GIVES_LOGITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def accepts(model: torch.nn.Module, name: str) -> bool:
     """Whether the (base) model's ``forward`` takes the keyword ``name``."""
-    model = getattr(model, "peft_model", model)  # AdaptersDisabled: the wrapped PEFT model's signature
+    while isinstance(getattr(model, "viewed", None), torch.nn.Module):  # AdaptersDisabled, PinnedReference
+        model = model.viewed  # the signature of the model they stand for
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     try:
         return name in inspect.signature(base.forward).parameters

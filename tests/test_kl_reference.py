@@ -10,6 +10,7 @@ import torch
 from conftest import make_llama, make_tokenizer
 from test_training import _config, _trainer
 
+from astrl.lm_scoring import accepts
 from astrl.models import add_lora
 from astrl.rewards.reference import AdaptersDisabled, PinnedReference, frozen_copy
 from astrl.training.config import ConfigError, load_config
@@ -47,6 +48,9 @@ def test_a_pinned_reference_is_the_base_until_pinned_then_the_tester_as_it_stood
     assert not torch.allclose(_logits(tester, ids), warm)
     assert not any(p.requires_grad for p in reference.parameters()) and not pinned.training
     assert reference.get_output_embeddings() is pinned.get_output_embeddings()
+    # log-prob code reads the signature of the model behind the views (to pass logits_to_keep)
+    assert accepts(reference, "logits_to_keep") and accepts(reference.base, "logits_to_keep")
+    assert not accepts(reference, "no_such_argument")
 
 
 def test_frozen_copy_of_a_plain_model_shares_no_weights():

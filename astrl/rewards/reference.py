@@ -7,7 +7,26 @@ import copy
 import torch
 
 
-class AdaptersDisabled(torch.nn.Module):
+class _ModelView(torch.nn.Module):
+    """A module that stands for another model (:attr:`viewed`): its config, generation config and parameters."""
+
+    @property
+    def viewed(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    @property
+    def config(self):
+        return self.viewed.config
+
+    @property
+    def generation_config(self):
+        return getattr(self.viewed, "generation_config", None)
+
+    def parameters(self, recurse: bool = True):
+        return self.viewed.parameters(recurse)
+
+
+class AdaptersDisabled(_ModelView):
     """A PEFT model seen with its adapters switched off: the frozen base, without a second copy.
 
     Calls run under ``model.disable_adapter()``, so the reference shares every weight with the
@@ -22,15 +41,8 @@ class AdaptersDisabled(torch.nn.Module):
         object.__setattr__(self, "peft_model", peft_model)
 
     @property
-    def config(self):
-        return self.peft_model.config
-
-    @property
-    def generation_config(self):
-        return getattr(self.peft_model, "generation_config", None)
-
-    def parameters(self, recurse: bool = True):
-        return self.peft_model.parameters(recurse)
+    def viewed(self) -> torch.nn.Module:
+        return self.peft_model
 
     def get_output_embeddings(self) -> torch.nn.Module | None:
         """The LM head, called with the adapters off (a LoRA on the head is switched off too), so that
@@ -106,7 +118,7 @@ def make_reference(tester: torch.nn.Module) -> torch.nn.Module:
     return frozen_copy(tester)
 
 
-class PinnedReference(torch.nn.Module):
+class PinnedReference(_ModelView):
     """A reference that is ``base`` until :meth:`pin` and then a frozen copy of the tester as it stood
     at that call (e.g. the tester its warm start left, as the SFT policy is the reference in RLHF).
 
@@ -121,7 +133,7 @@ class PinnedReference(torch.nn.Module):
         self.pinned: torch.nn.Module | None = None
 
     @property
-    def current(self) -> torch.nn.Module:
+    def viewed(self) -> torch.nn.Module:
         """The model the reference scores with now."""
         return self.base if self.pinned is None else self.pinned
 
@@ -130,20 +142,9 @@ class PinnedReference(torch.nn.Module):
         self.pinned = frozen_copy(tester)
         return self.pinned
 
-    @property
-    def config(self):
-        return self.current.config
-
-    @property
-    def generation_config(self):
-        return getattr(self.current, "generation_config", None)
-
-    def parameters(self, recurse: bool = True):
-        return self.current.parameters(recurse)
-
     def get_output_embeddings(self) -> torch.nn.Module | None:
-        model = self.current
+        model = self.viewed
         return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
     def forward(self, *args, **kwargs):
-        return self.current(*args, **kwargs)
+        return self.viewed(*args, **kwargs)
