@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 from conftest import make_llama, make_tokenizer
-from test_training import _config, _trainer
+from test_training import _config, _tiny_tester, _trainer
 
 from astrl.lm_scoring import accepts
 from astrl.models import add_lora
@@ -96,9 +96,8 @@ def test_a_resumed_run_restores_the_pinned_reference_not_the_resumed_tester(tmp_
     pinned = {k: v.clone() for k, v in trainable_state(reference.pinned).items()}
     tester = trainable_state(trainer.models.tester.model)
     assert any(not torch.equal(tester[k], v) for k, v in pinned.items())  # two RL steps moved the tester away
-    tok = make_tokenizer()
-    again = resume(config.run_dir, ["total_steps=3"], progress=False, tester_lm=_loaded(tok))
-    again.load_checkpoint(again.run_dir / "checkpoints" / "step_000002")
+    again = resume(config.run_dir, ["total_steps=3"], progress=False, tester_lm=_tiny_tester())  # from step 2
+    assert again.step == 2
     restored = trainable_state(again.models.reference.pinned)
     assert restored.keys() == pinned.keys() and all(torch.equal(restored[k], v) for k, v in pinned.items())
 
@@ -108,20 +107,14 @@ def test_a_checkpoint_saved_against_the_base_does_not_resume_against_the_warm_st
     _trainer(config).train()
     overrides = ["kl_reference=warm_start", "total_steps=2"]
     with pytest.raises(ConfigError, match=r"step 1\) was saved with kl_reference: base.*resume with kl_reference=base"):
-        resume(config.run_dir, overrides, progress=False, tester_lm=_loaded(make_tokenizer()))
+        resume(config.run_dir, overrides, progress=False, tester_lm=_tiny_tester())
     shutil.rmtree(config.run_dir + "/checkpoints/step_000001")  # at step 0 the tester is still the warm start's
-    trainer = resume(config.run_dir, overrides, progress=False, tester_lm=_loaded(make_tokenizer()))
+    trainer = resume(config.run_dir, overrides, progress=False, tester_lm=_tiny_tester())
     pinned, tester = trainable_state(trainer.models.reference.pinned), trainable_state(trainer.models.tester.model)
     assert pinned.keys() == tester.keys() and all(torch.equal(pinned[k], v) for k, v in tester.items())
     trainer.save_checkpoint()  # now step 0 holds the pinned reference
     with pytest.raises(ConfigError, match="holds a pinned reference but this run has kl_reference: base"):
-        resume(config.run_dir, ["total_steps=2"], progress=False, tester_lm=_loaded(make_tokenizer()))
-
-
-def _loaded(tok):
-    from conftest import loaded
-
-    return loaded(make_llama(tok), tok, name="tiny")
+        resume(config.run_dir, ["total_steps=2"], progress=False, tester_lm=_tiny_tester())
 
 
 def test_kl_reference_is_checked_before_a_model_loads():

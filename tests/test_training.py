@@ -37,9 +37,14 @@ def _config(tmp_path, **overrides) -> TrainConfig:
     return TrainConfig(**settings)
 
 
-def _trainer(config: TrainConfig) -> Trainer:
+def _tiny_tester():
+    """The tiny Llama the ``tester: tiny`` configs name, as a loaded model (for a trainer or a resume)."""
     tok = make_tokenizer()
-    return Trainer(config, models=build_models(config, loaded(make_llama(tok), tok, name="tiny")), progress=False)
+    return loaded(make_llama(tok), tok, name="tiny")
+
+
+def _trainer(config: TrainConfig) -> Trainer:
+    return Trainer(config, models=build_models(config, _tiny_tester()), progress=False)
 
 
 def _rows(path) -> list[dict]:
