@@ -1,8 +1,9 @@
 """Reading JSONL text: lines split at ``"\\n"`` only.
 
 ``json.dumps(..., ensure_ascii=False)`` writes U+0085, U+2028 and U+2029 raw inside strings, and
-``str.splitlines()`` breaks lines at them too, cutting such a record in two; every JSONL reader of
-astrl goes through :func:`numbered_lines` instead.
+``str.splitlines()`` breaks lines at them too, cutting such a record in two; every reader of JSONL in
+astrl goes through :func:`numbered_lines` instead, and so do the one-item-a-line text files (prompts,
+replayed probes), whose items may hold the same characters.
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ def _package_dir(package: str, pip_name: str) -> Path:
 
 
 def _read_lines(path: Path) -> list[str]:
-    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    """One prompt a line, split at ``"\\n"`` only (as JSONL): a U+2028 or U+0085 inside a prompt stays in it."""
+    return [line.strip() for _, line in numbered_lines(path.read_text(encoding="utf-8"))]
 
 
 def _read_jsonl(path: Path) -> list[str]:

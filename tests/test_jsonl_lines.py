@@ -43,3 +43,14 @@ def test_prompt_files_and_replay_attack_files_with_unicode_line_breaks_read_back
     path.write_text("".join(json.dumps({"prompt": p, "probe": p}, ensure_ascii=False) + "\n" for p in (ODD, "x" + ODD)))
     assert load_prompts(str(path)) == [ODD, "x" + ODD]
     assert [a.probe for a in read_attacks(path)[0]] == [ODD, "x" + ODD]
+
+
+def test_plain_text_prompt_and_attack_files_split_at_newline_only(tmp_path):
+    from astrl.evaluation.replay import read_attacks
+    from astrl.prompts import load_prompts
+
+    path = tmp_path / "lines.txt"
+    path.write_text(ODD + "\r\n\n  \n" + "x" + ODD + "\n", encoding="utf-8", newline="")
+    assert len(path.read_text(encoding="utf-8").splitlines()) > 4  # what the readers must not do
+    assert load_prompts(str(path)) == [ODD, "x" + ODD]
+    assert [a.probe for a in read_attacks(path)[0]] == [ODD, "x" + ODD]
