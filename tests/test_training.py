@@ -88,7 +88,7 @@ def test_shipped_configs_load_and_demo_matches_its_yaml():
     changed = {k for k in {*guided, *DEMO_CONFIG} if guided.get(k) != DEMO_CONFIG.get(k)}
     assert changed == {
         "split_seed", "judges", "likelihood_cap", "guide_search", "test_fraction", "prompts_per_step", "total_steps", "lr",
-        "kl_reference", "save_every", "keep_checkpoints", "sample_every", "run_dir",
+        "kl_coef", "kl_reference", "save_every", "keep_checkpoints", "sample_every", "run_dir",
     }  # fmt: skip
     # the CPU-sized configs: one per algorithm, each smaller than its GPU-sized namesake
     cpu = {p.stem: load_config(p) for p in (folder / "cpu").glob("*.yaml")}
