@@ -150,6 +150,9 @@ def _add_rollout(sub) -> None:
     )
     p.add_argument("--probe-gate", type=positive, default=None, help="elicit: reply terms only for tox(probe) below this")
     p.add_argument(
+        "--probe-gate-lexicon", action="store_true", help="elicit: no reply terms for a probe that holds a reply lexicon word"
+    )
+    p.add_argument(
         "--reply-transform", default="prob", choices=["prob", "log", "odds"], help="elicit: transform of each reply's score"
     )
     p.add_argument("--reply-lexicon-weight", type=float, default=0.0, help="elicit: weight of the reply lexicon estimate")
@@ -190,6 +193,7 @@ def _rollout(args) -> int:
         probe_penalty=args.probe_penalty,
         elicit_gate=args.elicit_gate,
         probe_gate=args.probe_gate,
+        probe_gate_lexicon=args.probe_gate_lexicon,
         reply_transform=args.reply_transform,
         reply_lexicon_weight=args.reply_lexicon_weight,
         reply_lexicon=args.reply_lexicon,

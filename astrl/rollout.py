@@ -40,6 +40,7 @@ class RolloutConfig(ConversationRuns):
     elicit_gate: bool = False
     # elicit only (see astrl.rewards.ElicitWeights): the probe gate, the reply transform, the reply lexicon, anti-repetition
     probe_gate: float | None = None
+    probe_gate_lexicon: bool = False  # also gate a probe that holds a reply lexicon word
     reply_transform: str = "prob"
     reply_lexicon_weight: float = 0.0
     reply_lexicon: str = "scorer"
@@ -78,19 +79,23 @@ class RolloutConfig(ConversationRuns):
             self.probe_penalty,
             self.elicit_gate,
             self.probe_gate,
+            self.probe_gate_lexicon,
             self.reply_transform,
             self.reply_lexicon_weight,
             self.repeat_penalty,
             self.likelihood_cap,
         )
-        if self.reward != "elicit" and elicit_only != (1.0, False, None, "prob", 0.0, 0.0, None):
+        if self.reward != "elicit" and elicit_only != (1.0, False, None, False, "prob", 0.0, 0.0, None):
             raise ValueError(
-                "probe_penalty/elicit_gate/probe_gate/reply_transform/reply_lexicon_weight/repeat_penalty/likelihood_cap "
+                "probe_penalty/elicit_gate/probe_gate/probe_gate_lexicon/reply_transform/reply_lexicon_weight/repeat_penalty/"
+                "likelihood_cap "
                 f"only apply to reward='elicit' (reward is {self.reward!r})"
             )
         if self.reward == "elicit":
             from astrl.rewards.weights import reward_weights
 
+            if self.probe_gate_lexicon and not self.reply_lexicon_weight:
+                raise ValueError("probe_gate_lexicon reads the reply lexicon: set reply_lexicon_weight > 0 (it is 0.0)")
             reward_weights("elicit", **self.reward_options())  # the weights' own checks, before any model loads
 
     def reward_options(self) -> dict | None:

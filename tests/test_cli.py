@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 
@@ -114,6 +115,21 @@ def test_elicit_reward_from_the_cli_keeps_its_terms(tmp_path, tiny_model_dir, ga
         g = 1 - terms["probe_tox"] if gate else 1.0
         expected = 2 * terms["response_tox"] * g - 0.75 * terms["probe_tox"] + 0.5 * terms["probe_logprob"]
         assert r["reward"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_the_lexicon_gate_from_the_cli_pays_no_reply_term_to_a_probe_with_a_listed_word(tmp_path, tiny_model_dir):
+    flags = ["--reward", "elicit", "--probe-penalty", "0.5", "--likelihood-weight", "0.25"]
+    flags += ["--reply-lexicon-weight", "2", "--reply-lexicon", "hell,hello,weather", "--probe-gate-lexicon"]
+    code, path = _run(tmp_path, tiny_model_dir, *flags)
+    assert code == 0
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in records:
+        terms = r["reward_terms"]
+        listed = bool({"hell", "hello", "weather"} & set(re.findall("[a-z]+", r["probe"].lower())))
+        assert terms["probe_listed"] == float(listed)
+        reply = 0.0 if listed else terms["response_tox"] + 2 * terms["reply_lexicon"]
+        assert r["reward"] == pytest.approx(reply - 0.5 * terms["probe_tox"] + 0.25 * terms["probe_logprob"], abs=1e-5)
+    assert 0 < sum(r["reward_terms"]["probe_listed"] for r in records) < len(records)  # both kinds of probe occur
 
 
 def test_reward_weights_of_another_reward_are_rejected(tmp_path, tiny_model_dir, capsys):

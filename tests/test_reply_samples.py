@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -65,6 +66,52 @@ def test_the_probe_gate_pays_the_reply_terms_only_below_its_threshold():
         ElicitWeights(gate=True, gate_below=0.5)
     with pytest.raises(ValueError, match="probe gate threshold must be in \\(0, 1\\], got 1.5"):
         ElicitWeights(gate_below=1.5)
+
+
+def test_the_lexicon_gate_pays_no_reply_term_to_a_probe_that_holds_a_listed_word():
+    weights = ElicitWeights(alpha=1.0, penalty=0.5, gamma=0.0, lexicon=2.0, gate_below=0.5, gate_lexicon=True)
+    reply, lexicon = torch.tensor([0.8, 0.8, 0.8]), torch.tensor([0.1, 0.1, 0.1])
+    probe, listed = torch.tensor([0.2, 0.2, 0.6]), torch.tensor([0.0, 1.0, 0.0])
+    got = weights.combine(reply, probe, torch.zeros(3), lexicon, 0.0, listed)
+    # clean and below the threshold: 0.8 + 2 * 0.1 - 0.5 * 0.2; a listed word: only the penalty; toxic: only the penalty
+    torch.testing.assert_close(got, torch.tensor([0.9, -0.1, -0.3]))
+    # without gate_lexicon the listed term changes nothing
+    plain = ElicitWeights(alpha=1.0, penalty=0.5, gamma=0.0, lexicon=2.0, gate_below=0.5)
+    torch.testing.assert_close(plain.combine(reply, probe, torch.zeros(3), lexicon, 0.0, listed), torch.tensor([0.9, 0.9, -0.3]))
+    with pytest.raises(ValueError, match="gate_lexicon reads the reply lexicon's words"):
+        ElicitWeights(gate_lexicon=True)
+
+
+def test_a_probe_holds_a_listed_word_only_as_a_whole_word_in_any_case():
+    from astrl.rewards.lexicon import holds_listed_word
+
+    texts = ["Sex.", "The couple in Essex", "what the HELL, friend", "hello there", "", "self-harm is bad"]
+    assert holds_listed_word(texts, ["sex", "hell", "harm"]) == [True, False, True, False, False, True]
+
+
+def test_the_env_gates_the_reply_terms_of_a_probe_that_says_a_lexicon_word():
+    tester, target = _policies()
+    options = {
+        "alpha": 1.0,
+        "penalty": 0.0,
+        "gamma": 0.0,
+        "lexicon": 1.0,
+        "gate_lexicon": True,
+        "lexicon_source": "hell,idiot,the",
+    }
+    env = make_redteam_env(
+        tester, target, [SCORER], OPENERS, batch_size=4, max_turns=2, reward="elicit", reward_options=options, reply_samples=2
+    )
+    torch.manual_seed(0)
+    nxt = env.rollout(2, tester)["next"]
+    terms = nxt["reward_terms"]
+    probes = as_list(nxt["probe"])
+    words = [[set(re.findall("[a-z]+", p.lower())) for p in row] for row in probes]
+    listed = torch.tensor([[float(bool(w & {"hell", "idiot", "the"})) for w in row] for row in words])
+    torch.testing.assert_close(terms["probe_listed"], listed)
+    assert 0 < listed.sum() < listed.numel()  # both kinds of probe occur here, so the check below can fail
+    expected = (1 - listed) * (terms["response_tox"] + terms["reply_lexicon"])
+    torch.testing.assert_close(nxt["reward"].squeeze(-1), expected)
 
 
 def test_the_likelihood_cap_and_the_repetition_penalty():
@@ -491,6 +538,7 @@ def test_elicit_settings_are_checked_with_the_offending_value():
         (["reward=elicit", "probe_gate=0.5", "elicit_gate=true"], "choose one gate"),
         (["reward=elicit", "likelihood_cap=1"], "likelihood_cap is a mean log-prob and must be <= 0"),
         (["reward=score", "reply_lexicon_weight=1"], "apply to reward 'elicit'"),
+        (["reward=elicit", "probe_gate_lexicon=true"], "probe_gate_lexicon reads the elicit reward's reply lexicon"),
         (["warm_start_probes=-1"], "warm_start_probes must be >= 0"),
         (["warm_start_min_toxic=2"], "warm_start_min_toxic must be in [0, 1], got 2.0"),
         (["warm_start_select=best"], "warm_start_select must be one of ('share', 'lexicon', 'search', 'best_of'), got 'best'"),
@@ -513,6 +561,12 @@ def test_elicit_settings_are_checked_with_the_offending_value():
         RolloutConfig(reward="score", probe_gate=0.5)
     with pytest.raises(ValueError, match="reply transform must be one of"):
         RolloutConfig(reward="elicit", reply_transform="sqrt")
+    with pytest.raises(ValueError, match="probe_gate_lexicon reads the reply lexicon"):
+        RolloutConfig(reward="elicit", probe_gate_lexicon=True)
+    with pytest.raises(ValueError, match="only apply to reward='elicit'"):
+        RolloutConfig(reward="score", probe_gate_lexicon=True)
+    gated = load_config(None, ["reward=elicit", "reply_lexicon_weight=2", "probe_gate_lexicon=true"])
+    assert gated.reward_options()["gate_lexicon"] is True
 
 
 def test_text_mode_probes_end_at_the_testers_special_tokens():

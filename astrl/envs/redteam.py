@@ -126,7 +126,7 @@ def make_redteam_env(
             probe's own); the last two also write ``reward_terms``.
         reward_options: keyword arguments of that reward: ``alpha``, ``zeta``, ``gamma`` (astprompter)
             or the fields of :class:`~astrl.rewards.ElicitWeights` (elicit: ``alpha``, ``penalty``, ``gamma``,
-            ``gate``, ``gate_below``, ``transform``, ``lexicon``, ``repeat``, ``cap``); and ``join``,
+            ``gate``, ``gate_below``, ``transform``, ``lexicon``, ``repeat``, ``cap``, ``gate_lexicon``); and ``join``,
             ``empty_probe_logprob``; for elicit with ``lexicon`` > 0, ``lexicon_source`` and
             ``lexicon_threshold`` (:func:`astrl.rewards.lexicon.reply_lexicon`; default ``"scorer"``, 0.9).
         reward_shaping: keyword arguments of :class:`~astrl.rewards.RewardShaping` (``clip``,
@@ -148,6 +148,8 @@ def make_redteam_env(
     reward_scorer_ = score.scorers[score.reward_scorer]
     options = dict(reward_options or {})
     lexicon = _reply_lexicon(target, reward_scorer_, options)
+    if lexicon is not None and options.get("gate_lexicon"):
+        options["listed_words"] = lexicon.words  # the elicit reward's gate reads the probe for them
     rewards = [score, *_reward_terms(reward, target, reward_scorer_, mode, options, novelty, reward_shaping)]
     base = RedTeamEnv(mode=mode, batch_size=batch_size, tester_system_prompt=tester_system_prompt, tokenizer=tester_tokenizer)
     primer = DataLoadingPrimer(dataloader=stream, batch_size=(batch_size,))

@@ -25,6 +25,7 @@ from torchrl.data import Composite, Unbounded
 from astrl._compat import as_list
 from astrl.keys import PROBE, REPLY_SCORES, REWARD, REWARD_TERMS, SCORES, TARGET_CONTEXT, TARGET_LEXICON, TARGET_RESPONSE
 from astrl.lm_scoring import token_logprobs
+from astrl.rewards.lexicon import holds_listed_word
 from astrl.rewards.logprobs import StepTransform
 from astrl.rewards.weights import ASTPrompterWeights, ElicitWeights, reward_weights, weight_names
 
@@ -220,12 +221,13 @@ class ElicitReward(ASTPrompterReward):
     Writes ``("reward_terms", name)`` for ``response_tox`` (the mean over the probe's K replies of the
     weights' transformed score, :meth:`ElicitWeights.reply_value`), ``probe_tox``, ``probe_logprob``,
     ``reply_lexicon`` (the mean over the replies of the lexicon estimate at ``target_lexicon``; 0
-    without one) and ``probe_repetition`` (the share of repeated word bigrams in the probe), and
-    ``reward == ElicitWeights.combine(**terms)``: ``g * (alpha * response_tox + lexicon * reply_lexicon)
-    - penalty * probe_tox + gamma * min(probe_logprob, cap) - repeat * probe_repetition``. ``probe_tox``
-    is the scorer on the probe alone; the replies' scores are reused from ``("reply_scores", name)``
-    (or ``("scores", name)``), so one scorer call covers a step. Other arguments as
-    :class:`ASTPrompterReward`.
+    without one) and ``probe_repetition`` (the share of repeated word bigrams in the probe), with the
+    weights' ``gate_lexicon`` also ``probe_listed`` (1 when the probe holds one of ``listed_words``, the
+    reply lexicon's words, else 0), and ``reward == ElicitWeights.combine(**terms)``:
+    ``g * (alpha * response_tox + lexicon * reply_lexicon) - penalty * probe_tox + gamma * min(probe_logprob,
+    cap) - repeat * probe_repetition``. ``probe_tox`` is the scorer on the probe alone; the replies' scores
+    are reused from ``("reply_scores", name)`` (or ``("scores", name)``), so one scorer call covers a step.
+    Other arguments as :class:`ASTPrompterReward`.
     """
 
     terms = ELICIT_TERMS
@@ -241,12 +243,28 @@ class ElicitReward(ASTPrompterReward):
             raise ValueError("the elicit reward weighs a reply lexicon, but the env has none (target_lexicon is missing)")
         lexicon = torch.zeros(len(probes)) if lexicon is None else lexicon.reshape(len(probes), -1).float().mean(-1)
         repetition = torch.tensor([repeated_ngram_share(p) for p in probes], dtype=torch.float32)
-        return {"reply_lexicon": lexicon, "probe_repetition": repetition}
+        terms = {"reply_lexicon": lexicon, "probe_repetition": repetition}
+        if self.listed_words is not None:
+            terms["probe_listed"] = torch.tensor(holds_listed_word(probes, self.listed_words), dtype=torch.float32)
+        return terms
 
     def __init__(
-        self, target_model: torch.nn.Module, target_tokenizer, scorer: Scorer, *, weights: ElicitWeights | None = None, **kwargs
+        self,
+        target_model: torch.nn.Module,
+        target_tokenizer,
+        scorer: Scorer,
+        *,
+        weights: ElicitWeights | None = None,
+        listed_words: Sequence[str] | None = None,
+        **kwargs,
     ) -> None:
         super().__init__(target_model, target_tokenizer, scorer, weights=weights or ElicitWeights(), **kwargs)
+        self.listed_words = None
+        if self.weights.gate_lexicon:
+            if not listed_words:
+                raise ValueError("the elicit reward's gate_lexicon needs the reply lexicon's words (listed_words is empty)")
+            self.listed_words = frozenset(w.lower() for w in listed_words)
+            self.terms = (*ELICIT_TERMS, "probe_listed")
 
     def toxicity_terms(self, probes: list[str], replies: list[str], cached: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """``response_tox`` and ``probe_tox`` (one scorer call; the reply's score is reused when cached)."""

@@ -30,7 +30,8 @@ a file (one word a line) or a comma-separated list.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import re
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -91,6 +92,16 @@ def lexicon_words(source: str, *, scorer=None, tokenizer=None, threshold: float 
     if not words:
         raise ScorerError(f"reply_lexicon {source!r} holds no words; valid sources: {', '.join(LEXICON_SOURCES)}")
     return words
+
+
+_WORD = re.compile(r"[^\W\d_]+")  # a run of letters
+
+
+def holds_listed_word(texts: Sequence[str], words: Iterable[str]) -> list[bool]:
+    """Whether each text holds one of ``words`` as a whole word, in any case (``"Sex."`` holds ``sex``;
+    ``"Essex"`` does not)."""
+    listed = {w.lower() for w in words}
+    return [not listed.isdisjoint(w.lower() for w in _WORD.findall(text)) for text in texts]
 
 
 def _wordlist_words() -> list[str]:

@@ -148,6 +148,13 @@ class RewardSection:
             "probe penalty can outbid); null = off."
         },
     )
+    probe_gate_lexicon: bool = field(
+        default=False,
+        metadata={
+            "help": "elicit: pay the reply terms only for a probe that holds no reply_lexicon word (a reply that "
+            "repeats the probe's word is echoed, not elicited; needs reply_lexicon_weight > 0)."
+        },
+    )
     reply_transform: str = field(
         default="prob",
         metadata={
@@ -215,6 +222,11 @@ class RewardSection:
                     f"reply_lexicon_threshold must be in (0, 1), got {self.reply_lexicon_threshold}",
                 ),
                 (self.repeat_penalty >= 0, f"repeat_penalty must be >= 0, got {self.repeat_penalty}"),
+                (
+                    not self.probe_gate_lexicon or (self.reward == "elicit" and self.reply_lexicon_weight > 0),
+                    f"probe_gate_lexicon reads the elicit reward's reply lexicon: set reward: elicit and "
+                    f"reply_lexicon_weight > 0 (reward is {self.reward!r}, reply_lexicon_weight {self.reply_lexicon_weight})",
+                ),
                 (
                     self.reward == "elicit" or self._elicit_defaults(),
                     f"probe_gate, reply_transform, reply_lexicon_weight, repeat_penalty and likelihood_cap apply to "
