@@ -3,7 +3,7 @@
 ``json.dumps(..., ensure_ascii=False)`` writes U+0085, U+2028 and U+2029 raw inside strings, and
 ``str.splitlines()`` breaks lines at them too, cutting such a record in two; every reader of JSONL in
 astrl goes through :func:`numbered_lines` instead, and so do the one-item-a-line text files (prompts,
-replayed probes), whose items may hold the same characters.
+replayed probes, reply lexicon word lists), whose items may hold the same characters.
 """
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ def test_the_lexicon_estimate_equals_one_minus_the_product_of_misses():
     assert float(lexicon.estimate(torch.zeros(2), torch.ones(2, dtype=torch.bool))) == 0.0
 
 
-def test_lexicon_sources():
+def test_lexicon_sources(tmp_path):
     tok = make_tokenizer()
     assert lexicon_words("hell, Idiot,x1") == ["hell", "idiot"]  # letters only, lower-cased
     assert "fuck" in lexicon_words("wordlist")  # the wordlist judge's own list
@@ -163,6 +163,9 @@ def test_lexicon_sources():
     assert set(lexicon_words("scorer", scorer=KeywordScorer(["hell", "idiot", "zebra"]), tokenizer=tok)) == {"hell", "idiot"}
     with pytest.raises(ValueError, match="holds no words"):
         lexicon_words(",,")
+    path = tmp_path / "words.txt"  # one word a line, split at "\n" only, as every one-item-a-line file astrl reads
+    path.write_text("Hell\r\n\n idiot \nfoo\u2028bar\n", encoding="utf-8")
+    assert lexicon_words(str(path)) == ["hell", "idiot"]  # "foo\u2028bar" is one line, and not a word
     with pytest.raises(ValueError, match="no word has a first token of its own"):
         reply_lexicon("damn", tok)
 

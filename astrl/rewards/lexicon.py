@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from astrl.errors import ScorerError
+from astrl.jsonl import numbered_lines
 
 if TYPE_CHECKING:  # torch loads with the first lexicon built: a config check reads word sources without it
     import torch
@@ -85,7 +86,7 @@ def lexicon_words(source: str, *, scorer=None, tokenizer=None, threshold: float 
         path = Path(source).expanduser()
         if not path.is_file():
             raise ScorerError(f"reply_lexicon file {source!r} not found")
-        words = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        words = [line.strip() for _, line in numbered_lines(path.read_text(encoding="utf-8"))]
     else:
         words = [w.strip() for w in source.split(",") if w.strip()]
     words = sorted({w.lower() for w in words if w.isalpha()})
