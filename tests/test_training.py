@@ -206,6 +206,32 @@ def test_a_resume_that_changes_the_learning_rates_trains_at_them_from_the_saved_
     assert rows["changed"] == pytest.approx([lr / 3 for lr in rows["same"]])  # the same schedule, at the new rate
 
 
+def test_a_resume_that_changes_the_seed_branches_the_run_and_one_that_keeps_it_goes_on_exactly(tmp_path):
+    import shutil
+
+    config = _config(tmp_path, total_steps=2, save_every=1, reward="astprompter")
+    uninterrupted = _trainer(config).train()
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_000002")  # stopped after step 1
+    tok = make_tokenizer()
+    steps, generators = {}, {}
+    for label, overrides in (("same", []), ("seed", ["seed=7"]), ("seed, again", ["seed=7"])):
+        run = tmp_path / label
+        shutil.copytree(tmp_path / "run", run)
+        again = resume(run, overrides, progress=False, tester_lm=loaded(make_llama(tok), tok, name="tiny"))
+        generators[label] = again.generator.get_state()
+        steps[label] = {k: v for k, v in again.train()[0].items() if k in ("step", "reward_mean", "loss")}
+    assert steps["same"] == {k: uninterrupted[1][k] for k in steps["same"]}  # the same seed: exactly as if never stopped
+    assert steps["seed"]["step"] == 2 and steps["seed"] != steps["same"]  # another seed: other draws from the checkpoint on
+    assert steps["seed, again"] == steps["seed"]  # and a branch is itself reproducible
+    assert torch.equal(generators["seed"], torch.Generator().manual_seed(7).get_state())
+    assert load_config(tmp_path / "seed" / "config.yaml").seed == 7
+    # the branch's own checkpoint now holds the new seed's draws: resuming it with its saved seed restores them
+    shutil.rmtree(tmp_path / "seed" / "final")
+    saved = torch.load(tmp_path / "seed" / "checkpoints" / "step_000002" / "state.pt", weights_only=True)["generator"]
+    again = resume(tmp_path / "seed", ["total_steps=3"], progress=False, tester_lm=loaded(make_llama(tok), tok, name="tiny"))
+    assert again.step == 2 and torch.equal(again.generator.get_state(), saved)
+
+
 LEARNING = {  # per algorithm: settings under which a tiny model learns to say the keywords
     "grpo": dict(group_size=4, lr=3e-3, total_steps=24),
     "ppo": dict(prompts_per_step=4, group_size=4, lr=1e-2, value_lr=1e-2, epochs=4, total_steps=24, kl_coef=0.01),

@@ -252,9 +252,7 @@ class Trainer:
         self.config = config
         self.run_dir = Path(config.run_dir)
         self.progress = progress
-        torch.manual_seed(config.seed)
-        random.seed(config.seed)
-        np.random.seed(config.seed)
+        self.reseed(config.seed)
         if algorithm is not None:
             self.source: TrainingSource = SystemSource(config, sampler, algorithm)
         else:
@@ -583,6 +581,15 @@ class Trainer:
         for old in folders[: -self.config.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
 
+    def reseed(self, seed: int) -> None:
+        """Seed every draw of the run from ``seed``: torch's, Python's and NumPy's global RNGs and the
+        trainer's own generator (once built)."""
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed)
+        if hasattr(self, "generator"):
+            self.generator.manual_seed(seed)
+
     def load_checkpoint(self, folder: Path, *, trust: bool = False, state: dict | None = None) -> None:
         """Restore the state saved in ``folder`` (or ``state``, already read from it): loaded with
         ``weights_only=True`` unless ``trust`` (full unpickling, for checkpoints of older astrl versions
@@ -750,16 +757,24 @@ def resume(
     full unpickling (older astrl versions) raises :class:`~astrl.training.state_io.UnsafeCheckpointError`
     unless ``trust_checkpoint=True``, an explicit opt-in for run directories whose origin you trust.
     A damaged newest checkpoint is set aside with a warning (``on_warning(text)``, default
-    :func:`warnings.warn`) and the previous one is used (:func:`usable_checkpoint`)."""
+    :func:`warnings.warn`) and the previous one is used (:func:`usable_checkpoint`).
+
+    The checkpoint's random states are restored, so the run goes on as if never stopped; an override
+    that changes ``seed`` branches it instead: every draw after the checkpoint (sampling, shuffles)
+    comes from the new seed, while the openers go on in the checkpoint's order (a second training seed
+    from a shared warm start: ``--resume RUN_DIR seed=1``)."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{str(run_dir)!r} is not a run directory (no config.yaml)")
+    saved_seed = load_config(run_dir / "config.yaml").seed
     config = load_config(run_dir / "config.yaml", [*overrides, f"run_dir={run_dir}"])
     found = usable_checkpoint(run_dir, trust=trust_checkpoint, on_warning=on_warning)  # read before any model loads
     trainer = Trainer(config, progress=progress, models=build_models(config, tester_lm) if tester_lm else None)
     trainer.resumed = True
     if found is not None:
         trainer.load_checkpoint(found[0], trust=trust_checkpoint, state=found[1])
+        if config.seed != saved_seed:  # a branch: the saved draws belong to the old seed
+            trainer.reseed(config.seed)
     return trainer
 
 
