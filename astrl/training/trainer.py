@@ -766,7 +766,7 @@ def resume(
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{str(run_dir)!r} is not a run directory (no config.yaml)")
-    saved_seed = load_config(run_dir / "config.yaml").seed
+    saved_seed = load_config(run_dir / "config.yaml", on_warning=lambda _: None).seed  # its notes come with the next read
     config = load_config(run_dir / "config.yaml", [*overrides, f"run_dir={run_dir}"])
     found = usable_checkpoint(run_dir, trust=trust_checkpoint, on_warning=on_warning)  # read before any model loads
     trainer = Trainer(config, progress=progress, models=build_models(config, tester_lm) if tester_lm else None)
