@@ -252,6 +252,7 @@ class Trainer:
         self.config = config
         self.run_dir = Path(config.run_dir)
         self.progress = progress
+        self.generator = torch.Generator()  # the trainer's own draws (minibatch order), seeded with the rest
         self.reseed(config.seed)
         if algorithm is not None:
             self.source: TrainingSource = SystemSource(config, sampler, algorithm)
@@ -259,7 +260,6 @@ class Trainer:
             self.source = ConfigSource(config, models)
         self.step = 0
         self._pending_stream_state: dict | None = None
-        self.generator = torch.Generator().manual_seed(config.seed)
         self._built = False
         self._step_start: dict | None = None  # inside train(): the state before the running step
         self._step_updates = 0  # optimizer updates made by the running step
@@ -583,12 +583,11 @@ class Trainer:
 
     def reseed(self, seed: int) -> None:
         """Seed every draw of the run from ``seed``: torch's, Python's and NumPy's global RNGs and the
-        trainer's own generator (once built)."""
+        trainer's own generator."""
         torch.manual_seed(seed)
         random.seed(seed)
         np.random.seed(seed)
-        if hasattr(self, "generator"):
-            self.generator.manual_seed(seed)
+        self.generator.manual_seed(seed)
 
     def load_checkpoint(self, folder: Path, *, trust: bool = False, state: dict | None = None) -> None:
         """Restore the state saved in ``folder`` (or ``state``, already read from it): loaded with
