@@ -207,7 +207,7 @@ class HFASTSystem(ASTSystem):
         """Exact mean per-token log-prob of each probe under the target (its own token count)."""
         with torch.no_grad():
             rows = self._token_rows(self.target, contexts, probes)
-        means = [r.mean() if r.numel() else torch.tensor(self.empty_probe_logprob) for r in rows]
+        means = [r.mean() if r.numel() else r.new_tensor(self.empty_probe_logprob) for r in rows]  # on the rows' device
         return torch.stack(means).float().cpu()
 
     # -- training --------------------------------------------------------------------------------
