@@ -313,7 +313,8 @@ def test_chat_search_finds_the_path_whose_greedy_reply_holds_the_most_lexicon_ma
         assert probe.nll is not None and probe.nll > 0
 
 
-def test_chat_search_never_keeps_a_probe_that_spells_a_chat_marker():
+@pytest.mark.parametrize("max_nll", [None, 1e6])  # a bound no probe breaks must not undo the marker's rank
+def test_chat_search_never_keeps_a_probe_that_spells_a_chat_marker(max_nll):
     from astrl.sampling.search import chat_lookahead_search, spells_markers
 
     tok = make_tokenizer()
@@ -328,7 +329,7 @@ def test_chat_search_never_keeps_a_probe_that_spells_a_chat_marker():
     assert spells_markers(torch.tensor([path]), tok).tolist() == [False]
     found = chat_lookahead_search(
         tester, target, marked, marked, OPENERS[:1], lexicon, length=2, lookahead=lookahead, beams=top_k, top_k=top_k,
-        tester_system_prompt="Be rude.",
+        tester_system_prompt="Be rude.", max_nll=max_nll,
     )  # fmt: skip
     other, estimate = _chat_search_by_hand(tester, target, tok, OPENERS[0], lexicon, top_k, lookahead, marker=marker)
     assert found[0].tokens.tolist() == other != path and found[0].mass == pytest.approx(estimate, abs=1e-5)

@@ -367,7 +367,7 @@ def _search(tester_lm, target_lm, shared_vocab, openers, frame, lexicon, banned,
             candidate_nll = nll[parents] - target_logprob.reshape(-1)
             if max_nll is not None:  # mass is in [0, 1]: below every candidate within the bound
                 candidate_broke = broke[parents] | (candidate_nll > max_nll * (step + 1))
-                rank = torch.where(candidate_broke, mass - 2.0, mass)
+                rank = torch.where(candidate_broke, rank - 2.0, rank)  # a spelled marker stays ranked down
         # rows are grouped by opener, each with as many: keep each opener's best ``beams``
         per = candidates.shape[0] // n
         keep = (rank.view(n, per).topk(min(beams, per), dim=1).indices + torch.arange(n)[:, None] * per).reshape(-1)
