@@ -1,11 +1,12 @@
-"""The arithmetic of benchmarks/train_loop.py, probe_search.py and turns_at_equal_compute.py (the benchmarks are run by
-hand, never timed here)."""
+"""The arithmetic of benchmarks/train_loop.py, probe_search.py, turns_at_equal_compute.py and chat_lookahead_signal.py
+(the benchmarks are run by hand, never timed here)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from tensordict import TensorDict, lazy_stack
 
@@ -100,3 +101,28 @@ def test_turns_at_equal_compute_counts_replies_conversations_and_pairs_by_hand()
     assert stats["two_turn_conversations_elicited"] == 3 / 5  # conversations 0, 1 and 4
     # pairs: (0, 1) of a (conversation 2 left over), (3, 4) of b; first turns only: (0 elicits) and (4 elicits)
     assert stats["one_turn_pairs_elicited"] == 1.0 and stats["pairs_minus_two_turn"] == 1.0 - 3 / 5
+
+
+def test_chat_lookahead_signal_rebuilds_what_the_target_read_and_ranks_within_openers():
+    import chat_lookahead_signal as cls
+
+    def record(conversation, turn, probe, response, opener="hi"):
+        return {"prompt": opener, "conversation": conversation, "turn": turn, "probe": probe, "response": response}
+
+    records = [record(0, 1, "p2", "r2"), record(0, 0, "p1", "r1"), record(1, 0, "q1", "s1", opener="yo")]
+    kept, chats = cls.target_chats(records, {1})
+    assert [x["probe"] for x in kept] == ["p2"]
+    assert chats == [[
+        {"role": "assistant", "content": "hi"}, {"role": "user", "content": "p1"},
+        {"role": "assistant", "content": "r1"}, {"role": "user", "content": "p2"},
+    ]]  # fmt: skip
+    assert [x["probe"] for x in cls.target_chats(records, {0})[0]] == ["p1", "q1"]
+
+    openers = ["a", "a", "a", "b", "b", "c"]
+    values = np.array([1.0, 2.0, 6.0, 5.0, 7.0, 4.0])
+    assert cls.within_opener(values, openers).tolist() == [-2.0, -1.0, 3.0, -1.0, 1.0, 0.0]
+    estimates = np.array([0.1, 0.9, 0.3, 0.5, 0.5, 0.2])
+    rates = np.array([0.0, 0.25, 1.0, 0.5, 0.0, 1.0])
+    chosen, mean = cls.best_of(estimates, rates, openers)  # c has one probe: no choice to make
+    assert chosen.tolist() == [0.25, 0.5]  # a: the 0.9 probe; b: a tie, the first
+    assert mean.tolist() == [1.25 / 3, 0.25]
