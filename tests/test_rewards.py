@@ -121,6 +121,15 @@ def test_empty_probe_gets_the_penalty_and_empty_context_starts_from_bos():
     assert got[1].item() == -7.5
 
 
+def test_a_bf16_model_gives_float32_means_and_an_exact_empty_probe_value():
+    tok = make_tokenizer()
+    model = make_llama(tok).to(torch.bfloat16)
+    with torch.no_grad():
+        got = probe_logprobs(model, tok, ["hello", "hello"], ["you idiot", ""], empty_value=-7.3)
+    assert got.dtype == torch.float32 and got[1].item() == pytest.approx(-7.3, abs=1e-6)  # bf16 would give -7.3125
+    assert torch.isfinite(got[0])
+
+
 def _record_target_inputs(target, key):
     seen = []
     original = target.forward

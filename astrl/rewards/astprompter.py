@@ -88,7 +88,8 @@ def probe_logprobs(
         conts.append(torch.tensor(cont, dtype=torch.long))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rows = token_logprobs(model, prefixes, conts, pad_token_id=pad, max_length=max_length)
-    means = [row.mean() if row.numel() else row.new_tensor(float(empty_value)) for row in rows]  # on the rows' device
+    # in float32 on the rows' device (an empty probe's value too: bf16 would round it)
+    means = [row.float().mean() if row.numel() else row.new_tensor(float(empty_value), dtype=torch.float32) for row in rows]
     return torch.stack(means).float().cpu()
 
 

@@ -207,7 +207,8 @@ class HFASTSystem(ASTSystem):
         """Exact mean per-token log-prob of each probe under the target (its own token count)."""
         with torch.no_grad():
             rows = self._token_rows(self.target, contexts, probes)
-        means = [r.mean() if r.numel() else r.new_tensor(self.empty_probe_logprob) for r in rows]  # on the rows' device
+        # in float32 on the rows' device (an empty probe's value too: bf16 would round it)
+        means = [r.float().mean() if r.numel() else r.new_tensor(self.empty_probe_logprob, dtype=torch.float32) for r in rows]
         return torch.stack(means).float().cpu()
 
     # -- training --------------------------------------------------------------------------------
