@@ -57,13 +57,18 @@ def target_chats(records: list[dict], turns: set[int]) -> tuple[list[dict], list
     return kept, chats
 
 
-def within_opener(values: np.ndarray, openers: list[str]) -> np.ndarray:
-    """``values`` less the mean of their opener's values."""
-    out = np.asarray(values, dtype=np.float64).copy()
+def rows_by_opener(openers: list[str]) -> list[list[int]]:
+    """The row indices of each opener, in order of first appearance."""
     groups: dict[str, list[int]] = defaultdict(list)
     for i, opener in enumerate(openers):
         groups[opener].append(i)
-    for rows in groups.values():
+    return list(groups.values())
+
+
+def within_opener(values: np.ndarray, openers: list[str]) -> np.ndarray:
+    """``values`` less the mean of their opener's values."""
+    out = np.asarray(values, dtype=np.float64).copy()
+    for rows in rows_by_opener(openers):
         out[rows] -= out[rows].mean()
     return out
 
@@ -71,11 +76,8 @@ def within_opener(values: np.ndarray, openers: list[str]) -> np.ndarray:
 def best_of(estimates: np.ndarray, rates: np.ndarray, openers: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """Per opener with 2+ probes: the rate of its probe with the largest estimate (ties: the first) and
     the mean rate of its probes."""
-    groups: dict[str, list[int]] = defaultdict(list)
-    for i, opener in enumerate(openers):
-        groups[opener].append(i)
     chosen, mean = [], []
-    for rows in groups.values():
+    for rows in rows_by_opener(openers):
         if len(rows) > 1:
             chosen.append(rates[rows[int(np.argmax(estimates[rows]))]])
             mean.append(rates[rows].mean())
