@@ -43,8 +43,11 @@ __all__ = [
     "context_window",
     "load_model",
     "looks_like_path",
+    "moved_embedded_base",
+    "portable_model_name",
     "prepare_tokenizer",
     "resolve",
+    "save_model",
 ]
 
 _CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
@@ -298,6 +301,35 @@ def load_model(
     prepare_tokenizer(tokenizer, model)
     model.to(device).eval()
     return LoadedModel(name_or_path, model, tokenizer, context_window(model, tokenizer))
+
+
+def portable_model_name(name_or_path: str) -> str:
+    """What a saved adapter should name as its base: an embedded model's name in place of its converted
+    cache folder (another machine, or another ``ASTRL_CACHE``, keeps that folder elsewhere); else unchanged."""
+    path = Path(name_or_path).expanduser()
+    if path.name in EMBEDDED_MODELS and name_or_path != path.name and path.resolve() == (cache_dir() / path.name).resolve():
+        return path.name
+    return name_or_path
+
+
+def moved_embedded_base(name_or_path: str) -> str:
+    """An adapter's base as recorded before base names were portable: the absolute path of an embedded
+    model's converted folder. Where no such folder exists here (the run was copied from another machine,
+    or ``ASTRL_CACHE`` changed), the embedded model of that name stands in; any other name is unchanged."""
+    path = Path(name_or_path).expanduser()
+    if looks_like_path(name_or_path) and path.name in EMBEDDED_MODELS and not path.exists():
+        return path.name
+    return name_or_path
+
+
+def save_model(model: torch.nn.Module, tokenizer, folder: str | Path) -> None:
+    """``model`` (a PEFT adapter or a full model) and its tokenizer in ``folder``, as ``from_pretrained``
+    loads them; an adapter names an embedded base by its name (:func:`portable_model_name`)."""
+    for config in getattr(model, "peft_config", {}).values():
+        config.base_model_name_or_path = portable_model_name(config.base_model_name_or_path)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 def add_lora(model, *, rank: int, alpha: float, dropout: float = 0.0, targets: list[str] | tuple[str, ...]):

@@ -17,6 +17,7 @@ from astrl.evaluation.records import read_records, score_arrays
 from astrl.evaluation.report import pick_curves, read_training_metrics, top_attacks
 from astrl.evaluation.run import score_probes
 from astrl.evaluation.tester import load_tester, resolve_tester
+from astrl.models import ModelLoadError
 from astrl.scorers import make_scorer
 
 TRAINING_SCORER = "keywords:hello"
@@ -76,6 +77,56 @@ def test_run_dir_tester_loads_its_adapter_merged(run_dir, tiny_model_dir):
     assert torch.allclose(got, expected, atol=1e-5)
     assert not torch.allclose(got, base_logits, atol=1e-3)  # the adapter changes the model
     assert tester.tokenizer.pad_token != tester.tokenizer.eos_token and tester.context_window == 512
+
+
+@pytest.fixture()
+def embedded_cache(tmp_path, monkeypatch, tiny_model_dir):
+    """An ``ASTRL_CACHE`` whose converted ``smollm2-135m`` folder holds the tiny model (so the embedded name loads it)."""
+    import shutil
+
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny_model_dir, cache / "smollm2-135m")
+    monkeypatch.setenv("ASTRL_CACHE", str(cache))
+    return cache
+
+
+def test_a_saved_adapter_names_an_embedded_base_by_its_name_and_a_local_base_by_its_path(
+    embedded_cache, tiny_model_dir, tmp_path
+):
+    from astrl.models import add_lora, load_model, save_model
+
+    for base, expected in (("smollm2-135m", "smollm2-135m"), (str(tiny_model_dir), str(tiny_model_dir))):
+        loaded = load_model(base)
+        model = add_lora(loaded.model, rank=2, alpha=4, targets=["q_proj"])
+        assert model.peft_config["default"].base_model_name_or_path == str(loaded.model.name_or_path)
+        save_model(model, loaded.tokenizer, tmp_path / "adapter")
+        recorded = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+        assert recorded == expected
+    assert str(embedded_cache) in str(load_model("smollm2-135m").model.name_or_path)  # the cache folder, not the name
+
+
+def test_an_adapter_whose_embedded_base_folder_is_elsewhere_loads_on_the_embedded_model(embedded_cache, run_dir):
+    """A run copied from another machine: its adapter names that machine's converted folder, absent here."""
+    import shutil
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from astrl.evaluation.tester import load_adapter_model
+
+    folder = embedded_cache.parent / "copied"
+    shutil.copytree(run_dir / "final" / "tester", folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "/elsewhere/.cache/astrl/smollm2-135m"
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    ids = torch.tensor([[5, 17, 42, 8, 99]])
+    base = AutoModelForCausalLM.from_pretrained(embedded_cache / "smollm2-135m").eval()
+    expected = _logits(PeftModel.from_pretrained(base, str(folder)).eval(), ids)
+    assert torch.allclose(_logits(load_adapter_model(folder).model, ids), expected, atol=1e-5)
+    config["base_model_name_or_path"] = "/elsewhere/models/my-llama"  # not an embedded name: still an error
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="my-llama' not found"):
+        load_adapter_model(folder)
 
 
 def test_run_config_gives_the_defaults(run_dir, tiny_model_dir):

@@ -24,7 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from astrl.errors import ConfigError
-from astrl.models import LoadedModel, ModelLoadError, context_window, load_model, prepare_tokenizer, unsafe_weights_message
+from astrl.models import (
+    LoadedModel,
+    ModelLoadError,
+    context_window,
+    load_model,
+    moved_embedded_base,
+    prepare_tokenizer,
+    unsafe_weights_message,
+)
 from astrl.names import is_run_dir
 from astrl.yaml_data import read_yaml_mapping
 
@@ -129,6 +137,7 @@ def load_adapter_model(folder: str | Path, *, dtype: str = "float32", device: st
         from peft import PeftModel
     except ImportError:
         raise ModelLoadError(f"{folder} is a PEFT adapter: loading it needs the peft package (pip install peft)") from None
+    base = moved_embedded_base(base)  # written on another machine: its converted folder is not here
     loaded = load_model(base, dtype=dtype, device=device)
     tokenizer = loaded.tokenizer
     if any((folder / name).is_file() for name in _TOKENIZER_FILES):

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from astrl.lm_scoring import stop_ids, token_logprobs
-from astrl.models import LoadedModel, load_model
+from astrl.models import LoadedModel, load_model, save_model
 from astrl.prefill import TurnCache
 from astrl.ragged import pad_rows
 from astrl.rewards.reference import make_reference
@@ -217,5 +217,4 @@ class HFASTSystem(ASTSystem):
 
     def save(self, folder) -> None:
         """Save the tester and its tokenizer (``save_pretrained``) into ``folder``."""
-        self.tester.model.save_pretrained(folder)
-        self.tester.tokenizer.save_pretrained(folder)
+        save_model(self.tester.model, self.tester.tokenizer, folder)

@@ -33,7 +33,7 @@ import torch
 
 from astrl.archive import ARCHIVE_FILE, AttackArchive
 from astrl.jsonl import numbered_lines
-from astrl.models import LoadedModel
+from astrl.models import LoadedModel, save_model
 from astrl.prefill import SharedPrefill, clear_turn_caches
 from astrl.rewards.reference import PinnedReference
 from astrl.training.algorithm import Algorithm, DataPath, TrainingSource
@@ -78,13 +78,6 @@ def warmup_then_linear(warmup: int, total: int):
         return max(0.0, (total - update) / max(1, total - warmup))
 
     return factor
-
-
-def save_tester(model: torch.nn.Module, tokenizer, folder: Path) -> None:
-    """The tester as users load it: a PEFT adapter folder or a full model folder, plus the tokenizer."""
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
 
 
 def make_optimizer(name: str, groups: list[dict], lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -156,7 +149,7 @@ class ConfigSource(TrainingSource):
         clear_turn_caches(self.models.tester.model, self.models.target.model)  # stale after the update: free them
 
     def save(self, folder: Path) -> None:
-        save_tester(self.models.tester.model, self.models.tester.tokenizer, folder)
+        save_model(self.models.tester.model, self.models.tester.tokenizer, folder)
 
     def trainable_state(self) -> dict:
         return trainable_state(self.models.tester.model)
@@ -354,7 +347,7 @@ class Trainer:
                 self._built = False
         self.source.save(self.run_dir / "final" / "tester")
         if self.hardening is not None:
-            save_tester(self.models.target.model, self.models.target.tokenizer, self.run_dir / "final" / "target")
+            save_model(self.models.target.model, self.models.target.tokenizer, self.run_dir / "final" / "target")
         self.archive.write(self.run_dir / ARCHIVE_FILE)
         return rows
 
