@@ -303,9 +303,12 @@ def load_model(
     return LoadedModel(name_or_path, model, tokenizer, context_window(model, tokenizer))
 
 
-def portable_model_name(name_or_path: str) -> str:
+def portable_model_name(name_or_path: str | None) -> str | None:
     """What a saved adapter should name as its base: an embedded model's name in place of its converted
-    cache folder (another machine, or another ``ASTRL_CACHE``, keeps that folder elsewhere); else unchanged."""
+    cache folder (another machine, or another ``ASTRL_CACHE``, keeps that folder elsewhere); else unchanged
+    (``None`` too: a model built in memory has no name)."""
+    if not name_or_path:
+        return name_or_path
     path = Path(name_or_path).expanduser()
     if path.name in EMBEDDED_MODELS and name_or_path != path.name and path.resolve() == (cache_dir() / path.name).resolve():
         return path.name

@@ -57,17 +57,34 @@ def check_model_name(name_or_path: str, what: str = "model") -> None:
         raise ModelLoadError(f"{what} folder {str(path)!r} not found")
 
 
-SCORER_NAMES = ("profanity", "wordlist", "detoxify[:variant]", "hf:MODEL[@LABEL]", "judge:MODEL[@STYLE]", "keywords:w1,w2")
+SCORER_NAMES = (
+    "profanity",
+    "wordlist[:-w1,-w2]",
+    "detoxify[:variant]",
+    "hf:MODEL[@LABEL]",
+    "judge:MODEL[@STYLE]",
+    "keywords:w1,w2",
+)
 
 
 DETOXIFY_VARIANTS = ("original", "unbiased", "multilingual", "original-small", "unbiased-small")
 
 
+def wordlist_words() -> list[str] | None:
+    """better-profanity's word list (the ``wordlist`` scorer's), read from its package data without
+    importing it; ``None`` when the package is not installed."""
+    spec = importlib.util.find_spec("better_profanity")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "profanity_wordlist.txt"
+    return [w.strip() for w in path.read_text(encoding="utf-8").split("\n") if w.strip()]
+
+
 def parse_scorer(name: str) -> tuple[str, tuple[str, ...]]:
     """Split a scorer name into its kind and arguments, checking what needs no model.
 
-    Returns ``(kind, args)``: ``("profanity", ())``, ``("detoxify", (variant,))``,
-    ``("keywords", words)``, ``("hf", (model, label))``, ``("judge", (model, style))``. An unknown
+    Returns ``(kind, args)``: ``("profanity", ())``, ``("wordlist", left_out_words)``,
+    ``("detoxify", (variant,))``, ``("keywords", words)``, ``("hf", (model, label))``, ``("judge", (model, style))``. An unknown
     form, an empty word list, an unknown variant or style, or a model path that does not exist
     raises a :class:`ScorerError` naming ``name``; nothing is loaded.
     """
@@ -77,6 +94,19 @@ def parse_scorer(name: str) -> tuple[str, tuple[str, ...]]:
     parsed: tuple[str, tuple[str, ...]] | None = None
     if kind in ("profanity", "wordlist") and not colon:
         parsed = (kind, ())
+    elif kind == "wordlist" and colon:
+        items = [w.strip() for w in arg.split(",")]
+        for item in items:
+            if not (item.startswith("-") and item[1:].strip().isalpha()):
+                raise ScorerError(
+                    f"scorer {name!r}: 'wordlist' takes words to leave out of its list, each as -WORD "
+                    f"(e.g. wordlist:-god), got {item!r}"
+                )
+        parsed = (kind, tuple(sorted({w[1:].strip().lower() for w in items})))
+        listed = wordlist_words()
+        missing = [w for w in parsed[1] if listed is not None and w not in {x.lower() for x in listed}]
+        if missing:
+            raise ScorerError(f"scorer {name!r}: {', '.join(map(repr, missing))} not in the word list, so nothing to leave out")
     elif kind == "detoxify" and (arg or not colon):
         if (arg or "original") not in DETOXIFY_VARIANTS:
             raise ScorerError(f"scorer {name!r}: detoxify variant must be one of {', '.join(DETOXIFY_VARIANTS)}")

@@ -5,8 +5,9 @@ Every scorer maps ``list[str]`` to a float tensor of shape ``(len(texts),)`` wit
 
 ==========================  ==============================================================
 ``profanity``               offline TF-IDF + linear SVM from ``alt-profanity-check`` (default)
-``wordlist``                offline word list of ``better-profanity``: 1.0 when the text holds a
-                            listed word (leetspeak spellings such as ``sh1t`` included), else 0.0
+``wordlist[:-w1,-w2]``      offline word list of ``better-profanity``: 1.0 when the text holds a
+                            listed word (leetspeak spellings such as ``sh1t`` included), else 0.0;
+                            ``-word`` leaves a listed word out (``wordlist:-god``)
 ``detoxify[:variant]``      Detoxify (``pip install astrl[detoxify]``; downloads weights once)
 ``hf:MODEL[@LABEL]``        any Hugging Face sequence classifier, probability of ``LABEL``
 ``judge:MODEL[@STYLE]``     a chat model as judge: P("unsafe") against P("safe") as its next token;
@@ -108,11 +109,11 @@ class WordListScorer:
     remembered (the same answers, about ten times faster); repeated texts in a batch are matched once.
     """
 
-    name = "wordlist"
-
-    def __init__(self) -> None:
+    def __init__(self, left_out: Sequence[str] = ()) -> None:
         if importlib.util.find_spec("better_profanity") is None:
             raise ScorerError("the 'wordlist' scorer needs better-profanity: pip install better-profanity==0.7.0")
+        self.left_out = tuple(sorted({w.lower() for w in left_out}))
+        self.name = "wordlist:" + ",".join(f"-{w}" for w in self.left_out) if self.left_out else "wordlist"
         self._matcher = None
         self._lock = threading.Lock()
 
@@ -129,6 +130,8 @@ class WordListScorer:
                     ) from err
                 if not matcher.CENSOR_WORDSET:
                     raise ScorerError("better-profanity loaded an empty word list; reinstall better-profanity==0.7.0")
+                if self.left_out:
+                    matcher.CENSOR_WORDSET = _without(matcher.CENSOR_WORDSET, self.left_out, self.name)
                 if all(hasattr(w, "_min_len") and hasattr(w, "_max_len") for w in matcher.CENSOR_WORDSET):
                     matcher.CENSOR_WORDSET = _WordsByLength(matcher.CENSOR_WORDSET)
                 self._matcher = matcher
@@ -141,6 +144,15 @@ class WordListScorer:
         matcher = self._matcher or self._load()
         verdicts = {t: matcher.contains_profanity(t) for t in dict.fromkeys(texts)}
         return torch.tensor([1.0 if verdicts[t] else 0.0 for t in texts], dtype=torch.float32)
+
+
+def _without(words: list, left_out: Sequence[str], name: str) -> list:
+    """better-profanity's listed words less ``left_out`` (each must be listed: a typo would leave out nothing)."""
+    listed = {str(getattr(w, "_original", w)).lower() for w in words}
+    missing = [w for w in left_out if w not in listed]
+    if missing:
+        raise ScorerError(f"scorer {name!r}: {', '.join(map(repr, missing))} not in the word list, so nothing to leave out")
+    return [w for w in words if str(getattr(w, "_original", w)).lower() not in left_out]
 
 
 class _WordsByLength(list):
@@ -392,7 +404,7 @@ def make_scorer(name: str, *, device: str = "cpu") -> Scorer:
     if kind == "profanity":
         return ProfanityScorer()
     if kind == "wordlist":
-        return WordListScorer()
+        return WordListScorer(args)
     if kind == "detoxify":
         return DetoxifyScorer(args[0], device=device)
     if kind == "keywords":

@@ -93,7 +93,7 @@ def embedded_cache(tmp_path, monkeypatch, tiny_model_dir):
 def test_a_saved_adapter_names_an_embedded_base_by_its_name_and_a_local_base_by_its_path(
     embedded_cache, tiny_model_dir, tmp_path
 ):
-    from astrl.models import add_lora, load_model, save_model
+    from astrl.models import add_lora, load_model, portable_model_name, save_model
 
     for base, expected in (("smollm2-135m", "smollm2-135m"), (str(tiny_model_dir), str(tiny_model_dir))):
         loaded = load_model(base)
@@ -103,6 +103,7 @@ def test_a_saved_adapter_names_an_embedded_base_by_its_name_and_a_local_base_by_
         recorded = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
         assert recorded == expected
     assert str(embedded_cache) in str(load_model("smollm2-135m").model.name_or_path)  # the cache folder, not the name
+    assert portable_model_name(None) is None and portable_model_name("") == ""  # a model built in memory
 
 
 def test_an_adapter_whose_embedded_base_folder_is_elsewhere_loads_on_the_embedded_model(embedded_cache, run_dir):

@@ -49,6 +49,7 @@ BAD_BEFORE_ANY_MODEL = [
     ("rollout-target-after-embedded-tester", ["rollout", "--target", "/nonexistent/target"], "'/nonexistent/target' not found"),
     ("rollout-ray", ["rollout", "--collector", "ray", "--scorer", "bogus"], "'bogus'"),
     ("eval-judge", ["eval", "--tester", "smollm2-135m", "--judge", "bogus"], "'bogus'"),
+    ("eval-judge-left-out-word", ["eval", "--tester", "smollm2-135m", "--judge", "wordlist:-gdo"], "'gdo' not in the word list"),
     ("eval-prompts", ["eval", "--tester", "smollm2-135m", "--prompts", "{tmp}/missing.txt"], "missing.txt"),
     ("eval-target", ["eval", "--tester", "smollm2-135m", "--target", "/nonexistent/target"], "'/nonexistent/target'"),
     ("replay-judge", ["replay", "{tmp}/probes.txt", "--judge", "bogus"], "'bogus'"),

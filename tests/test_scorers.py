@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 from conftest import make_llama, make_tokenizer
@@ -42,6 +44,33 @@ def test_wordlist_answers_as_the_library_does_on_its_own_list():
     assert scorer(texts).tolist() == ours  # remembered answers are the same
 
 
+def test_wordlist_can_leave_listed_words_out():
+    full, without = make_scorer("wordlist"), make_scorer("wordlist:-god,-Damn")
+    assert without.name == "wordlist:-damn,-god" and without.left_out == ("damn", "god")
+    texts = ["oh my god", "Oh my GOD", "damn it", "g0d", "what the fuck", "oh my god, shit", "hello there"]
+    assert full(texts).tolist() == [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+    assert without(texts).tolist() == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0]  # leetspeak of a left-out word too
+    assert make_scorer("wordlist:-god")(["goddamn"]).tolist() == [1.0]  # other listed words that hold it stay
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("wordlist:god", "each as -WORD (e.g. wordlist:-god), got 'god'"),
+        ("wordlist:-god,", "got ''"),
+        ("wordlist:-", "got '-'"),
+        ("wordlist:-gdo", "'gdo' not in the word list"),
+    ],
+)
+def test_a_bad_wordlist_option_is_refused_with_the_item_named(name, message):
+    from astrl.names import parse_scorer
+
+    with pytest.raises(ScorerError, match=re.escape(message)):
+        parse_scorer(name)
+    with pytest.raises(ScorerError, match=re.escape("'gdo' not in the word list")):
+        WordListScorer(["gdo"])(["text"])
+
+
 def test_wordlist_loads_once_and_can_be_shared_between_threads():
     from concurrent.futures import ThreadPoolExecutor
 
@@ -68,7 +97,7 @@ def test_keyword_share_values():
     assert scorer.name == "keywords:damn,hell"
 
 
-@pytest.mark.parametrize("name", ["toxicity", "hf:", "judge:", "wordlist:x", "profanity:x", "keywords"])
+@pytest.mark.parametrize("name", ["toxicity", "hf:", "judge:", "profanity:x", "keywords"])
 def test_unknown_scorer_names_list_the_valid_forms(name):
     with pytest.raises(ScorerError, match="valid forms"):
         make_scorer(name)

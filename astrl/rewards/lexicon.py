@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 from astrl.errors import ScorerError
 from astrl.jsonl import numbered_lines
+from astrl.names import wordlist_words
 
 if TYPE_CHECKING:  # torch loads with the first lexicon built: a config check reads word sources without it
     import torch
@@ -81,7 +82,9 @@ def lexicon_words(source: str, *, scorer=None, tokenizer=None, threshold: float 
             raise ValueError("reply_lexicon 'scorer' needs the training scorer and the target's tokenizer")
         words = scorer_lexicon(scorer, tokenizer, threshold)
     elif source == "wordlist":
-        words = _wordlist_words()
+        words = wordlist_words()
+        if words is None:
+            raise ScorerError("reply_lexicon 'wordlist' needs better-profanity: pip install better-profanity==0.7.0")
     elif source.endswith(".txt"):
         path = Path(source).expanduser()
         if not path.is_file():
@@ -103,17 +106,6 @@ def holds_listed_word(texts: Sequence[str], words: Iterable[str]) -> list[bool]:
     ``"Essex"`` does not)."""
     listed = {w.lower() for w in words}
     return [not listed.isdisjoint(w.lower() for w in _WORD.findall(text)) for text in texts]
-
-
-def _wordlist_words() -> list[str]:
-    """better-profanity's word list (the ``wordlist`` judge's), read from its package data."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("better_profanity")
-    if spec is None or not spec.submodule_search_locations:
-        raise ScorerError("reply_lexicon 'wordlist' needs better-profanity: pip install better-profanity==0.7.0")
-    path = Path(list(spec.submodule_search_locations)[0]) / "profanity_wordlist.txt"
-    return path.read_text(encoding="utf-8").split("\n")
 
 
 class ReplyLexicon:
