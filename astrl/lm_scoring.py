@@ -237,6 +237,14 @@ def _tails_after_heads(
     return ids, starts_t, logits
 
 
+def mean_logprobs(rows: Sequence[torch.Tensor], empty_value: float) -> torch.Tensor:
+    """Each row's mean (per-token log-probs of one continuation), ``empty_value`` for an empty row; a float32
+    CPU tensor of shape ``(len(rows),)``. Means are taken in float32 on the rows' device, the empty value
+    too: in a bf16 row's dtype it would round (-7.3 -> -7.3125)."""
+    means = [row.float().mean() if row.numel() else row.new_tensor(float(empty_value), dtype=torch.float32) for row in rows]
+    return torch.stack(means).cpu() if means else torch.zeros(0)
+
+
 def token_logprobs(
     model: torch.nn.Module,
     prefixes: Sequence[torch.Tensor],

@@ -225,3 +225,13 @@ def test_rows_with_one_prefix_read_it_once_and_equal_rows_scored_alone(tok, arch
         token_logprobs(model, [opener, other], conts[:2], share_prefix=True)
         token_logprobs(model, [opener[:1], opener[:1]], conts[:2], share_prefix=True)
         assert [c[0] for c in calls] == [2, 2]
+
+
+def test_mean_logprobs_are_float32_row_means_with_the_empty_value_unrounded():
+    from astrl.lm_scoring import mean_logprobs
+
+    rows = [torch.tensor([-1.0, -3.0]), torch.zeros(0, dtype=torch.bfloat16), torch.tensor([-2.5], dtype=torch.bfloat16)]
+    means = mean_logprobs(rows, -7.3)
+    assert means.dtype == torch.float32 and means.device.type == "cpu"
+    assert means.tolist() == pytest.approx([-2.0, -7.3, -2.5], abs=1e-6)  # -7.3 in bf16 would be -7.3125
+    assert mean_logprobs([], -7.3).shape == (0,)

@@ -24,7 +24,7 @@ from torchrl.data import Composite, Unbounded
 
 from astrl._compat import as_list
 from astrl.keys import PROBE, REPLY_SCORES, REWARD, REWARD_TERMS, SCORES, TARGET_CONTEXT, TARGET_LEXICON, TARGET_RESPONSE
-from astrl.lm_scoring import token_logprobs
+from astrl.lm_scoring import mean_logprobs, token_logprobs
 from astrl.rewards.lexicon import holds_listed_word
 from astrl.rewards.logprobs import StepTransform
 from astrl.rewards.weights import ASTPrompterWeights, ElicitWeights, reward_weights, weight_names
@@ -87,10 +87,7 @@ def probe_logprobs(
         prefixes.append(torch.tensor(prefix, dtype=torch.long))
         conts.append(torch.tensor(cont, dtype=torch.long))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    rows = token_logprobs(model, prefixes, conts, pad_token_id=pad, max_length=max_length)
-    # in float32 on the rows' device (an empty probe's value too: bf16 would round it)
-    means = [row.float().mean() if row.numel() else row.new_tensor(float(empty_value), dtype=torch.float32) for row in rows]
-    return torch.stack(means).float().cpu()
+    return mean_logprobs(token_logprobs(model, prefixes, conts, pad_token_id=pad, max_length=max_length), empty_value)
 
 
 def _trailing_special_tokens(tokenizer) -> int:

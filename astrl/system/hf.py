@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from astrl.lm_scoring import stop_ids, token_logprobs
+from astrl.lm_scoring import mean_logprobs, stop_ids, token_logprobs
 from astrl.models import LoadedModel, load_model, save_model
 from astrl.prefill import TurnCache
 from astrl.ragged import pad_rows
@@ -207,9 +207,7 @@ class HFASTSystem(ASTSystem):
         """Exact mean per-token log-prob of each probe under the target (its own token count)."""
         with torch.no_grad():
             rows = self._token_rows(self.target, contexts, probes)
-        # in float32 on the rows' device (an empty probe's value too: bf16 would round it)
-        means = [r.float().mean() if r.numel() else r.new_tensor(self.empty_probe_logprob, dtype=torch.float32) for r in rows]
-        return torch.stack(means).float().cpu()
+        return mean_logprobs(rows, self.empty_probe_logprob)
 
     # -- training --------------------------------------------------------------------------------
     def parameters(self) -> Iterator[torch.nn.Parameter]:
