@@ -125,3 +125,21 @@ def test_kl_reference_is_checked_before_a_model_loads():
     with pytest.raises(ConfigError, match="which kl_coef 0.0 switches off: set kl_coef > 0"):
         load_config(None, ["kl_reference=warm_start", "warm_start_probes=8"])
     assert load_config(None, ["kl_reference=warm_start", "warm_start_probes=8", "algorithm=dpo"]).kl_reference == "warm_start"
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_the_untrained_tester_is_the_base_whatever_the_reference_is_pinned_to(tmp_path, lora):
+    from astrl.training.setup import build_models
+
+    config = _config(tmp_path, kl_reference="warm_start", lora=lora, **WARM)
+    models = build_models(config, _tiny_tester())
+    ids = torch.tensor([[5, 6, 7, 8]])
+    before = _logits(models.untrained, ids)
+    if lora:
+        _bump_adapters(models.tester.model, 0.5)
+    else:
+        with torch.no_grad():
+            next(models.tester.model.parameters()).add_(0.5)
+    models.reference.pin(models.tester.model)  # the warm start's pin
+    torch.testing.assert_close(_logits(models.untrained, ids), before)  # still the tester before training
+    assert not torch.allclose(_logits(models.reference, ids), before)  # the reference moved to the warm start

@@ -23,7 +23,6 @@ import torch
 from astrl._compat import as_list
 from astrl.envs import ConversationSpec
 from astrl.keys import NEXT, QUERY, REWARD
-from astrl.rewards.reference import AdaptersDisabled, PinnedReference
 from astrl.training.config import ConfigError, TrainConfig, read_yaml_mapping, renamed_keys
 from astrl.training.setup import conversation_spec
 from astrl.training.trainer import Trainer, latest_checkpoint, resume
@@ -188,10 +187,7 @@ def compare_testers(
     config, models = trainer.config, trainer.models
     spec = comparison_spec(config, conversations=conversations, seed=seed, judge=judge, replies=replies)
     results, scorers = {}, None
-    untrained = AdaptersDisabled(models.tester.model) if hasattr(models.tester.model, "disable_adapter") else models.reference
-    if isinstance(untrained, PinnedReference):  # kl_reference: warm_start: the reference before its pin
-        untrained = untrained.base
-    for label, model in (("before", untrained), ("after", models.tester.model)):
+    for label, model in (("before", models.untrained), ("after", models.tester.model)):
         loaded = type(models.tester)(models.tester.name, model, models.tester.tokenizer, models.tester.context_window)
         conversation = build_conversation(spec, tester=loaded, target=models.target, scorers=scorers)
         env, tester, scorers, batch = conversation.env, conversation.tester, conversation.scorers, spec.batch_size

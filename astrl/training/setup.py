@@ -37,6 +37,14 @@ class RunModels:
     shared_base: bool
     original_target: torch.nn.Module | None = None  # the target before hardening (adapter off), with harden_every > 0
 
+    @property
+    def untrained(self) -> torch.nn.Module:
+        """The tester before any training: its base with the adapters off, or (without LoRA) the
+        reference as it was built, before a ``kl_reference: warm_start`` pin."""
+        if hasattr(self.tester.model, "disable_adapter"):
+            return AdaptersDisabled(self.tester.model)
+        return self.reference.base if isinstance(self.reference, PinnedReference) else self.reference
+
 
 def lora_settings(config: TrainConfig) -> dict:
     """The config's LoRA settings as :func:`astrl.models.add_lora` keywords."""
