@@ -168,6 +168,10 @@ def test_default_judges_always_hold_one_distinct_from_the_training_scorer():
     assert default_judges(["profanity"], ["keywords:x"]) == ["profanity"]  # the run's judge is already distinct
     assert default_judges(["keywords:x"], ["keywords:x"]) == ["keywords:x", "wordlist"]
     assert default_judges([], ["wordlist"]) == ["wordlist", "profanity"]  # trained against the word list: the SVM judges too
+    # the word list less a word is the same judge as far as distinctness goes
+    assert default_judges([], ["wordlist:-god"]) == ["wordlist:-god", "profanity"]
+    assert default_judges(["wordlist"], ["wordlist:-god"]) == ["wordlist", "profanity"]
+    assert default_judges(["wordlist:-god"], ["profanity"]) == ["wordlist:-god"]
 
 
 def test_checkpoint_selection_and_errors(run_dir, tiny_model_dir):

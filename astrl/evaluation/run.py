@@ -105,10 +105,16 @@ def default_judges(run_judges: list[str], training: list[str]) -> list[str]:
     of those differs from it, so that every default result has a judge the tester was not trained against."""
     trained_on = training or ["profanity"]
     judges = run_judges or trained_on[:1]
-    distinct = next((j for j in DISTINCT_JUDGES if j not in trained_on), None)
-    if all(j in trained_on for j in judges) and distinct is not None:
+    family = {_family(t) for t in trained_on}  # the word list less a few words is still the word list
+    distinct = next((j for j in DISTINCT_JUDGES if _family(j) not in family), None)
+    if all(_family(j) in family for j in judges) and distinct is not None:
         judges = [*judges, distinct]
     return judges
+
+
+def _family(scorer: str) -> str:
+    """``wordlist`` for any ``wordlist[:-w1,...]``; other scorer names as they are."""
+    return "wordlist" if scorer.partition(":")[0] == "wordlist" else scorer
 
 
 def _run_split_seed(run: dict, default: int) -> int:
