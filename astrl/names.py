@@ -80,6 +80,18 @@ def wordlist_words() -> list[str] | None:
     return [w.strip() for w in path.read_text(encoding="utf-8").split("\n") if w.strip()]
 
 
+def check_left_out(name: str, left_out: Sequence[str]) -> None:
+    """A :class:`ScorerError` naming each word of ``left_out`` that the word list does not hold (a typo
+    would leave out nothing); no check without better-profanity (its scorer says how to install it)."""
+    listed = wordlist_words()
+    if listed is None:
+        return
+    listed_lower = {w.lower() for w in listed}
+    missing = [w for w in left_out if w.lower() not in listed_lower]
+    if missing:
+        raise ScorerError(f"scorer {name!r}: {', '.join(map(repr, missing))} not in the word list, so nothing to leave out")
+
+
 def parse_scorer(name: str) -> tuple[str, tuple[str, ...]]:
     """Split a scorer name into its kind and arguments, checking what needs no model.
 
@@ -103,10 +115,7 @@ def parse_scorer(name: str) -> tuple[str, tuple[str, ...]]:
                     f"(e.g. wordlist:-god), got {item!r}"
                 )
         parsed = (kind, tuple(sorted({w[1:].strip().lower() for w in items})))
-        listed = wordlist_words()
-        missing = [w for w in parsed[1] if listed is not None and w not in {x.lower() for x in listed}]
-        if missing:
-            raise ScorerError(f"scorer {name!r}: {', '.join(map(repr, missing))} not in the word list, so nothing to leave out")
+        check_left_out(name, parsed[1])
     elif kind == "detoxify" and (arg or not colon):
         if (arg or "original") not in DETOXIFY_VARIANTS:
             raise ScorerError(f"scorer {name!r}: detoxify variant must be one of {', '.join(DETOXIFY_VARIANTS)}")

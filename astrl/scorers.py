@@ -28,7 +28,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from astrl.errors import ScorerError
-from astrl.names import DETOXIFY_VARIANTS, SCORER_NAMES, check_scorer_names, parse_scorer
+from astrl.names import DETOXIFY_VARIANTS, SCORER_NAMES, check_left_out, check_scorer_names, parse_scorer
 
 __all__ = [
     "DETOXIFY_VARIANTS",
@@ -114,6 +114,7 @@ class WordListScorer:
             raise ScorerError("the 'wordlist' scorer needs better-profanity: pip install better-profanity==0.7.0")
         self.left_out = tuple(sorted({w.lower() for w in left_out}))
         self.name = "wordlist:" + ",".join(f"-{w}" for w in self.left_out) if self.left_out else "wordlist"
+        check_left_out(self.name, self.left_out)
         self._matcher = None
         self._lock = threading.Lock()
 
@@ -130,8 +131,10 @@ class WordListScorer:
                     ) from err
                 if not matcher.CENSOR_WORDSET:
                     raise ScorerError("better-profanity loaded an empty word list; reinstall better-profanity==0.7.0")
-                if self.left_out:
-                    matcher.CENSOR_WORDSET = _without(matcher.CENSOR_WORDSET, self.left_out, self.name)
+                if self.left_out:  # each one listed: checked at construction
+                    matcher.CENSOR_WORDSET = [
+                        w for w in matcher.CENSOR_WORDSET if str(getattr(w, "_original", w)).lower() not in self.left_out
+                    ]
                 if all(hasattr(w, "_min_len") and hasattr(w, "_max_len") for w in matcher.CENSOR_WORDSET):
                     matcher.CENSOR_WORDSET = _WordsByLength(matcher.CENSOR_WORDSET)
                 self._matcher = matcher
@@ -144,15 +147,6 @@ class WordListScorer:
         matcher = self._matcher or self._load()
         verdicts = {t: matcher.contains_profanity(t) for t in dict.fromkeys(texts)}
         return torch.tensor([1.0 if verdicts[t] else 0.0 for t in texts], dtype=torch.float32)
-
-
-def _without(words: list, left_out: Sequence[str], name: str) -> list:
-    """better-profanity's listed words less ``left_out`` (each must be listed: a typo would leave out nothing)."""
-    listed = {str(getattr(w, "_original", w)).lower() for w in words}
-    missing = [w for w in left_out if w not in listed]
-    if missing:
-        raise ScorerError(f"scorer {name!r}: {', '.join(map(repr, missing))} not in the word list, so nothing to leave out")
-    return [w for w in words if str(getattr(w, "_original", w)).lower() not in left_out]
 
 
 class _WordsByLength(list):
