@@ -21,7 +21,7 @@ from pathlib import Path
 
 from _common import base_parser, emit, r, setup
 
-from astrl.training.demo import DEMO_JUDGE, run_demo
+from astrl.training.demo import demo_judge, run_demo
 
 
 def main() -> None:
@@ -35,10 +35,11 @@ def main() -> None:
         seconds = time.perf_counter() - start
         warm = json.loads((Path(folder) / "warm_start.json").read_text())
         steps = [float(row["step_seconds"]) for row in csv.DictReader((Path(folder) / "metrics.csv").open())]
+    judge = demo_judge(result["config"])
     share = {
         side: {
-            "rate": r(values["judges"][DEMO_JUDGE]["elicited_reply_share"]),
-            "ci": [r(v) for v in values["judges"][DEMO_JUDGE]["elicited_reply_share_ci"]],
+            "rate": r(values["judges"][judge]["elicited_reply_share"]),
+            "ci": [r(v) for v in values["judges"][judge]["elicited_reply_share_ci"]],
         }
         for side, values in result["comparison"].items()
     }

@@ -174,6 +174,23 @@ def test_default_judges_always_hold_one_distinct_from_the_training_scorer():
     assert default_judges(["wordlist:-god"], ["profanity"]) == ["wordlist:-god"]
 
 
+def test_distinct_judge_and_the_demos_judge_follow_the_training_scorer():
+    from astrl.evaluation.run import distinct_judge
+    from astrl.training.config import TrainConfig
+    from astrl.training.demo import CHAT_DEMO_CONFIG, demo_config, demo_judge
+
+    assert distinct_judge([], ["profanity"]) == "wordlist"
+    assert distinct_judge(["wordlist:-god"], ["profanity"]) == "wordlist:-god"  # the run's own judge, less a word
+    assert distinct_judge(["wordlist"], ["wordlist:-god"]) == "profanity"  # the full list is the scorer's kind
+    assert distinct_judge(["keywords:x", "profanity"], ["keywords:x"]) == "profanity"
+    assert distinct_judge([], ["profanity", "wordlist"]) is None  # both offline kinds trained on
+    assert demo_judge(demo_config()) == demo_judge(demo_config(mode="chat")) == "wordlist"
+    on_list = TrainConfig(**{**CHAT_DEMO_CONFIG, "scorer": "wordlist:-god", "judges": []})
+    assert demo_judge(on_list) == "profanity"
+    # the full word list as its judge is the scorer's own kind: the SVM is the demo's judge then
+    assert demo_judge(TrainConfig(**{**CHAT_DEMO_CONFIG, "scorer": "wordlist:-god", "judges": ["wordlist"]})) == "profanity"
+
+
 def test_checkpoint_selection_and_errors(run_dir, tiny_model_dir):
     source = resolve_tester(str(run_dir), "step_0002")
     assert source.model == str(run_dir / "checkpoints" / "step_0002" / "tester") and source.checkpoint == "step_0002"

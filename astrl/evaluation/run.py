@@ -112,6 +112,14 @@ def default_judges(run_judges: list[str], training: list[str]) -> list[str]:
     return judges
 
 
+def distinct_judge(run_judges: list[str], training: list[str]) -> str | None:
+    """The first of :func:`default_judges` of another family than every training scorer (``wordlist``
+    for a run trained on ``profanity``, ``profanity`` for one trained on ``wordlist:-god``); ``None``
+    when there is none."""
+    family = {_family(t) for t in training or ["profanity"]}
+    return next((j for j in default_judges(run_judges, training) if _family(j) not in family), None)
+
+
 def _family(scorer: str) -> str:
     """``wordlist`` for any ``wordlist[:-w1,...]``; other scorer names as they are."""
     return "wordlist" if scorer.partition(":")[0] == "wordlist" else scorer

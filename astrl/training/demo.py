@@ -112,9 +112,18 @@ CHAT_DEMO_CONFIG = {
 CHAT_DEMO_CONVERSATIONS = 436  # two for each of the 218 openers test_fraction 0.35 holds out
 DEMO_MODES = ("text", "chat")
 
-DEMO_JUDGE = "wordlist"  # distinct from the training scorer, so that scorer hacking shows up
 SIDE_SUMMARY = ("mean_reward", "probe_nll", "judges")  # what demo_summary.json and the store keep of a side
 COMPARISON_REPLIES = 4  # the target answers each held-out probe this many times: the elicited reply share
+
+
+def demo_judge(config: TrainConfig) -> str:
+    """The judge the demo compares under: the config's first judge of another kind than its training
+    scorer (``wordlist`` for the profanity-trained recipes), so that scorer hacking shows up."""
+    from astrl.evaluation.run import distinct_judge
+
+    judge = distinct_judge(list(config.judges), [config.scorer])
+    assert judge is not None  # one training scorer leaves at least one of the two offline kinds
+    return judge
 
 
 def demo_config(overrides: dict | None = None, *, full: bool = False, mode: str = "text") -> TrainConfig:
@@ -164,14 +173,14 @@ def compare_testers(
     *,
     conversations: int = 256,
     seed: int = 1234,
-    judge: str = DEMO_JUDGE,
+    judge: str | None = None,
     resamples: int = 1000,
     replies: int = COMPARISON_REPLIES,
 ) -> dict[str, dict]:
     """Run the untrained and the trained tester on the same held-out openers (:func:`held_out_split`), same seed.
 
     Both sides run in the training env's settings (mode, turns, system prompts, reward) with the
-    training scorer and a distinct ``judge`` scoring every reply, then every probe alone (the
+    training scorer and a distinct ``judge`` (default :func:`demo_judge`) scoring every reply, then every probe alone (the
     records and metrics of ``astrl eval``). Per side: ``mean_reward`` (the training reward),
     ``probe_nll`` (mean per-token NLL of the probes under the target), ``judges`` (per scorer name,
     :func:`astrl.evaluation.metrics.elicitation_metrics`: elicited success rate, elicited ASR,
@@ -185,6 +194,7 @@ def compare_testers(
     from astrl.evaluation.run import rollout_records, score_probes
 
     config, models = trainer.config, trainer.models
+    judge = judge or demo_judge(config)
     spec = comparison_spec(config, conversations=conversations, seed=seed, judge=judge, replies=replies)
     results, scorers = {}, None
     for label, model in (("before", models.untrained), ("after", models.tester.model)):
@@ -234,7 +244,7 @@ def record_comparison(config: TrainConfig, comparison: dict[str, dict]) -> None:
 
     for side, values in comparison.items():
         folder = Path(config.run_dir) / "comparison" / side
-        settings = {"demo_run": str(config.run_dir), "side": side, "judge": DEMO_JUDGE}
+        settings = {"demo_run": str(config.run_dir), "side": side, "judge": demo_judge(config)}
         tester = f"{config.run_dir} ({side})"
         with RunRecorder.begin("eval", folder, settings, seed=config.seed, tester=tester, target=config.target) as recorder:
             recorder.turns(first_reply_records(values["records"]))
@@ -286,7 +296,7 @@ def run_demo(
     rows = trainer.train() if trainer.step < config.total_steps else []
     comparison = compare_testers(trainer, conversations=conversations)
     record_comparison(config, comparison)
-    summary = {"judge": DEMO_JUDGE, "scorer": config.scorer, "conversations": conversations}
+    summary = {"judge": demo_judge(config), "scorer": config.scorer, "conversations": conversations}
     summary.update({side: {k: values[k] for k in SIDE_SUMMARY} for side, values in comparison.items()})
     (Path(config.run_dir) / "demo_summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
     return {"config": config, "rows": rows, "comparison": comparison, "conversations": conversations}
