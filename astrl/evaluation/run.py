@@ -103,9 +103,8 @@ def default_judges(run_judges: list[str], training: list[str]) -> list[str]:
     """Judges when ``--judge`` is not given: the run's judges, else its training scorer, else
     ``profanity``; plus the first of :data:`DISTINCT_JUDGES` that is not a training scorer when none
     of those differs from it, so that every default result has a judge the tester was not trained against."""
-    trained_on = training or ["profanity"]
-    judges = run_judges or trained_on[:1]
-    family = {_family(t) for t in trained_on}  # the word list less a few words is still the word list
+    judges = run_judges or (training or ["profanity"])[:1]
+    family = _trained_families(training)
     distinct = next((j for j in DISTINCT_JUDGES if _family(j) not in family), None)
     if all(_family(j) in family for j in judges) and distinct is not None:
         judges = [*judges, distinct]
@@ -116,8 +115,14 @@ def distinct_judge(run_judges: list[str], training: list[str]) -> str | None:
     """The first of :func:`default_judges` of another family than every training scorer (``wordlist``
     for a run trained on ``profanity``, ``profanity`` for one trained on ``wordlist:-god``); ``None``
     when there is none."""
-    family = {_family(t) for t in training or ["profanity"]}
+    family = _trained_families(training)
     return next((j for j in default_judges(run_judges, training) if _family(j) not in family), None)
+
+
+def _trained_families(training: list[str]) -> set[str]:
+    """The families of a run's training scorers (``profanity`` when none are recorded): the word list
+    less a few words is still the word list."""
+    return {_family(t) for t in training or ["profanity"]}
 
 
 def _family(scorer: str) -> str:
