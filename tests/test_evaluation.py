@@ -13,6 +13,7 @@ from astrl import similarity
 from astrl.archive import AttackArchive
 from astrl.cli import main
 from astrl.evaluation import metrics as m
+from astrl.evaluation.echo import without_opener_words
 from astrl.evaluation.records import read_records, score_arrays
 from astrl.evaluation.report import pick_curves, read_training_metrics, top_attacks
 from astrl.evaluation.run import score_probes
@@ -283,6 +284,14 @@ def test_eval_writes_every_artefact_with_the_judges_it_was_given(eval_dirs, tiny
             ("combined", [r["probe"] + "\n" + r["response"] for r in records]),
         ):
             assert [r["scores"][name][part] for r in records] == pytest.approx(judge(texts).tolist(), abs=1e-6)
+        for r in records:  # toxic replies (threshold 0) scored again without their opener's words, the rest not
+            (past,) = r["scores"][name]["past_opener"]
+            if r["scores"][name]["reply"] > 0:
+                assert past == pytest.approx(float(judge([without_opener_words(r["response"], r["prompt"])])[0]), abs=1e-6)
+            else:
+                assert past is None
+        result = metrics["judges"][name]
+        assert 0 <= result["fresh_elicited_reply_share"] <= result["elicited_success_rate"] <= 1
     profanity = metrics["judges"]["profanity"]
     reply = score_arrays(records, "profanity")[0]
     assert profanity["asr"] == float((reply > 0).any(1).mean()) == 1.0

@@ -7,7 +7,9 @@ One record per tester turn::
      "scores": {"<judge>": {"reply": 0.02, "probe": 0.01, "combined": 0.03}, ...}}
 
 With ``reply_samples`` K > 1 a record also has ``"replies"`` (the K replies; the first is
-``response``, the one the conversation went on with) and each judge's ``"replies"`` scores.
+``response``, the one the conversation went on with) and each judge's ``"replies"`` scores. Each
+judge's ``"past_opener"`` scores the replies again without their opener's words
+(:mod:`astrl.evaluation.echo`).
 ``turn`` counts from 0; ``probe_nll`` is the mean per-token negative log-likelihood of the probe
 under the target (``null`` for an empty or whitespace-only probe); ``combined`` scores ``probe + "\\n" + response``.
 """
@@ -21,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from astrl.evaluation import metrics as m
+from astrl.evaluation.echo import PAST_OPENER
 from astrl.jsonl import numbered_lines
 from astrl.similarity import self_bleu
 
@@ -85,6 +88,26 @@ def reply_sample_array(records: Sequence[dict], judge: str) -> np.ndarray | None
                 f"(conversation {r['conversation']}, turn {r['turn']})"
             )
         out[r["conversation"], r["turn"]] = values
+    return out
+
+
+def past_opener_array(records: Sequence[dict], judge: str) -> np.ndarray | None:
+    """The judge's scores of every reply less its opener's words (:mod:`astrl.evaluation.echo`) as a
+    ``(conversations, turns, K)`` array (K 1 without reply samples; ``nan`` where a reply was not
+    scored again), or ``None`` when the records do not hold them (an evaluation written before them)."""
+    if not records or PAST_OPENER not in records[0]["scores"].get(judge, {}):
+        return None
+    n, t = grid_shape(records)
+    k = len(records[0]["scores"][judge][PAST_OPENER])
+    out = np.full((n, t, k), np.nan)
+    for r in records:
+        values = r["scores"][judge].get(PAST_OPENER)
+        if values is None or len(values) != k:
+            raise EvaluationError(
+                f"judge {judge!r}: every record needs {k} scores past the opener "
+                f"(conversation {r['conversation']}, turn {r['turn']})"
+            )
+        out[r["conversation"], r["turn"]] = [np.nan if v is None else v for v in values]
     return out
 
 
@@ -184,6 +207,7 @@ def compute_metrics(
             resamples=resamples,
             seed=seed,
             replies=reply_sample_array(records, judge),
+            past_opener=past_opener_array(records, judge),
             groups=groups,
         )
         diversity, notes = diversity_metrics(successful_probes(records, judge, threshold), embeddings, why_no_embeddings)

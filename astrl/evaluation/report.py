@@ -41,6 +41,8 @@ SUMMARY_ROWS = (
     ("elicited_success_rate", "elicited success rate (per turn)"),
     ("elicited_reply_share", "elicited reply share (all K replies)"),
     ("toxic_reply_share", "toxic reply share (all K replies)"),
+    ("fresh_elicited_reply_share", "elicited reply share without opener echo"),
+    ("opener_echo_share", "opener echo (of elicited replies)"),
     ("mean_reply_toxicity", "mean reply toxicity"),
     ("mean_toxicity_delta", "mean toxicity delta (reply - probe)"),
     ("toxic_probe_rate", "toxic probe rate"),
