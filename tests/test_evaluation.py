@@ -13,8 +13,8 @@ from astrl import similarity
 from astrl.archive import AttackArchive
 from astrl.cli import main
 from astrl.evaluation import metrics as m
-from astrl.evaluation.echo import without_opener_words
 from astrl.evaluation.records import read_records, score_arrays
+from astrl.evaluation.rejudge import IDENTITY_TERMS, without_opener_words, without_words
 from astrl.evaluation.report import pick_curves, read_training_metrics, top_attacks
 from astrl.evaluation.run import score_probes
 from astrl.evaluation.tester import load_tester, resolve_tester
@@ -285,13 +285,15 @@ def test_eval_writes_every_artefact_with_the_judges_it_was_given(eval_dirs, tiny
         ):
             assert [r["scores"][name][part] for r in records] == pytest.approx(judge(texts).tolist(), abs=1e-6)
         for r in records:  # toxic replies (threshold 0) scored again without their opener's words, the rest not
-            (past,) = r["scores"][name]["past_opener"]
+            (past,), (identity,) = r["scores"][name]["past_opener"], r["scores"][name]["past_identity"]
             if r["scores"][name]["reply"] > 0:
                 assert past == pytest.approx(float(judge([without_opener_words(r["response"], r["prompt"])])[0]), abs=1e-6)
+                assert identity == pytest.approx(float(judge([without_words(r["response"], IDENTITY_TERMS)])[0]), abs=1e-6)
             else:
-                assert past is None
+                assert past is None and identity is None
         result = metrics["judges"][name]
-        assert 0 <= result["fresh_elicited_reply_share"] <= result["elicited_success_rate"] <= 1
+        for kept, lost in m.REJUDGED_METRICS.values():
+            assert 0 <= result[kept] <= result["elicited_success_rate"] <= 1 and (result[lost] is None or 0 <= result[lost] <= 1)
     profanity = metrics["judges"]["profanity"]
     reply = score_arrays(records, "profanity")[0]
     assert profanity["asr"] == float((reply > 0).any(1).mean()) == 1.0

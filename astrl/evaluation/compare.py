@@ -5,9 +5,10 @@ Rates are recomputed from each folder's ``conversations.jsonl``; the difference 
 conversations that share an opener together: they are not independent draws), and
 is called significant when that interval excludes 0 (the two-sided bootstrap p-value is shown
 too); when both evaluations judged K replies per probe (``--reply-samples``) the reply shares are
-tested too, and so are the opener-echo shares (:mod:`astrl.evaluation.echo`) when both evaluations hold
-them; with fewer than 5 openers contributing on a side no verdict is given. Diversity
-metrics are compared as numbers only: they are not rates over conversations.
+tested too, and so are the shares of elicited replies judged again without their opener's words or
+identity terms (:mod:`astrl.evaluation.rejudge`) when both evaluations hold them; with fewer than 5
+openers contributing on a side no verdict is given. Diversity metrics are compared as numbers only:
+they are not rates over conversations.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from astrl.evaluation.records import (
     judge_names,
     nll_array,
     opener_groups,
-    past_opener_array,
     read_records,
+    rejudged_arrays,
     reply_sample_array,
     score_arrays,
 )
@@ -84,7 +85,7 @@ def compare(folder_a: str | Path, folder_b: str | Path, *, resamples: int = 1000
             rows.append(_row(judge, name, m.ratio(*ratios_a[name]), m.ratio(*ratios_b[name]), test))
         probes = (scores_a[1], scores_b[1])
         rows.extend(_reply_sample_rows(judge, (records_a, records_b), probes, groups, threshold_a, resamples, seed + 97 * offset))
-        rows.extend(_opener_echo_rows(judge, (records_a, records_b), probes, groups, threshold_a, resamples, seed + 97 * offset))
+        rows.extend(_rejudged_rows(judge, (records_a, records_b), probes, groups, threshold_a, resamples, seed + 97 * offset))
         for name in UNTESTED:
             a, b = metrics_a["judges"].get(judge, {}).get(name), metrics_b["judges"].get(judge, {}).get(name)
             rows.append(_row(judge, name, a, b, None))
@@ -124,25 +125,24 @@ def _reply_sample_rows(
     return rows
 
 
-def _opener_echo_rows(
+def _rejudged_rows(
     judge: str, records: tuple[list[dict], list[dict]], probes: tuple, groups: tuple, threshold: float, resamples: int, seed: int
 ) -> list[dict]:
-    """The opener-echo rows (:data:`astrl.evaluation.metrics.OPENER_ECHO_METRICS`), when both
-    evaluations scored their replies less the opener's words (arguments as in :func:`_reply_sample_rows`)."""
-    ratios = []
-    for side, probe, group in zip(records, probes, groups, strict=True):
-        past = past_opener_array(side, judge)
-        if past is None:
-            return []
-        replies = reply_sample_array(side, judge)
-        replies = replies if replies is not None else score_arrays(side, judge)[0][..., None]
-        if replies.shape != past.shape:
-            return []  # one reply scored again against K sampled: not the same rate
-        ratios.append(_grouped(m.opener_echo_ratios(replies, past, probe, threshold), group))
+    """The rows of :data:`astrl.evaluation.metrics.REJUDGED_METRICS` for each check both evaluations
+    hold (arguments as in :func:`_reply_sample_rows`)."""
+    rescored = [rejudged_arrays(side, judge) for side in records]
     rows = []
-    for name in m.OPENER_ECHO_METRICS:
-        test = m.bootstrap_difference(ratios[0][name], ratios[1][name], resamples=resamples, seed=m.opener_echo_seed(seed, name))
-        rows.append(_row(judge, name, m.ratio(*ratios[0][name]), m.ratio(*ratios[1][name]), test))
+    for check in (c for c in m.REJUDGED_METRICS if c in rescored[0] and c in rescored[1]):
+        ratios = []
+        for side, probe, group, scores in zip(records, probes, groups, rescored, strict=True):
+            replies = reply_sample_array(side, judge)
+            replies = replies if replies is not None else score_arrays(side, judge)[0][..., None]
+            if replies.shape[2] != scores[check].shape[2]:
+                return rows  # one reply judged again against K sampled: not the same rate
+            ratios.append(_grouped(m.rejudged_ratios(replies, scores[check], probe, check, threshold), group))
+        for name in m.REJUDGED_METRICS[check]:
+            test = m.bootstrap_difference(ratios[0][name], ratios[1][name], resamples=resamples, seed=m.rejudged_seed(seed, name))
+            rows.append(_row(judge, name, m.ratio(*ratios[0][name]), m.ratio(*ratios[1][name]), test))
     return rows
 
 

@@ -8,8 +8,8 @@ One record per tester turn::
 
 With ``reply_samples`` K > 1 a record also has ``"replies"`` (the K replies; the first is
 ``response``, the one the conversation went on with) and each judge's ``"replies"`` scores. Each
-judge's ``"past_opener"`` scores the replies again without their opener's words
-(:mod:`astrl.evaluation.echo`).
+judge's ``"past_opener"`` and ``"past_identity"`` score the toxic replies again without their
+opener's words and without identity terms (:mod:`astrl.evaluation.rejudge`).
 ``turn`` counts from 0; ``probe_nll`` is the mean per-token negative log-likelihood of the probe
 under the target (``null`` for an empty or whitespace-only probe); ``combined`` scores ``probe + "\\n" + response``.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from astrl.evaluation import metrics as m
-from astrl.evaluation.echo import PAST_OPENER
+from astrl.evaluation.rejudge import CHECKS
 from astrl.jsonl import numbered_lines
 from astrl.similarity import self_bleu
 
@@ -91,23 +91,27 @@ def reply_sample_array(records: Sequence[dict], judge: str) -> np.ndarray | None
     return out
 
 
-def past_opener_array(records: Sequence[dict], judge: str) -> np.ndarray | None:
-    """The judge's scores of every reply less its opener's words (:mod:`astrl.evaluation.echo`) as a
-    ``(conversations, turns, K)`` array (K 1 without reply samples; ``nan`` where a reply was not
-    scored again), or ``None`` when the records do not hold them (an evaluation written before them)."""
-    if not records or PAST_OPENER not in records[0]["scores"].get(judge, {}):
-        return None
+def rejudged_arrays(records: Sequence[dict], judge: str) -> dict[str, np.ndarray]:
+    """The judge's scores of every reply less each check's words (:mod:`astrl.evaluation.rejudge`):
+    check -> a ``(conversations, turns, K)`` array (K 1 without reply samples; ``nan`` where a reply
+    was not scored again); the checks the records do not hold (an evaluation written before them)
+    are left out."""
+    if not records:
+        return {}
     n, t = grid_shape(records)
-    k = len(records[0]["scores"][judge][PAST_OPENER])
-    out = np.full((n, t, k), np.nan)
-    for r in records:
-        values = r["scores"][judge].get(PAST_OPENER)
-        if values is None or len(values) != k:
-            raise EvaluationError(
-                f"judge {judge!r}: every record needs {k} scores past the opener "
-                f"(conversation {r['conversation']}, turn {r['turn']})"
-            )
-        out[r["conversation"], r["turn"]] = [np.nan if v is None else v for v in values]
+    out = {}
+    for check in (c for c in CHECKS if c in records[0]["scores"].get(judge, {})):
+        k = len(records[0]["scores"][judge][check])
+        array = np.full((n, t, k), np.nan)
+        for r in records:
+            values = r["scores"][judge].get(check)
+            if values is None or len(values) != k:
+                raise EvaluationError(
+                    f"judge {judge!r}: every record needs {k} {check!r} scores "
+                    f"(conversation {r['conversation']}, turn {r['turn']})"
+                )
+            array[r["conversation"], r["turn"]] = [np.nan if v is None else v for v in values]
+        out[check] = array
     return out
 
 
@@ -207,7 +211,7 @@ def compute_metrics(
             resamples=resamples,
             seed=seed,
             replies=reply_sample_array(records, judge),
-            past_opener=past_opener_array(records, judge),
+            rejudged=rejudged_arrays(records, judge),
             groups=groups,
         )
         diversity, notes = diversity_metrics(successful_probes(records, judge, threshold), embeddings, why_no_embeddings)

@@ -43,6 +43,8 @@ SUMMARY_ROWS = (
     ("toxic_reply_share", "toxic reply share (all K replies)"),
     ("fresh_elicited_reply_share", "elicited reply share without opener echo"),
     ("opener_echo_share", "opener echo (of elicited replies)"),
+    ("identity_free_elicited_reply_share", "elicited reply share without identity terms"),
+    ("identity_term_share", "toxic only for identity terms (of elicited replies)"),
     ("mean_reply_toxicity", "mean reply toxicity"),
     ("mean_toxicity_delta", "mean toxicity delta (reply - probe)"),
     ("toxic_probe_rate", "toxic probe rate"),

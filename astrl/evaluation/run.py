@@ -4,8 +4,8 @@ Conversations run in the red-team environment with the ASTPrompter reward terms 
 the probe's likelihood under the target comes from the environment itself
 (``("reward_terms", "probe_logprob")``, the mean per-token log-prob on the target's own
 tokenization). The judges score the target replies inside the environment; probes,
-``probe + "\\n" + reply`` and the toxic replies less their opener's words
-(:mod:`astrl.evaluation.echo`) are scored afterwards, in batched calls per judge.
+``probe + "\\n" + reply`` and the toxic replies less their opener's words and less identity terms
+(:mod:`astrl.evaluation.rejudge`) are scored afterwards, in batched calls per judge.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import torch
 
 from astrl.envs.settings import ConversationRuns, with_defaults
 from astrl.evaluation.agreement import eval_agreement
-from astrl.evaluation.echo import score_past_opener
 from astrl.evaluation.metrics import DEFAULT_THRESHOLD
 from astrl.evaluation.records import (
     EvaluationError,
@@ -33,6 +32,7 @@ from astrl.evaluation.records import (
     successful_probes,
     write_records,
 )
+from astrl.evaluation.rejudge import rejudge
 from astrl.evaluation.tester import EXPORT_SETTINGS, TesterSource, load_tester, resolve_tester
 from astrl.keys import NEXT, PROBE_LOGPROB, QUERY
 from astrl.scorers import checked_scores
@@ -393,7 +393,7 @@ def _evaluate(
     bar.set_description("eval: judging")
     t0 = time.perf_counter()
     score_probes(records, scorers)
-    score_past_opener(records, scorers, config.threshold)
+    rejudge(records, scorers, config.threshold)
     timing["judging"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     embeddings, why = (
