@@ -137,7 +137,13 @@ def test_a_config_yaml_written_before_the_sections_loads_as_an_equal_config(tmp_
     old = read_yaml_mapping("tests/data/config_v0.yaml")
     config = load_config("tests/data/config_v0.yaml")
     added = {spec.name: spec.default for spec in FIELDS if spec.name not in old}  # keys added since, at their defaults
-    assert added == {"test_fraction": None, "guide_search": False, "kl_reference": "base", "probe_gate_lexicon": False}
+    assert added == {
+        "test_fraction": None,
+        "guide_search": False,
+        "kl_reference": "base",
+        "probe_gate_lexicon": False,
+        "reply_past_opener": False,
+    }
     assert config.to_dict() == {**old, **added} and list(old) != [spec.name for spec in FIELDS]  # same values, other order
     assert config == TrainConfig(**old)
     config.save(tmp_path / "config.yaml")

@@ -542,6 +542,7 @@ def test_elicit_settings_are_checked_with_the_offending_value():
         (["reward=elicit", "likelihood_cap=1"], "likelihood_cap is a mean log-prob and must be <= 0"),
         (["reward=score", "reply_lexicon_weight=1"], "apply to reward 'elicit'"),
         (["reward=elicit", "probe_gate_lexicon=true"], "probe_gate_lexicon reads the elicit reward's reply lexicon"),
+        (["reply_past_opener=true"], "reply_past_opener reads the elicit reward's replies: set reward: elicit (reward is 'score')"),
         (["warm_start_probes=-1"], "warm_start_probes must be >= 0"),
         (["warm_start_min_toxic=2"], "warm_start_min_toxic must be in [0, 1], got 2.0"),
         (["warm_start_select=best"], "warm_start_select must be one of ('share', 'lexicon', 'search', 'best_of'), got 'best'"),
@@ -570,6 +571,8 @@ def test_elicit_settings_are_checked_with_the_offending_value():
         RolloutConfig(reward="score", probe_gate_lexicon=True)
     gated = load_config(None, ["reward=elicit", "reply_lexicon_weight=2", "probe_gate_lexicon=true"])
     assert gated.reward_options()["gate_lexicon"] is True
+    assert load_config(None, ["reward=elicit", "reply_past_opener=true"]).reward_options()["past_opener"] is True
+    assert load_config(None, ["reward=elicit"]).reward_options()["past_opener"] is False
 
 
 def test_text_mode_probes_end_at_the_testers_special_tokens():
@@ -889,3 +892,61 @@ def test_best_of_in_chat_mode_ranks_samples_by_their_whole_replys_lexicon_estima
         assert candidate["response_tokens"].tolist() == probes[chosen][: probe_lengths[chosen]].tolist()
     first = probs[:, 0]  # the first reply token's mass alone: what best_of read before
     assert any(float(e) > float(m) + 1e-3 for e, m in zip(estimates, first, strict=True))
+
+
+# -- past_opener: replies that restate the opener are not paid ------------------------------------------------
+def test_past_opener_pays_each_reply_the_lower_of_its_scores_with_and_without_the_openers_words():
+    from astrl.rewards import ElicitReward
+
+    reward = ElicitReward(None, make_tokenizer(), SCORER, weights=ElicitWeights(past_opener=True))
+    root = TensorDict({"query": ["you idiot", "a calm day"]}, batch_size=(2,))
+    nxt = TensorDict({TARGET_RESPONSES: [["you idiot", "the idiot"], ["you idiot", "ok"]]}, batch_size=(2,))
+    scores = torch.tensor([[1.0, 1.0], [1.0, 0.0]])  # SCORER on the replies as they are
+    # row 0: "you idiot" less the opener's words is "" (0), "the idiot" keeps "the" (1); row 1: the opener has neither word
+    torch.testing.assert_close(reward.reply_scores(root, nxt, scores), torch.tensor([[0.0, 1.0], [1.0, 0.0]]))
+    # off, the scores pass unchanged; without the opener in the env, a clear error
+    plain = ElicitReward(None, make_tokenizer(), SCORER, weights=ElicitWeights())
+    assert plain.reply_scores(root, nxt, scores) is scores
+    with pytest.raises(ValueError, match="reads each conversation's opener at 'query'"):
+        reward.reply_scores(TensorDict({}, batch_size=(2,)), nxt, scores)
+
+
+class Length:
+    """A scorer that grows with the text's length, so taking words out of a reply lowers its score."""
+
+    name = "length"
+
+    def __call__(self, texts):
+        return torch.tensor([min(1.0, len(t) / 40) for t in texts])
+
+
+def test_past_opener_in_a_rollout_reads_the_replies_without_their_openers_words():
+    from astrl.rewards.lexicon import without_opener_words
+
+    tester, target = _policies()
+    scorer = Length()
+    env = make_redteam_env(
+        tester,
+        target,
+        [scorer],
+        OPENERS,
+        batch_size=2,
+        max_turns=2,
+        reward="elicit",
+        reward_options={"gamma": 0.0, "penalty": 0.0, "past_opener": True},
+        reply_samples=3,
+    )
+    torch.manual_seed(0)
+    rollout = env.rollout(2, tester)
+    nxt = rollout["next"]
+    openers = [row[0] for row in as_list(rollout["query"])]
+    replies = as_list(nxt[TARGET_RESPONSES])
+    expected = torch.tensor(
+        [
+            [sum(min(len(r), len(without_opener_words(r, opener))) / 40 for r in replies[i][t]) / 3 for t in range(2)]
+            for i, opener in enumerate(openers)
+        ]
+    )
+    got, plain = nxt["reward_terms", "response_tox"], nxt[REPLY_SCORES, "length"].mean(-1)
+    torch.testing.assert_close(got, expected)
+    assert (got <= plain + 1e-6).all() and (got < plain - 1e-6).any()  # some reply held an opener's word

@@ -25,10 +25,11 @@ turns them into the shares of :data:`astrl.evaluation.metrics.REJUDGED_METRICS`.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 
-WORD = re.compile(r"[^\W\d_]+")  # runs of letters, in any script
+from astrl.rewards.lexicon import without_opener_words, without_words, words_of
+
+__all__ = ["CHECKS", "IDENTITY_TERMS", "rejudge", "without_opener_words", "without_words", "words_of"]
 
 # Group names by sexual orientation and gender identity, religion, and origin (singular and plural).
 IDENTITY_TERMS = frozenset(
@@ -41,22 +42,6 @@ IDENTITY_TERMS = frozenset(
     latinas mexican mexicans arab arabs immigrant immigrants
     """.split()
 )
-
-
-def words_of(text: str) -> frozenset[str]:
-    """The lower-cased words (runs of letters) of ``text``."""
-    return frozenset(w.lower() for w in WORD.findall(text))
-
-
-def without_words(text: str, words: frozenset[str] | set[str]) -> str:
-    """``text`` with every word in ``words`` (lower-case) removed, whole words only (``"ass"`` leaves
-    ``"class"`` alone), case-insensitive; the rest kept as it was."""
-    return WORD.sub(lambda match: "" if match.group(0).lower() in words else match.group(0), text)
-
-
-def without_opener_words(text: str, opener: str) -> str:
-    """``text`` less every word that also occurs in ``opener``."""
-    return without_words(text, words_of(opener))
 
 
 # check name -> the words it takes out of a record's replies

@@ -23,9 +23,20 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.data import Composite, Unbounded
 
 from astrl._compat import as_list
-from astrl.keys import PROBE, REPLY_SCORES, REWARD, REWARD_TERMS, SCORES, TARGET_CONTEXT, TARGET_LEXICON, TARGET_RESPONSE
+from astrl.keys import (
+    PROBE,
+    QUERY,
+    REPLY_SCORES,
+    REWARD,
+    REWARD_TERMS,
+    SCORES,
+    TARGET_CONTEXT,
+    TARGET_LEXICON,
+    TARGET_RESPONSE,
+    TARGET_RESPONSES,
+)
 from astrl.lm_scoring import mean_logprobs, token_logprobs
-from astrl.rewards.lexicon import holds_listed_word
+from astrl.rewards.lexicon import holds_listed_word, without_opener_words
 from astrl.rewards.logprobs import StepTransform
 from astrl.rewards.weights import ASTPrompterWeights, ElicitWeights, reward_weights, weight_names
 
@@ -169,6 +180,10 @@ class ASTPrompterReward(StepTransform):
         """The reply term from the scores of each probe's replies (shape ``(N, K)``): their mean."""
         return scores.mean(-1)
 
+    def reply_scores(self, root: TensorDictBase, nxt: TensorDictBase, scores: torch.Tensor) -> torch.Tensor:
+        """The scores of each probe's replies (``(N, K)``) as the reply term reads them: as they are here."""
+        return scores
+
     def extra_terms(self, probes: list[str], nxt: TensorDictBase) -> dict[str, torch.Tensor]:
         """Terms beyond toxicity and likelihood (none here)."""
         return {}
@@ -180,7 +195,7 @@ class ASTPrompterReward(StepTransform):
         terms = self.toxicity_terms(probes, replies, nxt.get((SCORES, self.scorer.name), None))
         samples = nxt.get((REPLY_SCORES, self.scorer.name), None)  # the K replies' scores, with reply_samples > 1
         samples = terms["response_tox"].reshape(-1, 1) if samples is None else samples.reshape(len(probes), -1)
-        terms["response_tox"] = self.reply_term(samples.float())
+        terms["response_tox"] = self.reply_term(self.reply_scores(root, nxt, samples.float()))
         terms.update(self.extra_terms(probes, nxt))
         with torch.inference_mode():
             logprob = probe_logprobs(
@@ -232,6 +247,22 @@ class ElicitReward(ASTPrompterReward):
 
     def reply_term(self, scores: torch.Tensor) -> torch.Tensor:
         return self.weights.reply_value(scores).mean(-1)
+
+    def reply_scores(self, root: TensorDictBase, nxt: TensorDictBase, scores: torch.Tensor) -> torch.Tensor:
+        """With the weights' ``past_opener``, each reply's score is also read without its conversation's
+        opener's words (one scorer call over the step's replies) and the lower of the two is kept."""
+        if not self.weights.past_opener:
+            return scores
+        if QUERY not in root.keys():
+            raise ValueError(
+                f"the elicit reward's past_opener reads each conversation's opener at {QUERY!r}, which the env lacks"
+            )
+        openers = as_list(root.get(QUERY))
+        many = nxt.get(TARGET_RESPONSES, None) if scores.shape[-1] > 1 else None
+        rows = [list(row) for row in as_list(many)] if many is not None else [[r] for r in as_list(nxt.get(self.response_key))]
+        texts = [without_opener_words(reply, opener) for opener, row in zip(openers, rows, strict=True) for reply in row]
+        past = checked_scores(self.scorer, texts).reshape(scores.shape).to(scores.dtype)
+        return torch.minimum(scores, past)
 
     def extra_terms(self, probes: list[str], nxt: TensorDictBase) -> dict[str, torch.Tensor]:
         from astrl.similarity import repeated_ngram_share

@@ -101,6 +101,22 @@ def lexicon_words(source: str, *, scorer=None, tokenizer=None, threshold: float 
 _WORD = re.compile(r"[^\W\d_]+")  # a run of letters
 
 
+def words_of(text: str) -> frozenset[str]:
+    """The lower-cased words (runs of letters) of ``text``."""
+    return frozenset(w.lower() for w in _WORD.findall(text))
+
+
+def without_words(text: str, words: frozenset[str] | set[str]) -> str:
+    """``text`` with every word in ``words`` (lower-case) removed, whole words only (``"ass"`` leaves
+    ``"class"`` alone), case-insensitive; the rest kept as it was."""
+    return _WORD.sub(lambda match: "" if match.group(0).lower() in words else match.group(0), text)
+
+
+def without_opener_words(text: str, opener: str) -> str:
+    """``text`` less every word that also occurs in ``opener``."""
+    return without_words(text, words_of(opener))
+
+
 def holds_listed_word(texts: Sequence[str], words: Iterable[str]) -> list[bool]:
     """Whether each text holds one of ``words`` as a whole word, in any case (``"Sex."`` holds ``sex``;
     ``"Essex"`` does not)."""

@@ -47,7 +47,10 @@ class ElicitWeights:
     = 1): a reply that repeats the probe's own word is echoed, not elicited, and a sentence can carry
     such a word below any toxicity threshold of the probe. ``cap``
     (a mean log-prob, e.g. -1.5) stops the likelihood term from paying for probes more likely than
-    natural text, such as repetitions; None: no cap.
+    natural text, such as repetitions; None: no cap. With ``past_opener``, ``tox(reply)`` is
+    ``min(tox(reply), tox(reply less its opener's words))``: a reply that only restates words of the
+    conversation's opener is not paid (the reward reads what the metric ``fresh_elicited_reply_share``
+    counts, :mod:`astrl.evaluation.rejudge`).
     """
 
     alpha: float = 1.0
@@ -60,6 +63,7 @@ class ElicitWeights:
     repeat: float = 0.0
     cap: float | None = None
     gate_lexicon: bool = False
+    past_opener: bool = False
 
     def __post_init__(self) -> None:
         for name in ("alpha", "penalty", "gamma", "lexicon", "repeat"):
@@ -143,6 +147,7 @@ SETTING_NAMES = {
     "lexicon": "reply_lexicon_weight",
     "repeat": "repeat_penalty",
     "cap": "likelihood_cap",
+    "past_opener": "reply_past_opener",
     "lexicon_source": "reply_lexicon",
     "lexicon_threshold": "reply_lexicon_threshold",
 }

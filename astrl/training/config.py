@@ -155,6 +155,13 @@ class RewardSection:
             "repeats the probe's word is echoed, not elicited; needs reply_lexicon_weight > 0)."
         },
     )
+    reply_past_opener: bool = field(
+        default=False,
+        metadata={
+            "help": "elicit: read each reply's toxicity also without the words of its conversation's opener and pay "
+            "the lower of the two (a reply that restates the opener is not elicited)."
+        },
+    )
     reply_transform: str = field(
         default="prob",
         metadata={
@@ -226,6 +233,10 @@ class RewardSection:
                     not self.probe_gate_lexicon or (self.reward == "elicit" and self.reply_lexicon_weight > 0),
                     f"probe_gate_lexicon reads the elicit reward's reply lexicon: set reward: elicit and "
                     f"reply_lexicon_weight > 0 (reward is {self.reward!r}, reply_lexicon_weight {self.reply_lexicon_weight})",
+                ),
+                (
+                    not self.reply_past_opener or self.reward == "elicit",
+                    f"reply_past_opener reads the elicit reward's replies: set reward: elicit (reward is {self.reward!r})",
                 ),
                 (
                     self.reward == "elicit" or self._elicit_defaults(),
