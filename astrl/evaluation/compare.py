@@ -80,8 +80,10 @@ def compare(folder_a: str | Path, folder_b: str | Path, *, resamples: int = 1000
         ratios_a = _grouped(m.conversation_ratios(*scores_a, threshold_a), groups[0])
         ratios_b = _grouped(m.conversation_ratios(*scores_b, threshold_a), groups[1])
         for name in TESTED:
-            k = m.RATE_METRICS.index(name)  # seeds follow RATE_METRICS, not the table order
-            test = m.bootstrap_difference(ratios_a[name], ratios_b[name], resamples=resamples, seed=seed + 97 * offset + k)
+            # seeds follow INTERVAL_METRICS, not the table order
+            test = m.bootstrap_difference(
+                ratios_a[name], ratios_b[name], resamples=resamples, seed=m.metric_seed(seed + 97 * offset, name)
+            )
             rows.append(_row(judge, name, m.ratio(*ratios_a[name]), m.ratio(*ratios_b[name]), test))
         probes = (scores_a[1], scores_b[1])
         rows.extend(_reply_sample_rows(judge, (records_a, records_b), probes, groups, threshold_a, resamples, seed + 97 * offset))
@@ -119,8 +121,8 @@ def _reply_sample_rows(
     ratios_a = _grouped(m.reply_sample_ratios(replies_a, probes[0], threshold), groups[0])
     ratios_b = _grouped(m.reply_sample_ratios(replies_b, probes[1], threshold), groups[1])
     rows = []
-    for k, name in enumerate(m.REPLY_SAMPLE_METRICS):
-        test = m.bootstrap_difference(ratios_a[name], ratios_b[name], resamples=resamples, seed=seed + len(m.RATE_METRICS) + k)
+    for name in m.REPLY_SAMPLE_METRICS:
+        test = m.bootstrap_difference(ratios_a[name], ratios_b[name], resamples=resamples, seed=m.metric_seed(seed, name))
         rows.append(_row(judge, name, m.ratio(*ratios_a[name]), m.ratio(*ratios_b[name]), test))
     return rows
 
@@ -141,7 +143,7 @@ def _rejudged_rows(
                 return rows  # one reply judged again against K sampled: not the same rate
             ratios.append(_grouped(m.rejudged_ratios(replies, scores[check], probe, check, threshold), group))
         for name in m.REJUDGED_METRICS[check]:
-            test = m.bootstrap_difference(ratios[0][name], ratios[1][name], resamples=resamples, seed=m.rejudged_seed(seed, name))
+            test = m.bootstrap_difference(ratios[0][name], ratios[1][name], resamples=resamples, seed=m.metric_seed(seed, name))
             rows.append(_row(judge, name, m.ratio(*ratios[0][name]), m.ratio(*ratios[1][name]), test))
     return rows
 

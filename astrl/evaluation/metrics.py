@@ -394,14 +394,7 @@ def reply_sample_ratios(
 
 
 def _reply_shares_with_intervals(ratios: dict, k: int, resamples: int, confidence: float, seed: int, groups=None) -> dict:
-    out: dict = {"reply_samples": int(k)}
-    for i, name in enumerate(REPLY_SAMPLE_METRICS):
-        num, den = grouped(*ratios[name], groups)
-        out[name] = ratio(num, den)
-        out[f"{name}_ci"] = bootstrap_ratio(
-            num, den, resamples=resamples, confidence=confidence, seed=seed + len(RATE_METRICS) + i
-        )
-    return out
+    return {"reply_samples": int(k), **_rates_with_intervals(ratios, REPLY_SAMPLE_METRICS, resamples, confidence, seed, groups)}
 
 
 def reply_sample_metrics(
@@ -501,23 +494,19 @@ def rejudged_metrics(
     elicited replies is ``None`` when nothing was elicited."""
     out: dict = {}
     for check, scores in rescored.items():
-        for name, (num, den) in rejudged_ratios(replies, scores, probe, check, threshold).items():
-            num, den = grouped(num, den, groups)
-            out[name] = ratio(num, den)
-            interval_seed = rejudged_seed(seed, name)
-            out[f"{name}_ci"] = bootstrap_ratio(num, den, resamples=resamples, confidence=confidence, seed=interval_seed)
+        ratios = rejudged_ratios(replies, scores, probe, check, threshold)
+        out.update(_rates_with_intervals(ratios, REJUDGED_METRICS[check], resamples, confidence, seed, groups))
     return out
 
 
-def rejudged_seed(seed: int, name: str) -> int:
-    """The bootstrap seed of a :data:`REJUDGED_METRICS` metric, after those of the rates and reply shares."""
-    names = [n for pair in REJUDGED_METRICS.values() for n in pair]
-    return seed + len(RATE_METRICS) + len(REPLY_SAMPLE_METRICS) + names.index(name)
+# every metric with a bootstrap interval, in the order of their seeds
+INTERVAL_METRICS = (*RATE_METRICS, *REPLY_SAMPLE_METRICS, *(name for pair in REJUDGED_METRICS.values() for name in pair))
 
 
-def _metric_seed(seed: int, name: str) -> int:
-    """Each rate's bootstrap seed: the same for a metric wherever it is computed."""
-    return seed + RATE_METRICS.index(name)
+def metric_seed(seed: int, name: str) -> int:
+    """Each interval metric's bootstrap seed (:data:`INTERVAL_METRICS`): the same for a metric wherever
+    it is computed."""
+    return seed + INTERVAL_METRICS.index(name)
 
 
 def elicitation_metrics(
@@ -575,7 +564,7 @@ def _rates_with_intervals(ratios: dict, names, resamples: int, confidence: float
     for name in names:
         num, den = grouped(*ratios[name], groups)
         out[name] = ratio(num, den)
-        out[f"{name}_ci"] = bootstrap_ratio(num, den, resamples=resamples, confidence=confidence, seed=_metric_seed(seed, name))
+        out[f"{name}_ci"] = bootstrap_ratio(num, den, resamples=resamples, confidence=confidence, seed=metric_seed(seed, name))
     return out
 
 

@@ -72,23 +72,28 @@ def score_arrays(records: Sequence[dict], judge: str) -> tuple[np.ndarray, np.nd
     return tuple(_grid(records, shape, lambda r, part=part: r["scores"][judge][part]) for part in SCORE_PARTS)
 
 
+def _per_reply_grid(records: Sequence[dict], judge: str, key: str, what: str) -> np.ndarray:
+    """A judge's per-reply scores at ``key`` as a ``(conversations, turns, K)`` array (``None`` entries
+    as ``nan``), K from the first record; raises naming ``what`` when a record holds another count."""
+    n, t = grid_shape(records)
+    k = len(records[0]["scores"][judge][key])
+    out = np.full((n, t, k), np.nan)
+    for r in records:
+        values = r["scores"][judge].get(key)
+        if values is None or len(values) != k:
+            raise EvaluationError(
+                f"judge {judge!r}: every record needs {k} {what} (conversation {r['conversation']}, turn {r['turn']})"
+            )
+        out[r["conversation"], r["turn"]] = [np.nan if v is None else v for v in values]
+    return out
+
+
 def reply_sample_array(records: Sequence[dict], judge: str) -> np.ndarray | None:
     """The judge's scores of every sampled reply as a ``(conversations, turns, K)`` array, or ``None``
     when the records hold one reply a turn (``reply_samples`` 1)."""
     if not records or "replies" not in records[0]["scores"].get(judge, {}):
         return None
-    n, t = grid_shape(records)
-    k = len(records[0]["scores"][judge]["replies"])
-    out = np.full((n, t, k), np.nan)
-    for r in records:
-        values = r["scores"][judge].get("replies")
-        if values is None or len(values) != k:
-            raise EvaluationError(
-                f"judge {judge!r}: every record needs {k} reply-sample scores "
-                f"(conversation {r['conversation']}, turn {r['turn']})"
-            )
-        out[r["conversation"], r["turn"]] = values
-    return out
+    return _per_reply_grid(records, judge, "replies", "reply-sample scores")
 
 
 def rejudged_arrays(records: Sequence[dict], judge: str) -> dict[str, np.ndarray]:
@@ -96,23 +101,8 @@ def rejudged_arrays(records: Sequence[dict], judge: str) -> dict[str, np.ndarray
     check -> a ``(conversations, turns, K)`` array (K 1 without reply samples; ``nan`` where a reply
     was not scored again); the checks the records do not hold (an evaluation written before them)
     are left out."""
-    if not records:
-        return {}
-    n, t = grid_shape(records)
-    out = {}
-    for check in (c for c in CHECKS if c in records[0]["scores"].get(judge, {})):
-        k = len(records[0]["scores"][judge][check])
-        array = np.full((n, t, k), np.nan)
-        for r in records:
-            values = r["scores"][judge].get(check)
-            if values is None or len(values) != k:
-                raise EvaluationError(
-                    f"judge {judge!r}: every record needs {k} {check!r} scores "
-                    f"(conversation {r['conversation']}, turn {r['turn']})"
-                )
-            array[r["conversation"], r["turn"]] = [np.nan if v is None else v for v in values]
-        out[check] = array
-    return out
+    held = [c for c in CHECKS if records and c in records[0]["scores"].get(judge, {})]
+    return {check: _per_reply_grid(records, judge, check, f"{check!r} scores") for check in held}
 
 
 def first_reply_records(records: Sequence[dict]) -> list[dict]:
