@@ -418,3 +418,39 @@ def test_rows_are_read_without_copying_the_cache_and_the_search_finds_exactly_wh
     expected = lexicon_beam_search(model, model, tok, tok, OPENERS, lexicon, **options)
     for a, b in zip(found, expected, strict=True):
         assert torch.equal(a.tokens, b.tokens) and (a.mass, a.logprob, a.nll) == (b.mass, b.logprob, b.nll)
+
+
+def test_warm_start_scorer_chooses_the_warm_starts_probes_while_rl_trains_on_the_scorer(tmp_path, monkeypatch):
+    from test_reply_samples import warm_started
+
+    import astrl.envs.redteam as redteam
+    import astrl.training.warm_start as warm
+    from astrl.scorers import make_scorer
+
+    lexicons, rl_lexicons = [], []
+    real_search, real_env_lexicon = warm.search_probes, redteam._reply_lexicon
+    monkeypatch.setattr(warm, "search_probes", lambda c, m, o, lexicon: lexicons.append(lexicon) or real_search(c, m, o, lexicon))
+    monkeypatch.setattr(redteam, "_reply_lexicon", lambda *a: rl_lexicons.append(real_env_lexicon(*a)) or rl_lexicons[-1])
+    settings = dict(
+        scorer="keywords:the,you", warm_start_scorer="keywords:hell,idiot", reward="elicit", mode="text", turns=1,
+        total_steps=1, max_new_tokens=3, reply_lexicon="scorer", reply_lexicon_weight=1.0, warm_start_probes=6,
+        warm_start_min_toxic=0.0, warm_start_select="search", warm_start_beams=2, warm_start_top_k=3,
+    )  # fmt: skip
+    trainer, found, summary, kept = warm_started(tmp_path, monkeypatch, "search_candidates", **settings)
+    assert [lex.words for lex in lexicons] == [["hell", "idiot"]]  # the warm-start scorer's words, not "the", "you"
+    chooser = make_scorer("keywords:hell,idiot")
+    assert [c["probe_score"] for c in found] == chooser([c["probe"] for c in found]).tolist()
+    assert summary["scorer"] == "keywords:hell,idiot" and summary["sampled"] == 6
+    assert trainer.config.scorer == "keywords:the,you"  # the RL steps keep the run's scorer and its lexicon
+    assert rl_lexicons and all(lex.words == ["the", "you"] for lex in rl_lexicons)
+
+
+def test_warm_start_scorer_is_checked_before_a_model_loads(tmp_path):
+    from test_training import _config
+
+    from astrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="warm_start_scorer 'profanity' chooses the warm start's probes: set warm_start_probes"):
+        _config(tmp_path, warm_start_scorer="profanity")
+    with pytest.raises(Exception, match="unknown scorer 'nosuch'"):
+        _config(tmp_path, warm_start_probes=2, warm_start_scorer="nosuch").check_names()

@@ -90,6 +90,14 @@ def test_shipped_configs_load_and_demo_matches_its_yaml():
         "split_seed", "judges", "likelihood_cap", "guide_search", "test_fraction", "prompts_per_step", "total_steps", "lr",
         "kl_coef", "kl_reference", "save_every", "keep_checkpoints", "sample_every", "run_dir",
     }  # fmt: skip
+    # the chat RL recipe is the chat demo's warm start with another scorer for its RL steps and these changes only
+    chat_rl = yaml.safe_load((folder / "elicit_chat_rl.yaml").read_text())
+    changed = {k for k in {*chat_rl, *CHAT_DEMO_CONFIG} if chat_rl.get(k) != CHAT_DEMO_CONFIG.get(k)}
+    assert changed == {
+        "split_seed", "scorer", "warm_start_scorer", "judges", "likelihood_cap", "reply_past_opener", "probe_gate_lexicon",
+        "kl_reference", "total_steps", "lr", "save_every", "keep_checkpoints", "run_dir",
+    }  # fmt: skip
+    assert chat_rl["warm_start_scorer"] == CHAT_DEMO_CONFIG["scorer"] and chat_rl["judges"] == [CHAT_DEMO_CONFIG["scorer"]]
     # the CPU-sized configs: one per algorithm, each smaller than its GPU-sized namesake
     cpu = {p.stem: load_config(p) for p in (folder / "cpu").glob("*.yaml")}
     assert sorted(cpu) == ["dpo", "grpo", "ipo", "ppo"]

@@ -539,6 +539,14 @@ class WarmStartSection:
             "the untrained one rarely writes."
         },
     )
+    warm_start_scorer: str | None = field(
+        default=None,
+        metadata={
+            "help": "Warm start: the scorer whose judgement chooses the warm start's probes (its lexicon when "
+            "reply_lexicon is scorer, its scores of probes and sampled replies); null = scorer. The RL steps "
+            "still train on scorer, so a run can start from probes one scorer found and learn on another's reward."
+        },
+    )
     warm_start_epochs: int = field(default=3, metadata={"help": "Warm start: passes over the kept probes."})
     warm_start_lr: float = field(default=1e-3, metadata={"help": "Warm start: learning rate of the fine-tuning (AdamW)."})
 
@@ -585,6 +593,11 @@ class WarmStartSection:
                     f"(warm_start_select is {self.warm_start_select!r}), or guide_search: true",
                 ),
                 (self.warm_start_lr > 0, f"warm_start_lr must be > 0, got {self.warm_start_lr}"),
+                (
+                    self.warm_start_scorer is None or self.warm_start_probes > 0,
+                    f"warm_start_scorer {self.warm_start_scorer!r} chooses the warm start's probes: set "
+                    f"warm_start_probes > 0 (got {self.warm_start_probes}), or drop it",
+                ),
             ]
         )
 
@@ -829,8 +842,9 @@ class TrainConfig(
         from astrl.names import check_names
 
         roles = {"tester": self.tester, "target": self.target}
+        scorers = [self.scorer, *self.judges, *([self.warm_start_scorer] if self.warm_start_scorer else [])]
         check_names(
-            roles, [self.scorer, *self.judges], self.prompts, split=self.split, split_seed=self.prompt_split_seed,
+            roles, scorers, self.prompts, split=self.split, split_seed=self.prompt_split_seed,
             test_fraction=self.test_fraction,
         )  # fmt: skip
         self._check_reply_lexicon()

@@ -29,6 +29,10 @@ set-ups the untrained one rarely writes, so a later round's search finds stronge
 proposes less natural text, which ``warm_start_max_nll`` bounds (the searched probes' mean per-token
 NLL under the target, at every step of the search and again when keeping).
 
+Everything above reads the training scorer unless ``warm_start_scorer`` names another: then the warm
+start chooses its probes by that scorer (its lexicon under ``reply_lexicon: scorer``, its scores of
+probes and replies) while the RL steps after it train on ``scorer``.
+
 :func:`warm_start` runs it on a run's config and models (never the trainer itself) and returns what it
 did (sampled, kept, losses), which the trainer records in ``warm_start.json`` (the kept probes in
 ``warm_start.jsonl``) and in its checkpoint. Its finished rounds are saved through a
@@ -349,6 +353,7 @@ def warm_start(
     each round and at the end."""
     if models is None:
         raise ValueError("warm_start_probes applies to config-built runs (a System trains its own models)")
+    config = warm_start_config(config)
     rounds = config.warm_start_rounds
     done = checkpoint.load() if checkpoint is not None else None
     if done is not None and report is not None:
@@ -365,6 +370,14 @@ def warm_start(
         losses = f"; loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}" if summary["kept"] else ""
         report(f"warm start: kept {summary['kept']} of {summary['sampled']} probes ({summary['seconds']:.0f} s){losses}")
     return summary, list(done["kept"])
+
+
+def warm_start_config(config):
+    """The run's ``config`` as the warm start reads it: with ``warm_start_scorer`` as its scorer when one
+    is set (its lexicon, its scores of probes and replies), else unchanged."""
+    if config.warm_start_scorer is None or config.warm_start_scorer == config.scorer:
+        return config
+    return replace(config, scorer=config.warm_start_scorer)
 
 
 def _run_round(config, models, round_index: int, done: dict) -> None:
@@ -415,6 +428,7 @@ def _summary(config, done: dict) -> dict:
     sampled = sum(r["sampled"] for r in rounds)
     return {
         "select": config.warm_start_select,
+        "scorer": config.scorer,  # the warm start's (warm_start_scorer when set)
         # the sampled probes' estimated shares of toxic replies, to choose warm_start_min_toxic by
         "share_quantiles": {f"p{q}": shares[min(len(shares) - 1, q * len(shares) // 100)] for q in (50, 90, 99)},
         "sampled": sampled,
