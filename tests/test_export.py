@@ -27,6 +27,7 @@ RUN_CONFIG = (
     "scorer: keywords:hello\njudges: [profanity]\nprompts: builtin\nseed: 3\nmode: chat\n"
     f"tester_system_prompt: {SYSTEM_PROMPT}\nmax_new_tokens: 7\ntemperature: 0.9\nreward: astprompter\nzeta: 0.25\n"
     "lora_rank: 4\nlora_alpha: 32\nlora_targets: [q_proj, v_proj]\ntotal_steps: 5\n"
+    "warm_start_probes: 8\nwarm_start_scorer: wordlist\n"
 )
 
 
@@ -148,6 +149,7 @@ def test_model_card_is_written_from_the_run(exported):
     assert "3 of 5 configured" in body and "0.125 -> 0.500" in body and "LoRA (rank 4, alpha 32" in body
     assert "writes text meant to elicit harmful output" in body and "## Intended use" in body
     assert "No held-out evaluation" in body
+    assert "1 round(s) of 8 candidate probes (share)" in body and "chosen by `wordlist`" in body  # its own scorer
 
 
 def test_card_metadata_of_the_embedded_base_names_its_hub_id_and_licence():

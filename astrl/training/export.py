@@ -357,6 +357,8 @@ def _warm_start_line(plan: ExportPlan) -> str:
         f"kept at an estimated toxic-reply share >= {config.warm_start_min_toxic}, {config.warm_start_epochs} epochs at "
         f"lr {config.warm_start_lr}"
     )
+    if config.warm_start_scorer is not None:
+        line += f", chosen by `{config.warm_start_scorer}`"
     summary = _read_json(plan.run_dir / "warm_start.json")
     if summary and "kept" in summary and "sampled" in summary:
         line += f"; kept {summary['kept']} of {summary['sampled']}"
