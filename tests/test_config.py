@@ -143,6 +143,7 @@ def test_a_config_yaml_written_before_the_sections_loads_as_an_equal_config(tmp_
         "kl_reference": "base",
         "probe_gate_lexicon": False,
         "reply_past_opener": False,
+        "reply_lexicon_whole_words": False,
         "warm_start_scorer": None,
     }
     assert config.to_dict() == {**old, **added} and list(old) != [spec.name for spec in FIELDS]  # same values, other order

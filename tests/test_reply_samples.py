@@ -155,6 +155,67 @@ def test_the_lexicon_estimate_equals_one_minus_the_product_of_misses():
     assert float(lexicon.estimate(torch.zeros(2), torch.ones(2, dtype=torch.bool))) == 0.0
 
 
+def test_whole_words_takes_out_the_mass_of_a_counted_token_the_reply_spells_on():
+    from astrl.rewards.lexicon import continuing_tokens
+
+    tok = make_tokenizer()
+    lexicon = ReplyLexicon(tok, ["hell", "idiot"], whole_words=True)
+    hell = tok(" hell", add_special_tokens=False)["input_ids"][0]
+    texts = {i: tok.decode([i]) for i in range(len(tok))}
+    going_on = continuing_tokens(tok).tolist()
+    assert going_on and all(texts[i][:1].isalpha() for i in going_on)  # a letter first: the word goes on
+    assert hell not in going_on and tok.eos_token_id not in going_on and tok.pad_token_id not in going_on
+    tail, space = going_on[0], next(i for i, t in texts.items() if t.startswith(" ") and i not in lexicon.token_ids)
+    counted = lexicon.token_ids.tolist()
+    # step 0: p(" hell") = 0.4, the other counted tokens 0.1 together; step 1: p(continuing) = 0.75; step 2: anything
+    probs = torch.zeros(3, len(tok))
+    probs[0, hell] = 0.4
+    probs[0, [c for c in counted if c != hell]] = 0.1 / (len(counted) - 1)
+    probs[0, space] = 0.5
+    probs[1, going_on] = 0.75 / len(going_on)
+    probs[1, space] = 0.25
+    probs[2, hell], probs[2, space] = 0.3, 0.7
+    stats = torch.stack([lexicon.step_stats(step) for step in probs.log().unsqueeze(1)], dim=1)  # (1, 3, 2 + L)
+    torch.testing.assert_close(stats[0, :, 0], torch.tensor([0.5, 0.0, 0.3]), atol=1e-6, rtol=1e-5)  # m_t
+    torch.testing.assert_close(stats[0, :, 1], torch.tensor([0.0, 0.75, 0.0]), atol=1e-6, rtol=1e-5)  # c_t
+    spelled_on = torch.tensor([[hell, tail, hell]])  # " hell" + a tail: an unlisted longer word; then " hell" last
+    ended = torch.tensor([[hell, space, hell]])  # the same first token, the reply goes on with a new word
+    not_counted = torch.tensor([[space, tail, hell]])
+    expected = {
+        "spelled_on": [0.5 - 0.4 * 0.75, 0.0, 0.3],  # m_0 less p_0(" hell") * c_1; the last position keeps its mass
+        "ended": [0.5 - 0.4 * 0.75, 0.0, 0.3],  # c_1 is the model's, whichever token was sampled after
+        "not_counted": [0.5, 0.0, 0.3],  # r_0 is no listed word: nothing is taken
+    }
+    for name, ids in (("spelled_on", spelled_on), ("ended", ended), ("not_counted", not_counted)):
+        torch.testing.assert_close(lexicon.reply_mass(stats, ids)[0], torch.tensor(expected[name]), atol=1e-6, rtol=1e-5)
+    plain = ReplyLexicon(tok, ["hell", "idiot"])
+    plain_stats = torch.stack([plain.step_stats(step) for step in probs.log().unsqueeze(1)], dim=1)
+    assert plain_stats.shape == (1, 3, 1)
+    torch.testing.assert_close(plain.reply_mass(plain_stats, spelled_on), stats[..., 0])  # off: m_t as before
+
+
+def test_whole_words_flows_from_the_config_to_the_envs_lexicon_and_never_raises_an_estimate():
+    from astrl.training.config import load_config
+
+    options = load_config(None, ["reward=elicit", "reply_lexicon_weight=1.0", "reply_lexicon_whole_words=true"]).reward_options()
+    assert options["lexicon_whole_words"] is True
+    assert "lexicon_whole_words" not in load_config(None, ["reward=elicit", "reply_lexicon_weight=1.0"]).reward_options()
+    estimates = {}
+    for whole in (False, True):
+        tester, target = _policies()
+        extra = {"lexicon_whole_words": True} if whole else {}
+        options = {"lexicon": 1.0, "lexicon_source": "hell,idiot,the,you,how,are", **extra}
+        env = make_redteam_env(
+            tester, target, [SCORER], OPENERS, batch_size=2, max_turns=1, reward="elicit", reward_options=options, reply_samples=2
+        )
+        assert env.reply_lexicon.whole_words is whole
+        torch.manual_seed(0)
+        nxt = env.rollout(1, tester)["next"]
+        estimates[whole] = (nxt[TARGET_LEXICON], nxt["target_responses"])
+    assert estimates[True][1] == estimates[False][1]  # the same replies
+    assert (estimates[True][0] <= estimates[False][0] + 1e-6).all()
+
+
 def test_lexicon_sources(tmp_path):
     tok = make_tokenizer()
     assert lexicon_words("hell, Idiot,x1") == ["hell", "idiot"]  # letters only, lower-cased
@@ -543,6 +604,7 @@ def test_elicit_settings_are_checked_with_the_offending_value():
         (["reward=score", "reply_lexicon_weight=1"], "apply to reward 'elicit'"),
         (["reward=elicit", "probe_gate_lexicon=true"], "probe_gate_lexicon reads the elicit reward's reply lexicon"),
         (["reply_past_opener=true"], "reply_past_opener reads the elicit reward's replies: set reward: elicit (reward is"),
+        (["reply_lexicon_whole_words=true"], "reply_lexicon_whole_words changes the elicit reward's reply lexicon term"),
         (["warm_start_probes=-1"], "warm_start_probes must be >= 0"),
         (["warm_start_min_toxic=2"], "warm_start_min_toxic must be in [0, 1], got 2.0"),
         (["warm_start_select=best"], "warm_start_select must be one of ('share', 'lexicon', 'search', 'best_of'), got 'best'"),

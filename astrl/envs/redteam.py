@@ -128,7 +128,8 @@ def make_redteam_env(
             or the fields of :class:`~astrl.rewards.ElicitWeights` (elicit: ``alpha``, ``penalty``, ``gamma``,
             ``gate``, ``gate_below``, ``transform``, ``lexicon``, ``repeat``, ``cap``, ``gate_lexicon``); and ``join``,
             ``empty_probe_logprob``; for elicit with ``lexicon`` > 0, ``lexicon_source`` and
-            ``lexicon_threshold`` (:func:`astrl.rewards.lexicon.reply_lexicon`; default ``"scorer"``, 0.9).
+            ``lexicon_threshold`` (:func:`astrl.rewards.lexicon.reply_lexicon`; default ``"scorer"``, 0.9) and
+            ``lexicon_whole_words`` (default False).
         reward_shaping: keyword arguments of :class:`~astrl.rewards.RewardShaping` (``clip``,
             ``normalize``); None = no shaping.
         novelty: novelty terms added to the reward before shaping (:func:`astrl.rewards.novelty.make_novelty`):
@@ -213,12 +214,13 @@ def _reply_lexicon(target, scorer: Scorer, options: dict):
     out of ``options``; None without one."""
     source = options.pop("lexicon_source", "scorer")
     threshold = float(options.pop("lexicon_threshold", 0.9))
+    whole_words = bool(options.pop("lexicon_whole_words", False))
     if not options.get("lexicon"):
         return None
     from astrl.rewards.lexicon import reply_lexicon
 
     tokenizer, _, _ = policy_limits(target, "target")
-    return reply_lexicon(source, tokenizer, scorer=scorer, threshold=threshold)
+    return reply_lexicon(source, tokenizer, scorer=scorer, threshold=threshold, whole_words=whole_words)
 
 
 def _likelihood_reward(reward: str, target, scorer: Scorer, mode: str, options: dict) -> ASTPrompterReward:

@@ -198,7 +198,7 @@ class TargetTurn(Transform):
         logits = getattr(out, "logits", None)
         if not logits:
             raise ValueError("the target's generate returned no logits (is its generate replaced?)")
-        self._masses.append(torch.stack([self.lexicon.mass(step) for step in logits], dim=1))
+        self._masses.append(torch.stack([self.lexicon.step_stats(step) for step in logits], dim=1))
 
     # -- specs -------------------------------------------------------------------------
     def transform_observation_spec(self, observation_spec: Composite) -> Composite:
@@ -270,9 +270,12 @@ class TargetTurn(Transform):
             if not masses:
                 raise RuntimeError("the reply lexicon saw no generate call of the target (is its generate replaced?)")
             width = min(max(m.shape[1] for m in masses), self.target_max_new_tokens)
-            mass = torch.cat([torch.nn.functional.pad(m, (0, max(0, width - m.shape[1])))[:, :width] for m in masses])
-            if mass.shape[0] != len(rows):
-                raise RuntimeError(f"the target's generate calls returned {mass.shape[0]} rows of logits for {len(rows)} replies")
+            stats = torch.cat([torch.nn.functional.pad(m, (0, 0, 0, max(0, width - m.shape[1])))[:, :width] for m in masses])
+            if stats.shape[0] != len(rows):
+                raise RuntimeError(
+                    f"the target's generate calls returned {stats.shape[0]} rows of logits for {len(rows)} replies"
+                )
+            mass = self.lexicon.reply_mass(stats, ids)
             self._lexicon_values = self.lexicon.estimate(mass, mask[:, :width]).reshape(len(inputs), k)
         return replies, ids, mask
 

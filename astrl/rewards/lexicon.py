@@ -132,15 +132,23 @@ class ReplyLexicon:
     its first piece (``" f"`` of ``" fuck"``) begins many common words too; nor does a spelling
     without the leading space: ``"ing"`` is mostly the tail of another word.
 
+    A counted token can still begin a longer, unlisted word (``" murder"`` then ``"ous"``). With
+    ``whole_words``, :meth:`reply_mass` takes that out where the reply spelled such a word: at a
+    position t whose sampled token r_t is counted, ``m_t`` loses ``p_t(r_t) * c_(t+1)``, with
+    ``c_(t+1)`` the target's probability that the token after r_t continues the word (a token whose
+    text begins with a letter): the mass of r_t that ends a word stays.
+
     Args:
         tokenizer: the target's tokenizer.
         words: the listed words (see :func:`lexicon_words`).
+        whole_words: count a counted token only as far as the word ends with it (see above).
 
     ``token_ids`` are the counted tokens; ``dropped`` maps each listed word with no one-token
     spelling to the first piece of its most common spelling (``" word"``).
     """
 
-    def __init__(self, tokenizer, words: Iterable[str]) -> None:
+    def __init__(self, tokenizer, words: Iterable[str], whole_words: bool = False) -> None:
+        self.whole_words = whole_words
         self.words = sorted({w.lower() for w in words})
         if not self.words:
             raise ValueError("a reply lexicon needs at least one word")
@@ -156,6 +164,7 @@ class ReplyLexicon:
         import torch
 
         self.token_ids = torch.tensor(sorted(counted), dtype=torch.long)
+        self.continuing_ids = continuing_tokens(tokenizer) if whole_words else None
 
     def __len__(self) -> int:
         return int(self.token_ids.numel())
@@ -167,6 +176,35 @@ class ReplyLexicon:
         log_probs = logits.float().log_softmax(-1)
         return log_probs[..., self.token_ids.to(logits.device)].logsumexp(-1).exp().cpu()
 
+    def step_stats(self, logits: torch.Tensor) -> torch.Tensor:
+        """What :meth:`reply_mass` reads of one generation step's ``logits`` ``(B, V)``: ``m_t`` alone,
+        shape ``(B, 1)``; with ``whole_words``, ``(B, 2 + len(self))``: ``m_t``, ``c_t`` (the probability
+        of a token that continues the word before it) and ``p_t`` of each counted token."""
+        if not self.whole_words:
+            return self.mass(logits).unsqueeze(-1)
+        import torch
+
+        probs = logits.float().softmax(-1)
+        counted = probs[..., self.token_ids.to(logits.device)]
+        continuing = probs[..., self.continuing_ids.to(logits.device)].sum(-1, keepdim=True)
+        return torch.cat([counted.sum(-1, keepdim=True), continuing, counted], dim=-1).cpu()
+
+    def reply_mass(self, stats: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``m_t`` of every reply position, shape ``(B, T)``, from :meth:`step_stats` stacked over the
+        steps (``(B, T, S)``) and the sampled tokens ``ids`` ``(B, >= T)``; with ``whole_words``, less
+        ``p_t(r_t) * c_(t+1)`` where r_t is counted (the last position keeps its mass: nothing follows)."""
+        mass = stats[..., 0]
+        if not self.whole_words or not len(self) or mass.shape[-1] < 2:
+            return mass
+        import torch
+
+        sampled = ids[:, : mass.shape[-1]]
+        index = torch.searchsorted(self.token_ids, sampled).clamp(max=len(self) - 1)
+        is_counted = self.token_ids[index] == sampled
+        p_sampled = stats[..., 2:].gather(-1, index.unsqueeze(-1)).squeeze(-1) * is_counted
+        spelled_on = p_sampled[:, :-1] * stats[:, 1:, 1]  # r_t counted and the next token continues its word
+        return torch.cat([mass[:, :-1] - spelled_on, mass[:, -1:]], dim=-1).clamp(0.0, 1.0)
+
     @staticmethod
     def estimate(mass: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``1 - prod_t (1 - m_t)`` over the positions where ``mask`` is true (last dim), in [0, 1]."""
@@ -175,11 +213,28 @@ class ReplyLexicon:
         return (1.0 - log_miss.sum(-1).exp()).clamp(0.0, 1.0)
 
 
+def continuing_tokens(tokenizer) -> torch.Tensor:
+    """The ids of the tokens whose text begins with a letter: after another token they continue its
+    word (``"ous"`` after ``" murder"``), where a space, a digit, punctuation or a special token does not."""
+    import torch
+
+    special = set(tokenizer.all_special_ids)
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    return torch.tensor([i for i, t in enumerate(texts) if t[:1].isalpha() and i not in special], dtype=torch.long)
+
+
 def reply_lexicon(
-    source: str, tokenizer, *, scorer=None, threshold: float = 0.9, on_dropped: Callable[[str], None] | None = None
+    source: str,
+    tokenizer,
+    *,
+    scorer=None,
+    threshold: float = 0.9,
+    whole_words: bool = False,
+    on_dropped: Callable[[str], None] | None = None,
 ) -> ReplyLexicon:
     """A :class:`ReplyLexicon` for ``tokenizer`` from a lexicon source (:func:`lexicon_words`)."""
-    lexicon = ReplyLexicon(tokenizer, lexicon_words(source, scorer=scorer, tokenizer=tokenizer, threshold=threshold))
+    words = lexicon_words(source, scorer=scorer, tokenizer=tokenizer, threshold=threshold)
+    lexicon = ReplyLexicon(tokenizer, words, whole_words=whole_words)
     if on_dropped is not None and lexicon.dropped:
         shown = ", ".join(f"{w} ({c})" for w, c in list(lexicon.dropped.items())[:8])
         on_dropped(

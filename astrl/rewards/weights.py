@@ -133,7 +133,7 @@ def reward_weights(reward: str, **values) -> ASTPrompterWeights | ElicitWeights:
     return kind(**{f.name: _cast(str(f.type), values[f.name]) for f in fields(kind) if f.name in values})
 
 
-LEXICON_OPTIONS = ("lexicon_source", "lexicon_threshold")
+LEXICON_OPTIONS = ("lexicon_source", "lexicon_threshold", "lexicon_whole_words")
 # the reward options and the settings (TrainConfig, RolloutConfig) that give them
 SETTING_NAMES = {
     "alpha": "alpha",
@@ -150,6 +150,7 @@ SETTING_NAMES = {
     "past_opener": "reply_past_opener",
     "lexicon_source": "reply_lexicon",
     "lexicon_threshold": "reply_lexicon_threshold",
+    "lexicon_whole_words": "reply_lexicon_whole_words",
 }
 
 
@@ -168,7 +169,7 @@ def reward_options(reward: str, **values) -> dict | None:
         return None
     options = {name: values[name] for name in weight_names(reward) if name in values}
     if reward == "elicit" and values.get("lexicon"):
-        options.update({k: values[k] for k in LEXICON_OPTIONS if values.get(k) is not None})
+        options.update({k: values[k] for k in LEXICON_OPTIONS if values.get(k) not in (None, False)})
     return options
 
 

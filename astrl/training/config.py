@@ -186,6 +186,14 @@ class RewardSection:
     reply_lexicon_threshold: float = field(
         default=0.9, metadata={"help": "elicit: the score a word alone needs to enter the 'scorer' lexicon."}
     )
+    reply_lexicon_whole_words: bool = field(
+        default=False,
+        metadata={
+            "help": "elicit: a listed word's token that the reply goes on spelling into a longer word (' murder' "
+            "then 'ous') is not counted at that position: m_t loses p_t(token) times the target's probability "
+            "that its next token continues the word."
+        },
+    )
     repeat_penalty: float = field(
         default=0.0,
         metadata={
@@ -237,6 +245,11 @@ class RewardSection:
                 (
                     not self.reply_past_opener or self.reward == "elicit",
                     f"reply_past_opener reads the elicit reward's replies: set reward: elicit (reward is {self.reward!r})",
+                ),
+                (
+                    not self.reply_lexicon_whole_words or (self.reward == "elicit" and self.reply_lexicon_weight > 0),
+                    f"reply_lexicon_whole_words changes the elicit reward's reply lexicon term: set reward: elicit and "
+                    f"reply_lexicon_weight > 0 (reward is {self.reward!r}, reply_lexicon_weight {self.reply_lexicon_weight})",
                 ),
                 (
                     self.reward == "elicit" or self._elicit_defaults(),
