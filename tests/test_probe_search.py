@@ -432,7 +432,8 @@ def test_warm_start_scorer_chooses_the_warm_starts_probes_while_rl_trains_on_the
     monkeypatch.setattr(warm, "search_probes", lambda c, m, o, lexicon: lexicons.append(lexicon) or real_search(c, m, o, lexicon))
     monkeypatch.setattr(redteam, "_reply_lexicon", lambda *a: rl_lexicons.append(real_env_lexicon(*a)) or rl_lexicons[-1])
     settings = dict(
-        scorer="keywords:the,you", warm_start_scorer="keywords:hell,idiot", reward="elicit", mode="text", turns=1,
+        scorer="keywords:the,you", warm_start_scorer="keywords:hell,idiot", judges=["keywords:hell,idiot"], reward="elicit",
+        mode="text", turns=1,
         total_steps=1, max_new_tokens=3, reply_lexicon="scorer", reply_lexicon_weight=1.0, warm_start_probes=6,
         warm_start_min_toxic=0.0, warm_start_select="search", warm_start_beams=2, warm_start_top_k=3,
     )  # fmt: skip
@@ -454,3 +455,9 @@ def test_warm_start_scorer_is_checked_before_a_model_loads(tmp_path):
         _config(tmp_path, warm_start_scorer="profanity")
     with pytest.raises(Exception, match="unknown scorer 'nosuch'"):
         _config(tmp_path, warm_start_probes=2, warm_start_scorer="nosuch").check_names()
+    from astrl.training.warm_start import warm_start_config
+
+    config = _config(tmp_path, warm_start_probes=2, warm_start_scorer="wordlist", judges=["wordlist", "profanity"])
+    chooser = warm_start_config(config)  # the warm start's scorer, named once (not also as a judge)
+    assert (chooser.scorer, chooser.judges) == ("wordlist", ["profanity"]) and config.scorer != "wordlist"
+    assert warm_start_config(_config(tmp_path, warm_start_probes=2)) == _config(tmp_path, warm_start_probes=2)  # unset: as is
