@@ -27,7 +27,7 @@ from chat_lookahead_signal import target_chats
 from astrl._compat import render_chats
 from astrl.evaluation.records import read_records
 from astrl.models import load_model
-from astrl.rewards.lexicon import reply_lexicon
+from astrl.rewards.lexicon import ReplyLexicon, reply_lexicon
 from astrl.scorers import make_scorer
 
 
@@ -67,8 +67,8 @@ def main() -> None:
     lm = load_model(args.model, dtype=info["dtype"], device=args.device)
     model, tokenizer = lm.model, lm.tokenizer
     scorer = make_scorer(args.scorer)
-    plain = reply_lexicon(args.lexicon, tokenizer, scorer=scorer)
-    whole = reply_lexicon(args.lexicon, tokenizer, scorer=scorer, whole_words=True)
+    whole = reply_lexicon(args.lexicon, tokenizer, scorer=scorer, whole_words=True)  # stats[..., 0] is the plain m_t
+    counted, continuing = set(whole.token_ids.tolist()), set(whole.continuing_ids.tolist())
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in render_chats(tokenizer, chats)]
     replies = [tokenizer(x["response"], add_special_tokens=False)["input_ids"] or [tokenizer.eos_token_id] for x in records]
     start, before, after, spelled_on = time.perf_counter(), [], [], Counter()
@@ -79,15 +79,14 @@ def main() -> None:
         ):
             ids, keep = torch.tensor([reply]), torch.ones(1, len(reply), dtype=torch.bool)
             stats = stats.unsqueeze(0)
-            before.append(float(plain.estimate(stats[..., 0], keep)))
-            after.append(float(whole.estimate(whole.reply_mass(stats, ids), keep)))
-            counted = set(whole.token_ids.tolist())
+            before.append(float(ReplyLexicon.estimate(stats[..., 0], keep)))
+            after.append(float(ReplyLexicon.estimate(whole.reply_mass(stats, ids), keep)))
             for t in range(len(reply) - 1):
-                if reply[t] in counted and tokenizer.decode([reply[t + 1]])[:1].isalpha():
+                if reply[t] in counted and reply[t + 1] in continuing:
                     spelled_on[tokenizer.decode(reply[t : t + 2]).strip()] += 1
     seconds = time.perf_counter() - start
     before_a, after_a = np.asarray(before), np.asarray(after)
-    halved = float(np.mean(after_a <= 0.5 * before_a)) if len(before_a) else 0.0
+    halved = float(np.mean((before_a > 0) & (after_a <= 0.5 * before_a)))  # a zero estimate is not lowered
     emit({
         "benchmark": "whole_word_lexicon", **info, "eval_dir": args.eval_dir, "lexicon": args.lexicon, "scorer": args.scorer,
         "turns": args.turns, "replies": len(records), "seconds": r(seconds),

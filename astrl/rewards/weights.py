@@ -169,7 +169,7 @@ def reward_options(reward: str, **values) -> dict | None:
         return None
     options = {name: values[name] for name in weight_names(reward) if name in values}
     if reward == "elicit" and values.get("lexicon"):
-        options.update({k: values[k] for k in LEXICON_OPTIONS if values.get(k) not in (None, False)})
+        options.update({k: values[k] for k in LEXICON_OPTIONS if values.get(k) is not None and values[k] is not False})
     return options
 
 
