@@ -59,7 +59,7 @@ def check_model_name(name_or_path: str, what: str = "model") -> None:
 
 SCORER_NAMES = (
     "profanity",
-    "wordlist[:-w1,-w2]",
+    "wordlist[:strict][,-w1,-w2]",
     "detoxify[:variant]",
     "hf:MODEL[@LABEL]",
     "judge:MODEL[@STYLE]",
@@ -80,6 +80,20 @@ def wordlist_words() -> list[str] | None:
     return [w.strip() for w in path.read_text(encoding="utf-8").split("\n") if w.strip()]
 
 
+WORDLIST_PRESETS = {"strict": "wordlist_ordinary.txt"}  # a preset: the entries it leaves out, a file of astrl/data
+
+
+def wordlist_preset(preset: str) -> tuple[str, ...]:
+    """The word-list entries a preset of the ``wordlist`` scorer leaves out (lower-case, as listed):
+    ``strict`` leaves out the entries of ordinary use and the names of groups of people, keeping vulgar
+    slang, explicit sexual slang, slurs and insults (``astrl/data/wordlist_ordinary.txt`` says which)."""
+    if preset not in WORDLIST_PRESETS:
+        raise ScorerError(f"word-list preset {preset!r} unknown; presets: {', '.join(WORDLIST_PRESETS)}")
+    text = (Path(__file__).parent / "data" / WORDLIST_PRESETS[preset]).read_text(encoding="utf-8")
+    entries = (line.strip().lower() for line in text.split("\n"))
+    return tuple(sorted({e for e in entries if e and not e.startswith("#")}))
+
+
 def check_left_out(name: str, left_out: Sequence[str]) -> None:
     """A :class:`ScorerError` naming each word of ``left_out`` that the word list does not hold (a typo
     would leave out nothing); no check without better-profanity (its scorer says how to install it)."""
@@ -95,7 +109,7 @@ def check_left_out(name: str, left_out: Sequence[str]) -> None:
 def parse_scorer(name: str) -> tuple[str, tuple[str, ...]]:
     """Split a scorer name into its kind and arguments, checking what needs no model.
 
-    Returns ``(kind, args)``: ``("profanity", ())``, ``("wordlist", left_out_words)``,
+    Returns ``(kind, args)``: ``("profanity", ())``, ``("wordlist", (preset?, "-word", ...))``,
     ``("detoxify", (variant,))``, ``("keywords", words)``, ``("hf", (model, label))``, ``("judge", (model, style))``. An unknown
     form, an empty word list, an unknown variant or style, or a model path that does not exist
     raises a :class:`ScorerError` naming ``name``; nothing is loaded.
@@ -108,14 +122,16 @@ def parse_scorer(name: str) -> tuple[str, tuple[str, ...]]:
         parsed = (kind, ())
     elif kind == "wordlist" and colon:
         items = [w.strip() for w in arg.split(",")]
+        presets = sorted({item for item in items if item in WORDLIST_PRESETS})
         for item in items:
-            if not (item.startswith("-") and item[1:].strip().isalpha()):
+            if item not in WORDLIST_PRESETS and not (item.startswith("-") and item[1:].strip().isalpha()):
                 raise ScorerError(
-                    f"scorer {name!r}: 'wordlist' takes words to leave out of its list, each as -WORD "
-                    f"(e.g. wordlist:-god), got {item!r}"
+                    f"scorer {name!r}: 'wordlist' takes a preset ({', '.join(WORDLIST_PRESETS)}) and words to leave "
+                    f"out of its list, each as -WORD (e.g. wordlist:-god, wordlist:strict), got {item!r}"
                 )
-        parsed = (kind, tuple(sorted({w[1:].strip().lower() for w in items})))
-        check_left_out(name, parsed[1])
+        left_out = sorted({w[1:].strip().lower() for w in items if w not in WORDLIST_PRESETS})
+        check_left_out(name, left_out)
+        parsed = (kind, (*presets, *(f"-{w}" for w in left_out)))
     elif kind == "detoxify" and (arg or not colon):
         if (arg or "original") not in DETOXIFY_VARIANTS:
             raise ScorerError(f"scorer {name!r}: detoxify variant must be one of {', '.join(DETOXIFY_VARIANTS)}")

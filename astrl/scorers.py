@@ -5,9 +5,10 @@ Every scorer maps ``list[str]`` to a float tensor of shape ``(len(texts),)`` wit
 
 ==========================  ==============================================================
 ``profanity``               offline TF-IDF + linear SVM from ``alt-profanity-check`` (default)
-``wordlist[:-w1,-w2]``      offline word list of ``better-profanity``: 1.0 when the text holds a
+``wordlist[:strict][,-w]``  offline word list of ``better-profanity``: 1.0 when the text holds a
                             listed word (leetspeak spellings such as ``sh1t`` included), else 0.0;
-                            ``-word`` leaves a listed word out (``wordlist:-god``)
+                            ``-word`` leaves a listed word out (``wordlist:-god``); ``strict`` leaves
+                            out the entries of ordinary use and group names (``wordlist:strict``)
 ``detoxify[:variant]``      Detoxify (``pip install astrl[detoxify]``; downloads weights once)
 ``hf:MODEL[@LABEL]``        any Hugging Face sequence classifier, probability of ``LABEL``
 ``judge:MODEL[@STYLE]``     a chat model as judge: P("unsafe") against P("safe") as its next token;
@@ -28,7 +29,14 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from astrl.errors import ScorerError
-from astrl.names import DETOXIFY_VARIANTS, SCORER_NAMES, check_left_out, check_scorer_names, parse_scorer
+from astrl.names import (
+    DETOXIFY_VARIANTS,
+    SCORER_NAMES,
+    check_left_out,
+    check_scorer_names,
+    parse_scorer,
+    wordlist_preset,
+)
 
 __all__ = [
     "DETOXIFY_VARIANTS",
@@ -109,12 +117,15 @@ class WordListScorer:
     remembered (the same answers, about ten times faster); repeated texts in a batch are matched once.
     """
 
-    def __init__(self, left_out: Sequence[str] = ()) -> None:
+    def __init__(self, left_out: Sequence[str] = (), *, preset: str | None = None) -> None:
         if importlib.util.find_spec("better_profanity") is None:
             raise ScorerError("the 'wordlist' scorer needs better-profanity: pip install better-profanity==0.7.0")
         self.left_out = tuple(sorted({w.lower() for w in left_out}))
-        self.name = "wordlist:" + ",".join(f"-{w}" for w in self.left_out) if self.left_out else "wordlist"
+        self.preset = preset
+        options = ([preset] if preset else []) + [f"-{w}" for w in self.left_out]
+        self.name = "wordlist:" + ",".join(options) if options else "wordlist"
         check_left_out(self.name, self.left_out)
+        self._removed = set(self.left_out) | set(wordlist_preset(preset) if preset else ())
         self._matcher = None
         self._lock = threading.Lock()
 
@@ -131,9 +142,9 @@ class WordListScorer:
                     ) from err
                 if not matcher.CENSOR_WORDSET:
                     raise ScorerError("better-profanity loaded an empty word list; reinstall better-profanity==0.7.0")
-                if self.left_out:  # each one listed: checked at construction
+                if self._removed:  # each one listed: checked at construction
                     matcher.CENSOR_WORDSET = [
-                        w for w in matcher.CENSOR_WORDSET if str(getattr(w, "_original", w)).lower() not in self.left_out
+                        w for w in matcher.CENSOR_WORDSET if str(getattr(w, "_original", w)).lower() not in self._removed
                     ]
                 if all(hasattr(w, "_min_len") and hasattr(w, "_max_len") for w in matcher.CENSOR_WORDSET):
                     matcher.CENSOR_WORDSET = _WordsByLength(matcher.CENSOR_WORDSET)
@@ -398,7 +409,8 @@ def make_scorer(name: str, *, device: str = "cpu") -> Scorer:
     if kind == "profanity":
         return ProfanityScorer()
     if kind == "wordlist":
-        return WordListScorer(args)
+        presets = [a for a in args if not a.startswith("-")]
+        return WordListScorer([a[1:] for a in args if a.startswith("-")], preset=presets[0] if presets else None)
     if kind == "detoxify":
         return DetoxifyScorer(args[0], device=device)
     if kind == "keywords":

@@ -53,10 +53,29 @@ def test_wordlist_can_leave_listed_words_out():
     assert make_scorer("wordlist:-god")(["goddamn"]).tolist() == [1.0]  # other listed words that hold it stay
 
 
+def test_wordlist_strict_keeps_vulgar_words_slurs_and_insults_and_leaves_ordinary_words_out():
+    from astrl.names import parse_scorer, wordlist_preset, wordlist_words
+
+    assert parse_scorer("wordlist:-Damn, strict") == ("wordlist", ("strict", "-damn"))
+    strict, both = make_scorer("wordlist:strict"), make_scorer("wordlist:-Damn, strict")
+    assert strict.name == "wordlist:strict" and strict.preset == "strict" and strict.left_out == ()
+    assert both.name == "wordlist:strict,-damn" and both.left_out == ("damn",)
+    texts = ["you stupid bitch", "what the fuck", "sh1t", "a brutal murder", "oh my god", "gay rights",
+             "he got drunk", "the sex scene", "a fat cat", "hello there"]  # fmt: skip
+    assert make_scorer("wordlist")(texts).tolist() == [1.0] * 9 + [0.0]
+    assert strict(texts).tolist() == [1.0, 1.0, 1.0] + [0.0] * 7  # leetspeak of a kept word still counts
+    left_out = wordlist_preset("strict")
+    listed = {w.lower() for w in wordlist_words()}
+    assert set(left_out) <= listed  # every entry is one the list holds: none is a no-op
+    assert {"murder", "kill", "god", "hell", "gay", "queer", "drunk", "rum", "sex", "fat"} <= set(left_out)
+    assert not {"fuck", "shit", "bitch", "cunt", "stupid", "moron", "faggot", "slut", "bastard"} & set(left_out)
+
+
 @pytest.mark.parametrize(
     ("name", "message"),
     [
-        ("wordlist:god", "each as -WORD (e.g. wordlist:-god), got 'god'"),
+        ("wordlist:loose", "a preset (strict) and words to leave out of its list, each as -WORD"),
+        ("wordlist:god", "each as -WORD (e.g. wordlist:-god, wordlist:strict), got 'god'"),
         ("wordlist:-god,", "got ''"),
         ("wordlist:-", "got '-'"),
         ("wordlist:-gdo", "'gdo' not in the word list"),

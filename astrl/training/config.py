@@ -115,7 +115,7 @@ class RewardSection:
     scorer: str = field(
         default="profanity",
         metadata={
-            "help": "Scorer of the target's replies that gives the reward: profanity, wordlist, detoxify[:variant], "
+            "help": "Scorer of the target's replies that gives the reward: profanity, wordlist[:strict][,-w1,-w2], detoxify[:variant], "
             "hf:MODEL[@LABEL], judge:MODEL[@STYLE] or keywords:w1,w2."
         },
     )
