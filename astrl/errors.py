@@ -18,3 +18,7 @@ class ScorerError(ValueError):
 
 class ConfigError(ValueError):
     """A configuration file or override is invalid."""
+
+
+class FolderInUseError(OSError):
+    """A run or eval folder is being written by another astrl job."""

@@ -29,6 +29,7 @@ import torch
 
 from astrl.errors import ModelLoadError, one_line
 from astrl.hub import hub_unreachable
+from astrl.locks import exclusive
 from astrl.names import EMBEDDED_MODELS, cache_dir, check_model_name, looks_like_path, missing_package
 
 __all__ = [
@@ -132,23 +133,6 @@ def _eos_ids(tokenizer, model) -> set[int]:
 
 
 @contextlib.contextmanager
-def _cache_lock(path: Path) -> Iterator[None]:
-    """An exclusive lock on ``path`` across processes (``fcntl.flock``; where there is none, such as
-    Windows, nothing is locked and the atomic rename in :func:`_embedded_folder` keeps the cache whole)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX
-        yield
-        return
-    with open(path, "a+b") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-@contextlib.contextmanager
 def terminal_progress_bars() -> Iterator[None]:
     """Transformers' progress bars (loading, writing and dequantizing weights) only when stderr is a
     terminal: logs and error reports hold no progress lines. The GGUF dequantizer draws its bar with
@@ -199,7 +183,7 @@ def _embedded_folder(name: str) -> Path:
         raise ModelLoadError(missing_package(name))
     folder = Path(list(spec.submodule_search_locations)[0])
     _check_writable(target.parent)
-    with _cache_lock(target.parent / f".{name}.lock"):
+    with exclusive(target.parent / f".{name}.lock"):
         if (target / "config.json").exists():  # another process converted it while this one waited
             return target
         print(f"astrl: converting the embedded {name} once (~30 s); cached under {target}", file=sys.stderr, flush=True)

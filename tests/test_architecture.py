@@ -13,6 +13,7 @@ GROUND = (
     "astrl.errors",
     "astrl.yaml_data",
     "astrl.jsonl",
+    "astrl.locks",
     "astrl._lazy",
     "astrl.argtypes",
     "astrl.hub",

@@ -309,11 +309,15 @@ def run_eval(
 
     # names, prompts and split first: a bad one costs milliseconds, not a model load
     preflight(conversation_spec(config, resolved, resolved.judges))
+    from astrl.locks import sole_writer
     from astrl.store.recorder import RunRecorder
 
-    with RunRecorder.begin(
-        "eval", out, asdict(config), seed=config.seed, tester=config.tester, target=resolved.target, warn=warn
-    ) as recorder:
+    with (
+        sole_writer(out, "--out"),
+        RunRecorder.begin(
+            "eval", out, asdict(config), seed=config.seed, tester=config.tester, target=resolved.target, warn=warn
+        ) as recorder,
+    ):
         metrics, records = _evaluate(config, resolved, out, start=start, progress=progress, warn=warn)
         # the store keeps each turn's first reply (the one the conversation went on with)
         recorder.turns(first_reply_records(records), threshold=config.threshold, tester_version=resolved.source.checkpoint)

@@ -93,21 +93,33 @@ def run_train(args) -> int:
     overrides = renamed_overrides(train_overrides(args), _warn)
     from astrl.store.recorder import check_store
 
+    if args.resume and args.config:
+        raise ValueError("--resume continues a run with its own config.yaml; pass overrides instead of --config")
+    if not args.resume and args.trust_checkpoint:
+        raise ValueError("--trust-checkpoint only applies with --resume RUN_DIR")
+    config = None
+    if not args.resume:
+        config = load_config(args.config, overrides, on_warning=_warn)
+        config.check_names()  # before the trainer's heavy imports and model loads
+    check_store()  # the results store before any model loads
+    from astrl.locks import sole_writer
+
+    run_dir = Path(args.resume or config.run_dir)
+    if args.resume and not run_dir.is_dir():  # resume says what is missing; no folder is made for it
+        return _train_run(args, overrides, config)
+    with sole_writer(run_dir, "run folder"):  # a second job on this folder stops here, before its models load
+        return _train_run(args, overrides, config)
+
+
+def _train_run(args, overrides: list[str], config) -> int:
+    """Build (or resume) the trainer, train, print where the run stands."""
     if args.resume:
-        check_store()  # the results store before the checkpoint's models load
         from astrl.training.trainer import resume
 
-        if args.config:
-            raise ValueError("--resume continues a run with its own config.yaml; pass overrides instead of --config")
         trainer = resume(
             args.resume, overrides, progress=not args.quiet, trust_checkpoint=args.trust_checkpoint, on_warning=_warn
         )
     else:
-        if args.trust_checkpoint:
-            raise ValueError("--trust-checkpoint only applies with --resume RUN_DIR")
-        config = load_config(args.config, overrides, on_warning=_warn)
-        config.check_names()  # before the trainer's heavy imports and model loads
-        check_store()
         from astrl.training.trainer import Trainer
 
         trainer = Trainer(config, progress=not args.quiet)

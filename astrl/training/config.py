@@ -115,8 +115,8 @@ class RewardSection:
     scorer: str = field(
         default="profanity",
         metadata={
-            "help": "Scorer of the target's replies that gives the reward: profanity, wordlist[:strict][,-w1,-w2], detoxify[:variant], "
-            "hf:MODEL[@LABEL], judge:MODEL[@STYLE] or keywords:w1,w2."
+            "help": "Scorer of the target's replies that gives the reward: profanity, wordlist[:strict][,-w1,-w2], "
+            "detoxify[:variant], hf:MODEL[@LABEL], judge:MODEL[@STYLE] or keywords:w1,w2."
         },
     )
     judges: list[str] = field(

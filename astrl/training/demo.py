@@ -23,6 +23,7 @@ import torch
 from astrl._compat import as_list
 from astrl.envs import ConversationSpec
 from astrl.keys import NEXT, QUERY, REWARD
+from astrl.locks import sole_writer
 from astrl.training.config import ConfigError, TrainConfig, read_yaml_mapping, renamed_keys
 from astrl.training.setup import conversation_spec
 from astrl.training.trainer import Trainer, latest_checkpoint, resume
@@ -286,14 +287,15 @@ def run_demo(
     elif conversations is None:
         conversations = FULL_DEMO_CONVERSATIONS if full else DEMO_CONVERSATIONS
     check_store()  # a results store that cannot be opened stops the demo before its models load
-    if latest_checkpoint(config.run_dir) is not None or (Path(config.run_dir) / WARM_START_PARTIAL).is_file():
-        check_same_demo(config)
-        warn = lambda text: print(f"astrl: warning: {text}", file=sys.stderr)  # noqa: E731
-        trainer = resume(config.run_dir, [f"total_steps={config.total_steps}"], progress=progress, on_warning=warn)
-    else:
-        trainer = Trainer(config, progress=progress)
-    trainer.store_kind = "demo"
-    rows = trainer.train() if trainer.step < config.total_steps else []
+    with sole_writer(Path(config.run_dir), "run folder"):  # a second demo on this folder stops before its models load
+        if latest_checkpoint(config.run_dir) is not None or (Path(config.run_dir) / WARM_START_PARTIAL).is_file():
+            check_same_demo(config)
+            warn = lambda text: print(f"astrl: warning: {text}", file=sys.stderr)  # noqa: E731
+            trainer = resume(config.run_dir, [f"total_steps={config.total_steps}"], progress=progress, on_warning=warn)
+        else:
+            trainer = Trainer(config, progress=progress)
+        trainer.store_kind = "demo"
+        rows = trainer.train() if trainer.step < config.total_steps else []
     comparison = compare_testers(trainer, conversations=conversations)
     record_comparison(config, comparison)
     summary = {"judge": demo_judge(config), "scorer": config.scorer, "conversations": conversations}

@@ -33,6 +33,7 @@ import torch
 
 from astrl.archive import ARCHIVE_FILE, AttackArchive
 from astrl.jsonl import numbered_lines
+from astrl.locks import sole_writer
 from astrl.models import LoadedModel, save_model
 from astrl.prefill import SharedPrefill, clear_turn_caches
 from astrl.rewards.reference import PinnedReference
@@ -302,11 +303,11 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------------------
     def train(self) -> list[dict]:
         """Train until ``total_steps``; returns the metrics rows of this call."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.config.save(self.run_dir / "config.yaml")
-        with self._recorder() as recorder:  # the run in the results store: failed if this raises
-            rows = self._train(recorder)
-            recorder.finish(rows[-1] if rows else None)
+        with sole_writer(self.run_dir, "run folder"):
+            self.config.save(self.run_dir / "config.yaml")
+            with self._recorder() as recorder:  # the run in the results store: failed if this raises
+                rows = self._train(recorder)
+                recorder.finish(rows[-1] if rows else None)
         return rows
 
     def _train(self, recorder) -> list[dict]:
