@@ -194,3 +194,30 @@ def test_train_keys_lists_the_keys_under_their_sections(capsys):
 def test_each_section_checks_its_keys_with_a_config_error(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def _header_eval_commands(path) -> list[list[str]]:
+    """The ``astrl eval`` commands in a config's comment header (continuation lines joined), as argv."""
+    import shlex
+
+    header = "\n".join(line[1:] for line in path.read_text().splitlines() if line.startswith("#"))
+    joined = header.replace("\\\n", " ")
+    return [shlex.split(line.split("astrl ", 1)[1]) for line in joined.splitlines() if "astrl eval " in line]
+
+
+def test_the_eval_command_in_a_config_header_measures_the_setting_the_config_trains():
+    from pathlib import Path
+
+    from astrl.cli import build_parser
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    checked = 0
+    for path in sorted(configs.glob("*.yaml")):
+        config = load_config(path)
+        for argv in _header_eval_commands(path):
+            args = build_parser().parse_args(argv)
+            shape = (args.turns, args.max_new_tokens, args.target_max_new_tokens or args.max_new_tokens)
+            trained = (config.turns, config.max_new_tokens, config.target_max_new_tokens or config.max_new_tokens)
+            assert shape == trained, f"{path.name}: eval header measures {shape}, the config trains {trained}"
+            checked += 1
+    assert checked >= 4  # elicit, elicit_chat, elicit_chat_rl, elicit_guided
