@@ -95,7 +95,7 @@ def test_shipped_configs_load_and_demo_matches_its_yaml():
     changed = {k for k in {*chat_rl, *CHAT_DEMO_CONFIG} if chat_rl.get(k) != CHAT_DEMO_CONFIG.get(k)}
     assert changed == {
         "split_seed", "scorer", "warm_start_scorer", "judges", "likelihood_cap", "reply_past_opener", "probe_gate_lexicon",
-        "kl_reference", "total_steps", "lr", "save_every", "keep_checkpoints", "run_dir",
+        "kl_reference", "total_steps", "lr", "save_every", "keep_checkpoints", "run_dir", "reply_lexicon_whole_words",
     }  # fmt: skip
     assert chat_rl["warm_start_scorer"] == CHAT_DEMO_CONFIG["scorer"] and chat_rl["judges"] == [CHAT_DEMO_CONFIG["scorer"]]
     # the CPU-sized configs: one per algorithm, each smaller than its GPU-sized namesake
