@@ -13,6 +13,11 @@ from pathlib import Path
 
 from astrl.errors import FolderInUseError
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX
+    fcntl = None
+
 LOCK_FILE = ".astrl.lock"  # in a run or eval folder while a job writes it
 _HELD: dict[Path, int] = {}  # folders this process holds, with how many nested holds
 
@@ -20,9 +25,7 @@ _HELD: dict[Path, int] = {}  # folders this process holds, with how many nested 
 @contextlib.contextmanager
 def exclusive(path: Path) -> Iterator[None]:
     """Wait for, then hold, an exclusive lock on the file ``path`` (created if missing)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX
+    if fcntl is None:  # pragma: no cover - not POSIX
         yield
         return
     with open(path, "a+b") as handle:
@@ -50,9 +53,7 @@ def sole_writer(folder: Path, what: str) -> Iterator[None]:
         finally:
             _HELD[key] -= 1
         return
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX
+    if fcntl is None:  # pragma: no cover - not POSIX
         yield
         return
     path = folder / LOCK_FILE

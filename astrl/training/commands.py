@@ -102,12 +102,14 @@ def run_train(args) -> int:
         config = load_config(args.config, overrides, on_warning=_warn)
         config.check_names()  # before the trainer's heavy imports and model loads
     check_store()  # the results store before any model loads
+    from contextlib import nullcontext
+
     from astrl.locks import sole_writer
 
     run_dir = Path(args.resume or config.run_dir)
-    if args.resume and not run_dir.is_dir():  # resume says what is missing; no folder is made for it
-        return _train_run(args, overrides, config)
-    with sole_writer(run_dir, "run folder"):  # a second job on this folder stops here, before its models load
+    missing = args.resume and not run_dir.is_dir()  # resume says what is missing; no folder is made for it
+    # a second job on this folder stops here, before its models load
+    with nullcontext() if missing else sole_writer(run_dir, "run folder"):
         return _train_run(args, overrides, config)
 
 
