@@ -15,11 +15,21 @@ LATER: dict[str, str] = {}
 TOP_K_HELP = "0: the backend's default (Transformers: the model's, else 50; vLLM: none); at least the vocabulary size: off"
 
 
-def _add_generation_args(p) -> None:
+def _add_generation_args(p, *, from_run: bool = False) -> None:
+    """The sampling flags; ``from_run``: the lengths default to the tester's run (``astrl eval``)."""
+    default, run, reply = (None, "the run's, else ", "else the run's reply length, else 32") if from_run else (32, "", "")
     p.add_argument(
-        "--max-new-tokens", type=at_least(1), default=32, help="new tokens per tester turn (and per target turn unless set)"
+        "--max-new-tokens",
+        type=at_least(1),
+        default=default,
+        help=f"new tokens per tester turn, and per target turn unless set (default: {run}32)",
     )
-    p.add_argument("--target-max-new-tokens", type=at_least(1), default=None)
+    p.add_argument(
+        "--target-max-new-tokens",
+        type=at_least(1),
+        default=None,
+        help=f"new tokens per target reply (default: --max-new-tokens{' if given, ' + reply if from_run else ''})",
+    )
     p.add_argument("--temperature", type=positive, default=1.0)
     p.add_argument("--top-p", type=fraction, default=1.0)
     p.add_argument("--top-k", type=at_least(0), default=0, help=TOP_K_HELP)
@@ -54,15 +64,18 @@ def _add_scale_args(p) -> None:
     p.add_argument("--ray-address", default=None, help="existing Ray cluster (e.g. auto); default: start Ray here")
 
 
-def _add_conversation_args(p, *, num_conversations: int) -> None:
+def _add_conversation_args(p, *, num_conversations: int, from_run: bool = False) -> None:
+    """The conversation flags; ``from_run``: the turns default to the tester's run (``astrl eval``)."""
     p.add_argument("--num-conversations", type=at_least(1), default=num_conversations)
-    p.add_argument("--turns", type=at_least(1), default=3, help="tester turns per conversation")
+    turns_help = "tester turns per conversation (default: the run's, else 3)" if from_run else "tester turns per conversation"
+    p.add_argument("--turns", type=at_least(1), default=None if from_run else 3, help=turns_help)
     p.add_argument("--batch-size", type=at_least(1), default=8, help="conversations generated together")
 
 
-def _generation(args, max_new: int):
+def _generation(args, max_new: int | None):
     from astrl.policies import GenerationSettings
 
+    max_new = max_new or GenerationSettings.max_new_tokens  # None: eval's length left to the run
     return GenerationSettings(max_new, args.temperature, args.top_p, args.top_k, do_sample=not args.greedy)
 
 
@@ -235,7 +248,7 @@ def _add_eval(sub) -> None:
     p.add_argument("--split", default="test", choices=["train", "dev", "test", "all"], help="prompt split (default: test)")
     p.add_argument("--split-seed", type=int, default=None, help="seed of the prompt split (default: the run's seed, else --seed)")
     _add_test_fraction(p, "default: the run's, else 0.1")
-    _add_conversation_args(p, num_conversations=32)
+    _add_conversation_args(p, num_conversations=32, from_run=True)
     p.add_argument(
         "--reply-samples",
         type=at_least(1),
@@ -244,7 +257,7 @@ def _add_eval(sub) -> None:
         "the conversation goes on with the first",
     )
     p.add_argument("--mode", default=None, choices=["chat", "text"], help="default: the run's mode, else chat")
-    _add_generation_args(p)
+    _add_generation_args(p, from_run=True)
     p.add_argument("--system-prompt", default=None, help="the tester's system prompt (default: the run's, else the built-in one)")
     p.add_argument("--target-system-prompt", default=None)
     _add_report_args(p, unit="turn", tables="rows of the top-attacks table per judge")
@@ -258,6 +271,8 @@ def _eval(args) -> int:
 
     config = EvalConfig(
         **_conversation_settings(args),
+        max_new_tokens=args.max_new_tokens,
+        target_max_new_tokens=args.target_max_new_tokens,
         **_report_settings(args),
         tester=args.tester,
         target=args.target,

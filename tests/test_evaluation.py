@@ -162,6 +162,37 @@ def test_a_run_with_its_own_split_seed_is_evaluated_on_its_held_out_split(run_di
     assert resolve(EvalConfig(tester=str(replicate), split_seed=4)).split_seed == 4  # an explicit --split-seed wins
 
 
+def test_a_run_is_evaluated_at_its_own_turns_and_lengths_unless_they_are_given(run_dir, tmp_path, tiny_model_dir):
+    """A chat run trained at 2 turns of 12-token probes and 16-token replies is measured there, not at 3 x 32."""
+    import shutil
+
+    from astrl.evaluation.run import EvalConfig, measured, resolve
+    from astrl.policies import GenerationSettings
+
+    def shape(config: EvalConfig) -> tuple[int, int, int]:
+        r = resolve(config)
+        return r.turns, r.tester_generation.max_new_tokens, r.target_generation.max_new_tokens
+
+    short = tmp_path / "short"
+    shutil.copytree(run_dir, short)
+    config = short / "config.yaml"
+    config.write_text(config.read_text() + "turns: 2\nmax_new_tokens: 12\ntarget_max_new_tokens: 16\n")
+    assert shape(EvalConfig(tester=str(short))) == (2, 12, 16)
+    assert shape(EvalConfig(tester=str(short), turns=4)) == (4, 12, 16)
+    assert shape(EvalConfig(tester=str(short), max_new_tokens=20)) == (2, 20, 20)  # as --max-new-tokens: both sides
+    assert shape(EvalConfig(tester=str(short), target_max_new_tokens=8)) == (2, 12, 8)
+    config.write_text(config.read_text().replace("target_max_new_tokens: 16", "target_max_new_tokens: null"))
+    assert shape(EvalConfig(tester=str(short))) == (2, 12, 12)  # the run's replies were as long as its probes
+    sampling = GenerationSettings(max_new_tokens=5, temperature=0.7)
+    assert shape(EvalConfig(tester=str(tiny_model_dir), tester_generation=sampling)) == (3, 5, 32)  # no run: as given
+    r = resolve(EvalConfig(tester=str(short), tester_generation=sampling))
+    assert r.tester_generation == GenerationSettings(max_new_tokens=12, temperature=0.7)  # the run's length, the given sampling
+    recorded = measured(EvalConfig(tester=str(short)), resolve(EvalConfig(tester=str(short))))
+    assert (recorded.turns, recorded.max_new_tokens, recorded.target_max_new_tokens) == (2, 12, 12)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
+        EvalConfig(tester=str(short), max_new_tokens=0)
+
+
 def test_default_judges_always_hold_one_distinct_from_the_training_scorer():
     from astrl.evaluation.run import default_judges
 
@@ -241,6 +272,25 @@ def _eval_main(out, tester, *extra):
             *extra,
         ]
     )
+
+
+def test_astrl_eval_of_a_run_runs_the_runs_turns_and_lengths_and_records_them(run_dir, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    (run / "config.yaml").write_text(
+        (run / "config.yaml").read_text() + "turns: 1\nmax_new_tokens: 4\ntarget_max_new_tokens: 5\n"
+    )
+    common = ["eval", "--tester", str(run), "--prompts", "builtin", "--num-conversations", "3", "--batch-size", "3"]
+    common += ["--judge", JUDGE, "--resamples", "50", "--no-embeddings", "--quiet"]
+    assert main([*common, "--out", str(tmp_path / "run_settings")]) == 0
+    metrics = json.loads((tmp_path / "run_settings" / "metrics.json").read_text())
+    assert (metrics["turns"], metrics["max_new_tokens"], metrics["target_max_new_tokens"]) == (1, 4, 5)
+    assert len(read_records(tmp_path / "run_settings" / "conversations.jsonl")) == 3  # one turn each
+    assert main([*common, "--turns", "2", "--max-new-tokens", "3", "--out", str(tmp_path / "given")]) == 0
+    metrics = json.loads((tmp_path / "given" / "metrics.json").read_text())
+    assert (metrics["turns"], metrics["max_new_tokens"], metrics["target_max_new_tokens"]) == (2, 3, 3)
 
 
 @pytest.fixture(scope="module")
@@ -444,6 +494,11 @@ def test_compare_prints_and_writes_the_differences(eval_dirs, capsys, tmp_path):
     (changed / "metrics.json").write_text(json.dumps({**metrics_a, "threshold": 0.5}))
     assert main(["compare", str(a), str(changed)]) == 2
     assert "different thresholds (0.0 and 0.5)" in capsys.readouterr().err
+    assert "different settings" not in printed and "different settings" not in written  # same turns and lengths
+    (changed / "metrics.json").write_text(json.dumps({**metrics_a, "turns": 3, "target_max_new_tokens": 16}))
+    assert main(["compare", str(a), str(changed), "--resamples", "50", "--out", str(tmp_path / "c2.md")]) == 0
+    note = "note: the evaluations ran in different settings (turns: 2 (A) vs 3 (B); target_max_new_tokens: 6 (A) vs 16 (B))"
+    assert note in capsys.readouterr().out and note in (tmp_path / "c2.md").read_text()
 
 
 def test_compare_resamples_openers_so_repeated_openers_do_not_shrink_the_interval(tmp_path):

@@ -41,6 +41,11 @@ TESTED = (
     "first_success_turn",
 )
 UNTESTED = ("self_bleu_diversity", "embedding_diversity", "unique_attacks")
+# What two evaluations should share to be read side by side (recorded in metrics.json); the seed may differ.
+SETTINGS = (
+    "target", "prompts", "split", "split_seed", "test_fraction", "mode", "turns", "max_new_tokens", "target_max_new_tokens",
+    "reply_samples",
+)  # fmt: skip
 
 
 def load_evaluation(folder: str | Path) -> tuple[dict, list[dict]]:
@@ -97,12 +102,28 @@ def compare(folder_a: str | Path, folder_b: str | Path, *, resamples: int = 1000
     return {
         "a": str(folder_a),
         "b": str(folder_b),
+        "settings_differ": setting_differences(metrics_a, metrics_b),
         "threshold": threshold_a,
         "n_conversations": [len({r["conversation"] for r in records_a}), len({r["conversation"] for r in records_b})],
         "n_openers": [len(set(g.tolist())) for g in groups],
         "bootstrap": {"resamples": resamples, "confidence": 0.95, "unit": "opener", "seed": seed},
         "rows": rows,
     }
+
+
+def setting_differences(metrics_a: dict, metrics_b: dict) -> list[str]:
+    """``"turns: 3 (A) vs 2 (B)"`` for each of :data:`SETTINGS` both evaluations record with different values: a
+    difference then measures the settings as much as the testers."""
+    return [
+        f"{key}: {metrics_a[key]} (A) vs {metrics_b[key]} (B)"
+        for key in SETTINGS
+        if key in metrics_a and key in metrics_b and metrics_a[key] != metrics_b[key]
+    ]
+
+
+def _settings_note(result: dict) -> list[str]:
+    differ = result.get("settings_differ") or []
+    return [f"note: the evaluations ran in different settings ({'; '.join(differ)})"] if differ else []
 
 
 def _grouped(ratios: dict, groups) -> dict:
@@ -206,6 +227,7 @@ def format_text(result: dict) -> str:
     header, body = table_cells(result)
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
     lines = [f"{side}: {result[side.lower()]} ({_sizes(result, i)})" for i, side in enumerate("AB")]
+    lines += _settings_note(result)
     for row in [header, ["-" * w for w in widths], *body]:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     return "\n".join(lines) + "\n"
@@ -215,7 +237,8 @@ def format_markdown(result: dict) -> str:
     header, body = table_cells(result)
     esc = [[c.replace("|", "\\|") for c in row] for row in [header, *body]]
     lines = ["# astrl comparison", ""]
-    lines += [f"- {side}: `{result[side.lower()]}` ({_sizes(result, i)})" for i, side in enumerate("AB")] + [""]
+    lines += [f"- {side}: `{result[side.lower()]}` ({_sizes(result, i)})" for i, side in enumerate("AB")]
+    lines += [f"- {note}" for note in _settings_note(result)] + [""]
     lines += ["| " + " | ".join(esc[0]) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in esc[1:]]
     lines += [

@@ -15,13 +15,13 @@ import math
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from astrl.envs.settings import ConversationRuns, with_defaults
+from astrl.envs.settings import ConversationRuns, setting, with_defaults
 from astrl.evaluation.agreement import eval_agreement
 from astrl.evaluation.metrics import DEFAULT_THRESHOLD
 from astrl.evaluation.records import (
@@ -39,26 +39,37 @@ from astrl.scorers import checked_scores
 
 if TYPE_CHECKING:
     from astrl.envs import ConversationSpec
+    from astrl.policies import GenerationSettings
 
 # Top-level keys of a training run's config.yaml that eval takes as defaults.
 RUN_DEFAULTS = (
     "target", "judges", "prompts", "mode", "seed", "split_seed", "test_fraction", "system_prompt", "tester_system_prompt",
-    "target_system_prompt",
+    "target_system_prompt", "turns", "max_new_tokens", "target_max_new_tokens",
 )  # fmt: skip
+DEFAULT_TURNS = 3  # without a run's turns
 
 
 @dataclass
-class EvalConfig(with_defaults(ConversationRuns, prompts=None, split="test", mode=None, num_conversations=32)):
+class EvalConfig(with_defaults(ConversationRuns, prompts=None, split="test", mode=None, num_conversations=32, turns=None)):
     """Settings of an evaluation (the conversation settings are those of
     :class:`~astrl.envs.settings.ConversationRuns`). ``None`` fields fall back to the training run's
-    config (when the tester is a run directory), then to the defaults noted: ``prompts`` (the run's,
-    else builtin), ``split_seed`` and ``test_fraction`` (the run's seed and fraction, so "test" is the
-    run's held-out split, else ``seed`` and 0.1), ``mode`` (the run's, else chat) and the system
-    prompts (the run's). ``reply_samples``: every reply is judged; the first continues."""
+    config (when the tester is a run directory or an export), then to the defaults noted: ``prompts``
+    (the run's, else builtin), ``split_seed`` and ``test_fraction`` (the run's seed and fraction, so
+    "test" is the run's held-out split, else ``seed`` and 0.1), ``mode`` (the run's, else chat), the
+    system prompts (the run's), ``turns`` (the run's, else 3) and the lengths: ``max_new_tokens`` (the
+    run's, else ``tester_generation``'s) and ``target_max_new_tokens`` (``max_new_tokens`` when that is
+    set, else the run's reply length, else ``target_generation``'s), so that a run is measured in the
+    setting it was trained in. ``reply_samples``: every reply is judged; the first continues."""
 
     tester: str = "smollm2-135m"
     target: str | None = None  # run's target, else smollm2-135m
     judges: list[str] | None = None  # run's judges, else profanity
+    max_new_tokens: int | None = setting(
+        None, "New tokens per tester turn (null: the run's, else tester_generation's).", at_least=1
+    )
+    target_max_new_tokens: int | None = setting(
+        None, "New tokens per target reply (null: max_new_tokens if set, else the run's, else target_generation's).", at_least=1
+    )
     checkpoint: str | None = None
     threshold: float = DEFAULT_THRESHOLD
     resamples: int = 1000
@@ -95,6 +106,9 @@ class Resolved:
     tester_system_prompt: str | None
     target_system_prompt: str | None
     training_scorers: list[str]
+    turns: int
+    tester_generation: GenerationSettings
+    target_generation: GenerationSettings
     test_fraction: float | None = None
 
 
@@ -168,7 +182,39 @@ def resolve(config: EvalConfig) -> Resolved:
         if config.target_system_prompt is not None
         else run.get("target_system_prompt"),
         training_scorers=training,
+        turns=config.turns or int(run.get("turns", DEFAULT_TURNS)),
+        **_generation_lengths(config, run),
     )
+
+
+def measured(config: EvalConfig, resolved: Resolved) -> EvalConfig:
+    """``config`` with the turns and lengths the evaluation ran (the run's where ``config`` left them unset)."""
+    tester, target = resolved.tester_generation, resolved.target_generation
+    return replace(
+        config,
+        turns=resolved.turns,
+        max_new_tokens=tester.max_new_tokens,
+        target_max_new_tokens=target.max_new_tokens,
+        tester_generation=tester,
+        target_generation=target,
+    )
+
+
+def _generation_lengths(config: EvalConfig, run: dict) -> dict:
+    """Each side's sampling settings with its length: the config's own, else the run's (its
+    ``target_max_new_tokens``, else its ``max_new_tokens``, for the target), else the generation settings'."""
+    tester = config.max_new_tokens or run.get("max_new_tokens") or config.tester_generation.max_new_tokens
+    target = (
+        config.target_max_new_tokens
+        or config.max_new_tokens
+        or run.get("target_max_new_tokens")
+        or run.get("max_new_tokens")
+        or config.target_generation.max_new_tokens
+    )
+    return {
+        "tester_generation": replace(config.tester_generation, max_new_tokens=int(tester)),
+        "target_generation": replace(config.target_generation, max_new_tokens=int(target)),
+    }
 
 
 def rollout_records(rollout, openers: list[str], judges: list[str], first: int) -> list[dict]:
@@ -210,6 +256,9 @@ def conversation_spec(config: EvalConfig, resolved: Resolved, judges: list[str])
             mode=resolved.mode,
             tester_system_prompt=resolved.tester_system_prompt,
             target_system_prompt=resolved.target_system_prompt,
+            turns=resolved.turns,
+            tester_generation=resolved.tester_generation,
+            target_generation=resolved.target_generation,
         ),
         tester=resolved.source.model,
         target=resolved.target,
@@ -245,9 +294,9 @@ def generate(config: EvalConfig, resolved: Resolved, scorers: dict, on_turns: Ca
         with torch.no_grad():
             reset = env.reset()
             openers = as_list(reset[QUERY])
-            rollout = env.rollout(config.turns, tester, tensordict=reset, auto_reset=False, callback=callback)
+            rollout = env.rollout(resolved.turns, tester, tensordict=reset, auto_reset=False, callback=callback)
         if on_turns:
-            on_turns(keep * (config.turns - len(steps)))
+            on_turns(keep * (resolved.turns - len(steps)))
         chunk = rollout_records(rollout, openers, list(scorers), done)
         records.extend(r for r in chunk if r["conversation"] < done + keep)
         done += keep
@@ -315,7 +364,13 @@ def run_eval(
     with (
         sole_writer(out, "--out"),
         RunRecorder.begin(
-            "eval", out, asdict(config), seed=config.seed, tester=config.tester, target=resolved.target, warn=warn
+            "eval",
+            out,
+            asdict(measured(config, resolved)),
+            seed=config.seed,
+            tester=config.tester,
+            target=resolved.target,
+            warn=warn,
         ) as recorder,
     ):
         metrics, records = _evaluate(config, resolved, out, start=start, progress=progress, warn=warn)
@@ -384,7 +439,7 @@ def _evaluate(
             "so add a different --judge to see them"
         )
     out.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=config.num_conversations * config.turns, unit="turn", disable=not progress, desc="eval")
+    bar = tqdm(total=config.num_conversations * resolved.turns, unit="turn", disable=not progress, desc="eval")
     timing = {}
     t0 = time.perf_counter()
     records = generate(config, resolved, scorers, on_turns=bar.update)
@@ -440,6 +495,8 @@ def _evaluate(
         "mode": resolved.mode,
         "seed": config.seed,
         "reply_samples": config.reply_samples,
+        "max_new_tokens": resolved.tester_generation.max_new_tokens,
+        "target_max_new_tokens": resolved.target_generation.max_new_tokens,
         "embedding_model": None if embeddings is None else "all-MiniLM-L6-v2",
         **metrics,
         **({"judge_agreement": agreement} if agreement else {}),

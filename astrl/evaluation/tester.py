@@ -105,7 +105,8 @@ def resolve_tester(spec: str, checkpoint: str | None = None) -> TesterSource:
 
 def exported_defaults(folder: Path) -> dict:
     """The run settings an ``astrl export`` folder carries (``EXPORT_SETTINGS``'s ``eval_defaults``:
-    target, judges, prompts, mode, seeds, system prompts, training scorer); ``{}`` for any other folder."""
+    target, judges, prompts, mode, seeds, test fraction, system prompts, turns and lengths, training scorer);
+    ``{}`` for any other folder."""
     path = folder / EXPORT_SETTINGS
     if not path.is_file():
         return {}

@@ -23,16 +23,15 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from astrl.evaluation.run import RUN_DEFAULTS
 from astrl.evaluation.tester import EXPORT_SETTINGS, TesterSource, is_adapter_folder, load_tester, resolve_tester
 from astrl.names import EMBEDDED_MODELS, is_run_dir, looks_like_path
 from astrl.training.config import ConfigError, TrainConfig, load_config
 
 # Hub id and licence of each embedded model, for the card's metadata.
 EMBEDDED_CARDS = {"smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0")}
-# Settings of the run that ``astrl eval`` takes as defaults (astrl.evaluation.run.RUN_DEFAULTS), plus its scorer.
-EVAL_DEFAULT_KEYS = (
-    "target", "judges", "prompts", "mode", "seed", "split_seed", "tester_system_prompt", "target_system_prompt", "scorer",
-)  # fmt: skip
+# Settings of the run that ``astrl eval`` takes as defaults, plus its scorer (recorded as the training scorer).
+EVAL_DEFAULT_KEYS = (*RUN_DEFAULTS, "scorer")
 GARAK_PROBE = "atkgen.Tox"  # garak 0.17.1's probe that runs a red-team model against the target
 TEMPLATE_PLACEHOLDER = "[query]"  # garak atkgen's placeholder for the target's last reply
 FORMAT_VERSION = 1
