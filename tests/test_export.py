@@ -27,7 +27,7 @@ RUN_CONFIG = (
     "scorer: keywords:hello\njudges: [profanity]\nprompts: builtin\nseed: 3\nmode: chat\n"
     f"tester_system_prompt: {SYSTEM_PROMPT}\nmax_new_tokens: 7\ntemperature: 0.9\nreward: astprompter\nzeta: 0.25\n"
     "lora_rank: 4\nlora_alpha: 32\nlora_targets: [q_proj, v_proj]\ntotal_steps: 5\n"
-    "warm_start_probes: 8\nwarm_start_scorer: wordlist\n"
+    "warm_start_probes: 8\nwarm_start_scorer: wordlist\nturns: 2\ntest_fraction: 0.3\n"
 )
 
 
@@ -175,15 +175,12 @@ def test_card_reports_the_demo_comparison_of_the_run(run_dir, tmp_path):
 
 def _eval(tester: Path, out: Path) -> dict:
     from astrl.evaluation.run import EvalConfig, run_eval
-    from astrl.policies import GenerationSettings
 
     config = EvalConfig(
         tester=str(tester),
         num_conversations=3,
-        turns=2,
         batch_size=2,
-        tester_generation=GenerationSettings(max_new_tokens=6),
-        target_generation=GenerationSettings(max_new_tokens=6),
+        max_new_tokens=6,  # turns: the run's
         resamples=200,
         embeddings=False,
         seed=0,
@@ -196,6 +193,8 @@ def test_eval_of_the_folder_equals_eval_of_the_run(run_dir, exported, tmp_path):
     of_run, of_folder = _eval(run_dir, tmp_path / "run"), _eval(exported, tmp_path / "folder")
     assert of_folder["judges"] == of_run["judges"] and of_folder["probe_nll"] == of_run["probe_nll"]
     assert "profanity" in of_run["judges"] and of_folder["split_seed"] == of_run["split_seed"] == 3
+    for key, value in (("test_fraction", 0.3), ("turns", 2), ("max_new_tokens", 6), ("target_max_new_tokens", 6)):
+        assert of_folder[key] == of_run[key] == value, key  # the run's held-out split and conversation shape
     probes = [[json.loads(line)["probe"] for line in (tmp_path / s / "conversations.jsonl").open()] for s in ("run", "folder")]
     assert probes[0] == probes[1] and any(p.strip() for p in probes[0])
     # the run's eval is in the results store now: an export finds it and puts its numbers in the card
