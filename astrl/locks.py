@@ -20,6 +20,20 @@ except ImportError:  # pragma: no cover - not POSIX
 
 LOCK_FILE = ".astrl.lock"  # in a run or eval folder while a job writes it
 _HELD: dict[Path, int] = {}  # folders this process holds, with how many nested holds
+_HANDLES: dict[Path, object] = {}  # the open lock file of each held folder
+
+
+def _forget_in_child() -> None:
+    """A forked child holds no folder: it closes its copies of the lock files (the parent's copies keep
+    the locks), so a worker that outlives a crashed job does not keep the job's folder locked."""
+    for handle in _HANDLES.values():
+        handle.close()
+    _HANDLES.clear()
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 @contextlib.contextmanager
@@ -77,9 +91,10 @@ def sole_writer(folder: Path, what: str) -> Iterator[None]:
         handle.truncate()
         handle.write(f"pid {os.getpid()}")
         handle.flush()
-        _HELD[key] = 1
+        _HELD[key], _HANDLES[key] = 1, handle
         yield
     finally:
         _HELD.pop(key, None)
+        _HANDLES.pop(key, None)
         path.unlink(missing_ok=True)  # while still held: a job that opened it meanwhile sees a removed file
         handle.close()  # closing releases the lock

@@ -52,6 +52,39 @@ def test_the_lock_goes_with_its_job_and_nested_holds_in_one_process_are_one(tmp_
         pass
 
 
+CRASHES_LEAVING_A_WORKER = """
+import os, sys, time
+from astrl.locks import sole_writer
+with sole_writer(sys.argv[1], "run folder"):
+    worker = os.fork()
+    if worker == 0:  # a worker forked by the job (not exec'd), still running after the job dies
+        quiet = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(quiet, 1), os.dup2(quiet, 2)  # the test reads the job's output to its end, not the worker's
+        time.sleep(60)
+        os._exit(0)
+    print(worker, flush=True)
+    os._exit(1)  # the job crashes: no clean-up, its lock file stays
+"""
+
+
+def test_a_worker_forked_by_a_crashed_job_does_not_keep_its_folder(tmp_path):
+    import os
+    import signal
+
+    folder = tmp_path / "run"
+    args = [sys.executable, "-c", CRASHES_LEAVING_A_WORKER, str(folder)]
+    job = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    worker = int(job.stdout.strip())
+    try:
+        assert job.returncode == 1, job.stderr
+        assert (folder / LOCK_FILE).is_file()  # left behind by the crash, while the worker still runs
+        os.kill(worker, 0)  # the worker is alive
+        with sole_writer(folder, "run folder"):  # a resume takes the folder at once
+            assert (folder / LOCK_FILE).read_text() == f"pid {os.getpid()}"
+    finally:
+        os.kill(worker, signal.SIGKILL)
+
+
 def _one_error_line(capsys) -> str:
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
