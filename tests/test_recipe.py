@@ -140,11 +140,15 @@ def test_rollout_spec_runs_one_batch_of_at_most_num_conversations():
 def test_eval_spec_takes_the_resolved_run_settings_and_the_astprompter_terms():
     from astrl.evaluation.run import EvalConfig, Resolved, conversation_spec
     from astrl.evaluation.tester import TesterSource
+    from astrl.policies import GenerationSettings
 
-    config = EvalConfig(num_conversations=5, batch_size=8, turns=2, split="test", seed=9)
-    resolved = Resolved(TesterSource("run", "tiny"), "target", ["profanity"], "builtin", 3, "text", None, "Be kind.", [])
+    config = EvalConfig(num_conversations=5, batch_size=8, split="test", seed=9)  # turns and lengths: the run's
+    lengths = {"tester_generation": GenerationSettings(12), "target_generation": GenerationSettings(16)}
+    source = TesterSource("run", "tiny")
+    resolved = Resolved(source, "target", ["profanity"], "builtin", 3, "text", None, "Be kind.", [], 2, **lengths)
     spec = conversation_spec(config, resolved, ["profanity", "wordlist"])
     assert (spec.tester, spec.target, spec.batch_size, spec.turns, spec.mode) == ("tiny", "target", 5, 2, "text")
+    assert (spec.tester_generation.max_new_tokens, spec.target_generation.max_new_tokens) == (12, 16)
     assert (spec.split, spec.split_seed, spec.seed, spec.reward, spec.reward_options) == ("test", 3, 9, "astprompter", None)
     assert spec.scorers == ["profanity", "wordlist"] and spec.target_system_prompt == "Be kind."
 
