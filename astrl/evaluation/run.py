@@ -46,7 +46,7 @@ RUN_DEFAULTS = (
     "target", "judges", "prompts", "mode", "seed", "split_seed", "test_fraction", "system_prompt", "tester_system_prompt",
     "target_system_prompt", "turns", "max_new_tokens", "target_max_new_tokens",
 )  # fmt: skip
-DEFAULT_TURNS = 3  # without a run's turns
+DEFAULT_TURNS: int = ConversationRuns.__dataclass_fields__["turns"].default  # without a run's turns (3)
 
 
 @dataclass
