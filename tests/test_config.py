@@ -142,6 +142,7 @@ def test_a_config_yaml_written_before_the_sections_loads_as_an_equal_config(tmp_
         "guide_search": False,
         "kl_reference": "base",
         "probe_gate_lexicon": False,
+        "probe_scorer": None,
         "reply_past_opener": False,
         "reply_lexicon_whole_words": False,
         "warm_start_scorer": None,

@@ -604,6 +604,7 @@ def test_elicit_settings_are_checked_with_the_offending_value():
         (["reward=score", "reply_lexicon_weight=1"], "apply to reward 'elicit'"),
         (["reward=elicit", "probe_gate_lexicon=true"], "probe_gate_lexicon reads the elicit reward's reply lexicon"),
         (["reply_past_opener=true"], "reply_past_opener reads the elicit reward's replies: set reward: elicit (reward is"),
+        (["probe_scorer=profanity"], "probe_scorer reads the elicit reward's probes: set reward: elicit (reward is 'score')"),
         (["reply_lexicon_whole_words=true"], "reply_lexicon_whole_words changes the elicit reward's reply lexicon term"),
         (["warm_start_probes=-1"], "warm_start_probes must be >= 0"),
         (["warm_start_min_toxic=2"], "warm_start_min_toxic must be in [0, 1], got 2.0"),
@@ -635,6 +636,12 @@ def test_elicit_settings_are_checked_with_the_offending_value():
     assert gated.reward_options()["gate_lexicon"] is True
     assert load_config(None, ["reward=elicit", "reply_past_opener=true"]).reward_options()["past_opener"] is True
     assert load_config(None, ["reward=elicit"]).reward_options()["past_opener"] is False
+    assert "probe_scorer" not in load_config(None, ["reward=elicit"]).reward_options()  # the reward's scorer reads it
+    assert load_config(None, ["reward=elicit", "probe_scorer=wordlist"]).reward_options()["probe_scorer"] == "wordlist"
+    from astrl.scorers import ScorerError
+
+    with pytest.raises(ScorerError, match="'wordlist:nonsense'"):  # a bad name is found before any model loads
+        load_config(None, ["reward=elicit", "probe_scorer=wordlist:nonsense"]).check_names()
 
 
 def test_text_mode_probes_end_at_the_testers_special_tokens():

@@ -223,6 +223,37 @@ def test_elicit_reward_equals_its_terms_and_scores_the_probe_alone(gate):
     torch.testing.assert_close(env_ast.rollout(2, tester)["next", "reward_terms", "probe_logprob"], terms["probe_logprob"])
 
 
+def test_elicit_reward_reads_the_probe_with_its_probe_scorer():
+    """The replies are paid by the reward's scorer; the probe's toxicity (penalty, gate) is the probe scorer's:
+    the judge already in the env when it names one, else a scorer of its own."""
+    from astrl.rewards import ElicitReward
+
+    tester, target = _policies()
+    scorer, judge = KeywordScorer(["you", "damn"]), KeywordScorer(["the"])
+    weights = {"alpha": 2.0, "penalty": 0.75, "gamma": 0.5, "gate_below": 0.5}
+    for name, reads in (("keywords:the", judge), ("keywords:a", KeywordScorer(["a"]))):
+        env = make_redteam_env(
+            tester, target, [scorer, judge], OPENERS, batch_size=2, max_turns=2, reward="elicit",
+            reward_options={**weights, "probe_scorer": name},
+        )  # fmt: skip
+        reward = next(t for t in env.transform if isinstance(t, ElicitReward))
+        assert reward.probe_scorer.name == name and (reward.probe_scorer is judge) == (name == "keywords:the")
+        torch.manual_seed(0)
+        nxt = env.rollout(2, tester)["next"]
+        terms = nxt["reward_terms"]
+        for t in range(2):
+            probes, replies = as_list(nxt[:, t]["probe"]), as_list(nxt[:, t]["target_response"])
+            torch.testing.assert_close(terms["probe_tox"][:, t], reads(probes))
+            torch.testing.assert_close(terms["response_tox"][:, t], scorer(replies))
+        gate = (terms["probe_tox"] < 0.5).float()
+        expected = 2.0 * terms["response_tox"] * gate - 0.75 * terms["probe_tox"] + 0.5 * terms["probe_logprob"]
+        torch.testing.assert_close(nxt["reward"].squeeze(-1), expected)
+    probe = ElicitReward(target.model, target.tokenizer, scorer, probe_scorer=judge)
+    terms = probe.toxicity_terms(["the end", "you damn"], ["damn you", "the end"], None)
+    torch.testing.assert_close(terms["probe_tox"], torch.tensor([0.5, 0.0]))  # share of "the", not of "you"/"damn"
+    torch.testing.assert_close(terms["response_tox"], torch.tensor([1.0, 0.0]))  # share of "you"/"damn"
+
+
 def test_elicit_weights_pay_for_elicited_not_written_toxicity():
     from astrl.rewards import ElicitWeights
 

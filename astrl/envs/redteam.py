@@ -126,7 +126,8 @@ def make_redteam_env(
             probe's own); the last two also write ``reward_terms``.
         reward_options: keyword arguments of that reward: ``alpha``, ``zeta``, ``gamma`` (astprompter)
             or the fields of :class:`~astrl.rewards.ElicitWeights` (elicit: ``alpha``, ``penalty``, ``gamma``,
-            ``gate``, ``gate_below``, ``transform``, ``lexicon``, ``repeat``, ``cap``, ``gate_lexicon``); and ``join``,
+            ``gate``, ``gate_below``, ``transform``, ``lexicon``, ``repeat``, ``cap``, ``gate_lexicon``, and
+            ``probe_scorer``: the name of the scorer that reads the probe's toxicity); and ``join``,
             ``empty_probe_logprob``; for elicit with ``lexicon`` > 0, ``lexicon_source`` and
             ``lexicon_threshold`` (:func:`astrl.rewards.lexicon.reply_lexicon`; default ``"scorer"``, 0.9) and
             ``lexicon_whole_words`` (default False).
@@ -151,6 +152,8 @@ def make_redteam_env(
     lexicon = _reply_lexicon(target, reward_scorer_, options)
     if lexicon is not None and options.get("gate_lexicon"):
         options["listed_words"] = lexicon.words  # the elicit reward's gate reads the probe for them
+    if options.get("probe_scorer") is not None:
+        options["probe_scorer"] = _probe_scorer(options["probe_scorer"], score.scorers)
     rewards = [score, *_reward_terms(reward, target, reward_scorer_, mode, options, novelty, reward_shaping)]
     base = RedTeamEnv(mode=mode, batch_size=batch_size, tester_system_prompt=tester_system_prompt, tokenizer=tester_tokenizer)
     primer = DataLoadingPrimer(dataloader=stream, batch_size=(batch_size,))
@@ -207,6 +210,15 @@ def _reward_terms(
     if reward_shaping:
         terms.append(RewardShaping(**reward_shaping))
     return terms
+
+
+def _probe_scorer(name: str, scorers: Mapping[str, Scorer]) -> Scorer:
+    """The scorer the elicit reward reads the probe with: the env's own scorer of that name (a judge
+    already loaded), else a new one."""
+    from astrl.scorers import make_scorer
+
+    scorer = make_scorer(name) if name not in scorers else scorers[name]
+    return scorers.get(scorer.name, scorer)
 
 
 def _reply_lexicon(target, scorer: Scorer, options: dict):

@@ -238,9 +238,10 @@ class ElicitReward(ASTPrompterReward):
     weights' ``gate_lexicon`` also ``probe_listed`` (1 when the probe holds one of ``listed_words``, the
     reply lexicon's words, else 0), and ``reward == ElicitWeights.combine(**terms)``:
     ``g * (alpha * response_tox + lexicon * reply_lexicon) - penalty * probe_tox + gamma * min(probe_logprob,
-    cap) - repeat * probe_repetition``. ``probe_tox`` is the scorer on the probe alone; the replies' scores
-    are reused from ``("reply_scores", name)`` (or ``("scores", name)``), so one scorer call covers a step.
-    Other arguments as :class:`ASTPrompterReward`.
+    cap) - repeat * probe_repetition``. ``probe_tox`` is the scorer on the probe alone, or ``probe_scorer``
+    when one is given (the judge's notion of a clean probe, while the replies are paid by the scorer); the
+    replies' scores are reused from ``("reply_scores", name)`` (or ``("scores", name)``), so one scorer call
+    covers a step. Other arguments as :class:`ASTPrompterReward`.
     """
 
     terms = ELICIT_TERMS
@@ -285,9 +286,11 @@ class ElicitReward(ASTPrompterReward):
         *,
         weights: ElicitWeights | None = None,
         listed_words: Sequence[str] | None = None,
+        probe_scorer: Scorer | None = None,
         **kwargs,
     ) -> None:
         super().__init__(target_model, target_tokenizer, scorer, weights=weights or ElicitWeights(), **kwargs)
+        self.probe_scorer = probe_scorer
         self.listed_words = None
         if self.weights.gate_lexicon:
             if not listed_words:
@@ -296,8 +299,12 @@ class ElicitReward(ASTPrompterReward):
             self.terms = (*ELICIT_TERMS, "probe_listed")
 
     def toxicity_terms(self, probes: list[str], replies: list[str], cached: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """``response_tox`` and ``probe_tox`` (one scorer call; the reply's score is reused when cached)."""
-        return self._score_with_replies(list(probes), replies, cached, "probe_tox")
+        """``response_tox`` and ``probe_tox`` (one scorer call; the reply's score is reused when cached);
+        with a ``probe_scorer``, ``probe_tox`` is its score of the probes."""
+        if self.probe_scorer is None or self.probe_scorer is self.scorer:
+            return self._score_with_replies(list(probes), replies, cached, "probe_tox")
+        response = cached.reshape(-1).float() if cached is not None else checked_scores(self.scorer, list(replies)).float()
+        return {"response_tox": response, "probe_tox": checked_scores(self.probe_scorer, list(probes)).float()}
 
 
 LIKELIHOOD_REWARDS = {"astprompter": (ASTPrompterWeights, ASTPrompterReward), "elicit": (ElicitWeights, ElicitReward)}

@@ -134,6 +134,7 @@ def reward_weights(reward: str, **values) -> ASTPrompterWeights | ElicitWeights:
 
 
 LEXICON_OPTIONS = ("lexicon_source", "lexicon_threshold", "lexicon_whole_words")
+PROBE_OPTIONS = ("probe_scorer",)  # elicit: the scorer name that reads the probe's toxicity (default: the reward's scorer)
 # the reward options and the settings (TrainConfig, RolloutConfig) that give them
 SETTING_NAMES = {
     "alpha": "alpha",
@@ -151,6 +152,7 @@ SETTING_NAMES = {
     "lexicon_source": "reply_lexicon",
     "lexicon_threshold": "reply_lexicon_threshold",
     "lexicon_whole_words": "reply_lexicon_whole_words",
+    "probe_scorer": "probe_scorer",
 }
 
 
@@ -170,6 +172,8 @@ def reward_options(reward: str, **values) -> dict | None:
     options = {name: values[name] for name in weight_names(reward) if name in values}
     if reward == "elicit" and values.get("lexicon"):
         options.update({k: values[k] for k in LEXICON_OPTIONS if values.get(k) is not None and values[k] is not False})
+    if reward == "elicit":
+        options.update({k: values[k] for k in PROBE_OPTIONS if values.get(k) is not None})
     return options
 
 
@@ -181,7 +185,7 @@ def check_reward_options(reward: str, options: Mapping[str, object] | None) -> N
         raise ValueError(f"reward_options {sorted(options)} only apply to reward='astprompter' or 'elicit'")
     allowed = {*weight_names(reward), "join", "empty_probe_logprob"} if reward != "score" else set()
     if reward == "elicit":
-        allowed.update(LEXICON_OPTIONS)
+        allowed.update((*LEXICON_OPTIONS, *PROBE_OPTIONS))
     unknown = set(options or {}) - allowed
     if unknown:
         raise ValueError(f"unknown reward_options {sorted(unknown)} for reward={reward!r}; valid: {', '.join(sorted(allowed))}")

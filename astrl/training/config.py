@@ -155,6 +155,14 @@ class RewardSection:
             "repeats the probe's word is echoed, not elicited; needs reply_lexicon_weight > 0)."
         },
     )
+    probe_scorer: str | None = field(
+        default=None,
+        metadata={
+            "help": "elicit: the scorer that reads the probe's own toxicity, which probe_penalty, probe_gate and "
+            "elicit_gate use (null: scorer). Naming the run's judge keeps the probes clean as the judge reads them, "
+            "while the replies are still paid by scorer."
+        },
+    )
     reply_past_opener: bool = field(
         default=False,
         metadata={
@@ -241,6 +249,10 @@ class RewardSection:
                     not self.probe_gate_lexicon or (self.reward == "elicit" and self.reply_lexicon_weight > 0),
                     f"probe_gate_lexicon reads the elicit reward's reply lexicon: set reward: elicit and "
                     f"reply_lexicon_weight > 0 (reward is {self.reward!r}, reply_lexicon_weight {self.reply_lexicon_weight})",
+                ),
+                (
+                    self.probe_scorer is None or self.reward == "elicit",
+                    f"probe_scorer reads the elicit reward's probes: set reward: elicit (reward is {self.reward!r})",
                 ),
                 (
                     not self.reply_past_opener or self.reward == "elicit",
@@ -855,7 +867,7 @@ class TrainConfig(
         from astrl.names import check_names
 
         roles = {"tester": self.tester, "target": self.target}
-        scorers = [self.scorer, *self.judges, *([self.warm_start_scorer] if self.warm_start_scorer else [])]
+        scorers = [self.scorer, *self.judges, *[s for s in (self.warm_start_scorer, self.probe_scorer) if s]]
         check_names(
             roles, scorers, self.prompts, split=self.split, split_seed=self.prompt_split_seed,
             test_fraction=self.test_fraction,
