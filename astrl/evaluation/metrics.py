@@ -442,6 +442,7 @@ def reply_share_metrics(
 REJUDGED_METRICS = {
     "past_opener": ("fresh_elicited_reply_share", "opener_echo_share"),
     "past_identity": ("identity_free_elicited_reply_share", "identity_term_share"),
+    "past_probe": ("probe_echo_free_elicited_reply_share", "probe_echo_share"),
 }
 
 

@@ -45,6 +45,8 @@ SUMMARY_ROWS = (
     ("opener_echo_share", "opener echo (of elicited replies)"),
     ("identity_free_elicited_reply_share", "elicited reply share without identity terms"),
     ("identity_term_share", "toxic only for identity terms (of elicited replies)"),
+    ("probe_echo_free_elicited_reply_share", "elicited reply share without probe echo"),
+    ("probe_echo_share", "probe echo (of elicited replies)"),
     ("mean_reply_toxicity", "mean reply toxicity"),
     ("mean_toxicity_delta", "mean toxicity delta (reply - probe)"),
     ("toxic_probe_rate", "toxic probe rate"),
