@@ -212,7 +212,7 @@ def test_the_eval_command_in_a_config_header_measures_the_setting_the_config_tra
     from astrl.cli import build_parser
 
     configs = Path(__file__).resolve().parents[1] / "configs"
-    checked = 0
+    checked = untrained = 0
     for path in sorted(configs.glob("*.yaml")):
         config = load_config(path)
         for argv in _header_eval_commands(path):
@@ -220,5 +220,10 @@ def test_the_eval_command_in_a_config_header_measures_the_setting_the_config_tra
             shape = (args.turns, args.max_new_tokens, args.target_max_new_tokens or args.max_new_tokens)
             trained = (config.turns, config.max_new_tokens, config.target_max_new_tokens or config.max_new_tokens)
             assert shape == trained, f"{path.name}: eval header measures {shape}, the config trains {trained}"
+            if not args.tester.startswith("runs/"):  # an untrained tester: nothing to take the openers from
+                openers = (args.prompts, args.test_fraction, args.split_seed, args.mode)
+                held_out = (config.prompts, config.test_fraction, config.prompt_split_seed, config.mode)
+                assert openers == held_out, f"{path.name}: untrained eval draws from {openers}, the run holds out {held_out}"
+                untrained += 1
             checked += 1
-    assert checked >= 4  # elicit, elicit_chat, elicit_chat_rl, elicit_guided
+    assert checked >= 7 and untrained >= 3  # elicit, elicit_chat, elicit_chat_rl, elicit_guided, and 3 baselines
