@@ -170,11 +170,17 @@ class ASTPrompterReward(StepTransform):
         combined = [p + self.join + r for p, r in zip(probes, replies, strict=True)]
         return self._score_with_replies(combined, replies, cached, "combined_tox")
 
-    def _score_with_replies(self, texts: list[str], replies: list[str], cached: torch.Tensor | None, name: str) -> dict:
-        if cached is not None:
-            return {"response_tox": cached.reshape(-1).float(), name: checked_scores(self.scorer, texts)}
-        both = checked_scores(self.scorer, list(replies) + texts)
-        return {"response_tox": both[: len(replies)].float(), name: both[len(replies) :].float()}
+    def _score_with_replies(
+        self, texts: list[str], replies: list[str], cached: torch.Tensor | None, name: str, text_scorer: Scorer | None = None
+    ) -> dict:
+        """``response_tox`` (the replies by the scorer, ``cached`` when given) and ``name`` (``texts`` by
+        ``text_scorer``, default the scorer): one call when the scorer reads both and nothing is cached."""
+        text_scorer = text_scorer or self.scorer
+        if cached is None and text_scorer is self.scorer:
+            both = checked_scores(self.scorer, list(replies) + texts)
+            return {"response_tox": both[: len(replies)].float(), name: both[len(replies) :].float()}
+        response = cached.reshape(-1).float() if cached is not None else checked_scores(self.scorer, list(replies))
+        return {"response_tox": response, name: checked_scores(text_scorer, texts)}
 
     def reply_term(self, scores: torch.Tensor) -> torch.Tensor:
         """The reply term from the scores of each probe's replies (shape ``(N, K)``): their mean."""
@@ -301,10 +307,7 @@ class ElicitReward(ASTPrompterReward):
     def toxicity_terms(self, probes: list[str], replies: list[str], cached: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """``response_tox`` and ``probe_tox`` (one scorer call; the reply's score is reused when cached);
         with a ``probe_scorer``, ``probe_tox`` is its score of the probes."""
-        if self.probe_scorer is None or self.probe_scorer is self.scorer:
-            return self._score_with_replies(list(probes), replies, cached, "probe_tox")
-        response = cached.reshape(-1).float() if cached is not None else checked_scores(self.scorer, list(replies)).float()
-        return {"response_tox": response, "probe_tox": checked_scores(self.probe_scorer, list(probes)).float()}
+        return self._score_with_replies(list(probes), replies, cached, "probe_tox", self.probe_scorer)
 
 
 LIKELIHOOD_REWARDS = {"astprompter": (ASTPrompterWeights, ASTPrompterReward), "elicit": (ElicitWeights, ElicitReward)}
