@@ -10,6 +10,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 from astrl.errors import FolderInUseError
 
@@ -19,16 +20,14 @@ except ImportError:  # pragma: no cover - not POSIX
     fcntl = None
 
 LOCK_FILE = ".astrl.lock"  # in a run or eval folder while a job writes it
-_HELD: dict[Path, int] = {}  # folders this process holds, with how many nested holds
-_HANDLES: dict[Path, object] = {}  # the open lock file of each held folder
+_HELD: dict[Path, IO[str]] = {}  # the folders this process holds (resolved), with their open lock files
 
 
 def _forget_in_child() -> None:
     """A forked child holds no folder: it closes its copies of the lock files (the parent's copies keep
     the locks), so a worker that outlives a crashed job does not keep the job's folder locked."""
-    for handle in _HANDLES.values():
+    for handle in _HELD.values():
         handle.close()
-    _HANDLES.clear()
     _HELD.clear()
 
 
@@ -60,12 +59,8 @@ def sole_writer(folder: Path, what: str) -> Iterator[None]:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     key = folder.resolve()
-    if key in _HELD:  # this process holds it already (a command that holds its run folder, then trains)
-        _HELD[key] += 1
-        try:
-            yield
-        finally:
-            _HELD[key] -= 1
+    if key in _HELD:  # this process holds it already (a command that holds its run folder, then trains):
+        yield  # the outer hold keeps the lock and releases it
         return
     if fcntl is None:  # pragma: no cover - not POSIX
         yield
@@ -91,10 +86,9 @@ def sole_writer(folder: Path, what: str) -> Iterator[None]:
         handle.truncate()
         handle.write(f"pid {os.getpid()}")
         handle.flush()
-        _HELD[key], _HANDLES[key] = 1, handle
+        _HELD[key] = handle
         yield
     finally:
         _HELD.pop(key, None)
-        _HANDLES.pop(key, None)
         path.unlink(missing_ok=True)  # while still held: a job that opened it meanwhile sees a removed file
         handle.close()  # closing releases the lock
