@@ -249,16 +249,13 @@ def conversation_spec(config: EvalConfig, resolved: Resolved, judges: list[str])
     from astrl.envs import ConversationSpec
 
     return ConversationSpec(
-        **config.batch_settings(
+        **measured(config, resolved).batch_settings(  # the turns and lengths from measured, the rest from the run
             prompts=resolved.prompts,
             split_seed=resolved.split_seed,
             test_fraction=resolved.test_fraction,
             mode=resolved.mode,
             tester_system_prompt=resolved.tester_system_prompt,
             target_system_prompt=resolved.target_system_prompt,
-            turns=resolved.turns,
-            tester_generation=resolved.tester_generation,
-            target_generation=resolved.target_generation,
         ),
         tester=resolved.source.model,
         target=resolved.target,
