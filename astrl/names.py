@@ -110,7 +110,10 @@ def parse_scorer(name: str) -> tuple[str, tuple[str, ...]]:
     """Split a scorer name into its kind and arguments, checking what needs no model.
 
     Returns ``(kind, args)``: ``("profanity", ())``, ``("wordlist", (preset?, "-word", ...))``,
-    ``("detoxify", (variant,))``, ``("keywords", words)``, ``("hf", (model, label))``, ``("judge", (model, style))``. An unknown
+    ``("detoxify", (variant,))``, ``("keywords", words)``, ``("hf", (model, label))``, ``("judge", (model, style))``;
+    two spellings of one scorer (``wordlist:-god,strict`` and ``wordlist:strict,-god``) give the same pair,
+    so it tells them apart without loading either (an ``hf`` name without its label is the exception: the
+    default label is the model's to say). An unknown
     form, an empty word list, an unknown variant or style, or a model path that does not exist
     raises a :class:`ScorerError` naming ``name``; nothing is loaded.
     """
@@ -137,7 +140,7 @@ def parse_scorer(name: str) -> tuple[str, tuple[str, ...]]:
             raise ScorerError(f"scorer {name!r}: detoxify variant must be one of {', '.join(DETOXIFY_VARIANTS)}")
         parsed = (kind, (arg or "original",))
     elif kind == "keywords" and colon:
-        words = tuple(w for w in (w.strip() for w in arg.split(",")) if w)
+        words = tuple(sorted({w.strip().lower() for w in arg.split(",") if w.strip()}))
         if not words:
             raise ScorerError(f"scorer {name!r}: the 'keywords' scorer needs at least one word, e.g. keywords:damn,hell")
         parsed = (kind, words)

@@ -421,5 +421,11 @@ def make_scorer(name: str, *, device: str = "cpu") -> Scorer:
 
 
 def make_scorers(names: Sequence[str], *, device: str = "cpu") -> dict[str, Scorer]:
-    """Scorers by name, keyed by their canonical names, in the given order (the first gives the reward)."""
-    return {s.name: s for s in (make_scorer(name, device=device) for name in names)}
+    """Scorers by name, keyed by their canonical names, in the given order (the first gives the reward);
+    a scorer named twice (in any spelling :func:`parse_scorer` reads as the same) is built once."""
+    built: dict[tuple[str, tuple[str, ...]], Scorer] = {}
+    for name in names:
+        key = parse_scorer(name)
+        if key not in built:
+            built[key] = make_scorer(name, device=device)
+    return {s.name: s for s in built.values()}

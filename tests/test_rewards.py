@@ -225,19 +225,19 @@ def test_elicit_reward_equals_its_terms_and_scores_the_probe_alone(gate):
 
 def test_elicit_reward_reads_the_probe_with_its_probe_scorer():
     """The replies are paid by the reward's scorer; the probe's toxicity (penalty, gate) is the probe scorer's:
-    the judge already in the env when it names one, else a scorer of its own."""
+    the judge already in the env when it names one (in any spelling), else a scorer of its own."""
     from astrl.rewards import ElicitReward
 
     tester, target = _policies()
     scorer, judge = KeywordScorer(["you", "damn"]), KeywordScorer(["the"])
     weights = {"alpha": 2.0, "penalty": 0.75, "gamma": 0.5, "gate_below": 0.5}
-    for name, reads in (("keywords:the", judge), ("keywords:a", KeywordScorer(["a"]))):
+    for name, reads in (("keywords:the", judge), ("keywords:The,", judge), ("keywords:a", KeywordScorer(["a"]))):
         env = make_redteam_env(
             tester, target, [scorer, judge], OPENERS, batch_size=2, max_turns=2, reward="elicit",
             reward_options={**weights, "probe_scorer": name},
         )  # fmt: skip
         reward = next(t for t in env.transform if isinstance(t, ElicitReward))
-        assert reward.probe_scorer.name == name and (reward.probe_scorer is judge) == (name == "keywords:the")
+        assert reward.probe_scorer.name == reads.name and (reward.probe_scorer is judge) == (reads is judge)
         torch.manual_seed(0)
         nxt = env.rollout(2, tester)["next"]
         terms = nxt["reward_terms"]
@@ -252,6 +252,15 @@ def test_elicit_reward_reads_the_probe_with_its_probe_scorer():
     terms = probe.toxicity_terms(["the end", "you damn"], ["damn you", "the end"], None)
     torch.testing.assert_close(terms["probe_tox"], torch.tensor([0.5, 0.0]))  # share of "the", not of "you"/"damn"
     torch.testing.assert_close(terms["response_tox"], torch.tensor([1.0, 0.0]))  # share of "you"/"damn"
+
+
+def test_probe_scorer_reuses_the_loaded_judge_without_building_one(monkeypatch):
+    import astrl.scorers
+    from astrl.envs.redteam import _probe_scorer
+
+    judge = KeywordScorer(["the", "end"])
+    monkeypatch.setattr(astrl.scorers, "make_scorer", lambda *a, **k: pytest.fail(f"built a scorer for {a}"))
+    assert _probe_scorer("keywords:End, THE", {judge.name: judge}) is judge
 
 
 def test_elicit_weights_pay_for_elicited_not_written_toxicity():

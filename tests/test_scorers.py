@@ -157,6 +157,23 @@ def test_scorer_names_parse_into_kind_and_arguments():
     assert parse_scorer("judge:org/model") == ("judge", ("org/model", "auto"))
 
 
+def test_spellings_of_one_scorer_parse_alike_and_are_built_once(monkeypatch):
+    import astrl.scorers
+    from astrl.names import parse_scorer
+    from astrl.scorers import make_scorers
+
+    spellings = {"keywords:Hell,damn": "keywords:damn,hell", "wordlist:-god,strict": "wordlist:strict,-god"}
+    for spelled, canonical in spellings.items():
+        assert parse_scorer(spelled) == parse_scorer(canonical)
+        assert make_scorer(spelled).name == canonical  # the built scorer's name parses to the same pair
+    assert parse_scorer("keywords:damn") != parse_scorer("keywords:damn,hell")
+    calls = []
+    monkeypatch.setattr(astrl.scorers, "make_scorer", lambda name, **kw: calls.append(name) or make_scorer(name, **kw))
+    built = make_scorers(["keywords:hell,damn", "wordlist", "keywords:Damn, hell", "wordlist:strict"])
+    assert list(built) == ["keywords:damn,hell", "wordlist", "wordlist:strict"]  # first place kept
+    assert calls == ["keywords:hell,damn", "wordlist", "wordlist:strict"]  # the second spelling loads nothing
+
+
 @pytest.fixture(scope="module")
 def classifier_dir(tmp_path_factory):
     from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast

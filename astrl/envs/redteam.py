@@ -213,11 +213,16 @@ def _reward_terms(
 
 
 def _probe_scorer(name: str, scorers: Mapping[str, Scorer]) -> Scorer:
-    """The scorer the elicit reward reads the probe with: the env's own scorer of that name (a judge
-    already loaded), else a new one."""
+    """The scorer the elicit reward reads the probe with: the env's own scorer of that name in any
+    spelling (a judge already loaded), else a new one."""
+    from astrl.names import parse_scorer
     from astrl.scorers import make_scorer
 
-    scorer = make_scorer(name) if name not in scorers else scorers[name]
+    key = parse_scorer(name)
+    loaded = next((s for s in scorers.values() if parse_scorer(s.name) == key), None)
+    if loaded is not None:
+        return loaded
+    scorer = make_scorer(name)  # an hf name without its label is known by its canonical name only once built
     return scorers.get(scorer.name, scorer)
 
 
