@@ -164,11 +164,18 @@ def parse_scorer(name: str) -> tuple[str, tuple[str, ...]]:
 
 
 def check_scorer_names(names: Sequence[str], what: str = "scorer") -> None:
-    """:func:`parse_scorer` every name: the checks that need no model, before any is loaded."""
+    """:func:`parse_scorer` every name: the checks that need no model, before any is loaded. Judges
+    (``what="judge"``) must also be distinct: two spellings of one scorer are an error."""
     if isinstance(names, str) or not names:
         raise ScorerError(f"at least one {what} is needed, got {names!r}")
+    seen: dict[tuple[str, tuple[str, ...]], str] = {}
     for name in names:
-        parse_scorer(name)
+        key = parse_scorer(name)
+        if what == "judge" and key in seen:
+            if seen[key] == name:
+                raise ScorerError(f"judge {name!r} is given more than once")
+            raise ScorerError(f"judges {seen[key]!r} and {name!r} name one scorer: list it once")
+        seen.setdefault(key, name)
 
 
 def is_run_dir(path: str | Path) -> bool:

@@ -45,6 +45,7 @@ __all__ = [
     "ScorerError",
     "check_scorer_names",
     "checked_scores",
+    "make_judges",
     "make_scorer",
     "make_scorers",
     "parse_scorer",
@@ -418,6 +419,20 @@ def make_scorer(name: str, *, device: str = "cpu") -> Scorer:
     if kind == "hf":
         return HFClassifierScorer(args[0], args[1] or None, device=device)
     return ChatJudgeScorer(args[0], style=args[1], device=device)
+
+
+def make_judges(names: Sequence[str], *, device: str = "cpu") -> dict[str, Scorer]:
+    """Judges by their scorers' names, in the given order; two names of one scorer are a
+    :class:`ScorerError`, raised before any loads where the names tell (an ``hf`` name without its
+    label only once built)."""
+    check_scorer_names(names, "judge")
+    judges: dict[str, Scorer] = {}
+    for name in names:
+        judge = make_scorer(name, device=device)
+        if judge.name in judges:
+            raise ScorerError(f"judges {name!r} and another judge both resolve to {judge.name!r}: list it once")
+        judges[judge.name] = judge
+    return judges
 
 
 def make_scorers(names: Sequence[str], *, device: str = "cpu") -> dict[str, Scorer]:

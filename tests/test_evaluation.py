@@ -536,6 +536,7 @@ def test_compare_resamples_openers_so_repeated_openers_do_not_shrink_the_interva
     [
         (["--judge", "toxicity"], "unknown scorer 'toxicity'"),
         (["--judge", "profanity", "--judge", "profanity"], "judge 'profanity' is given more than once"),
+        (["--judge", "keywords:Hell,damn", "--judge", "keywords:damn,hell"], "'keywords:Hell,damn' and 'keywords:damn,hell'"),
         (["--threshold", "1.5"], "--threshold: must be in [0, 1), got 1.5"),
         (["--turns", "0"], "--turns: must be >= 1, got 0"),
         (["--checkpoint", "step_0001"], "needs a training run directory"),

@@ -198,6 +198,21 @@ def classifier_dir(tmp_path_factory):
     return folder
 
 
+def test_judges_naming_one_scorer_twice_are_an_error_before_or_once_built(classifier_dir, monkeypatch):
+    import astrl.scorers
+    from astrl.scorers import make_judges
+
+    judges = make_judges(["keywords:damn", "wordlist:strict", f"hf:{classifier_dir}@toxic"])
+    assert list(judges) == ["keywords:damn", "wordlist:strict", f"hf:{classifier_dir}@toxic"]
+    built = []
+    monkeypatch.setattr(astrl.scorers, "make_scorer", lambda name, **kw: built.append(name) or make_scorer(name, **kw))
+    with pytest.raises(ScorerError, match=r"judges 'wordlist:-god,strict' and 'wordlist:strict,-god' name one scorer"):
+        make_judges(["wordlist:-god,strict", "keywords:damn", "wordlist:strict,-god"])
+    assert built == []  # the names told: nothing loaded
+    with pytest.raises(ScorerError, match=r"both resolve to 'hf:.*@toxic'"):  # its default label is the model's to say
+        make_judges([f"hf:{classifier_dir}", f"hf:{classifier_dir}@toxic"])
+
+
 def test_hf_classifier_picks_the_harmful_label_and_matches_a_manual_softmax(classifier_dir):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 

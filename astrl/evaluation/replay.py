@@ -474,7 +474,7 @@ def run_replay(
     contents of ``transfer.json``."""
     from astrl.evaluation.run import default_judges
     from astrl.models import check_model_name
-    from astrl.scorers import check_scorer_names, make_scorer
+    from astrl.scorers import check_scorer_names, make_judges
 
     warn = on_warning or _warn
     start = time.perf_counter()
@@ -494,12 +494,7 @@ def run_replay(
     check_scorer_names(judge_names, "judge")  # every check that needs no model, before one is loaded
     for target in targets:
         check_model_name(target.model, "target")
-    scorers = {}
-    for name in judge_names:
-        scorer = make_scorer(name, device=config.device)
-        if scorer.name in scorers:
-            raise ValueError(f"judges {name!r} and another judge both resolve to {scorer.name!r}")
-        scorers[scorer.name] = scorer
+    scorers = make_judges(judge_names, device=config.device)
     max_new = config.max_new_tokens or defaults.get("max_new_tokens") or 32
     attacks = source.attacks
     out.mkdir(parents=True, exist_ok=True)

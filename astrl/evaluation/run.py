@@ -377,19 +377,6 @@ def run_eval(
     return metrics
 
 
-def _judges(names: list[str], device: str) -> dict:
-    """The judges by their scorers' names; two names of one scorer are an error."""
-    from astrl.scorers import make_scorer
-
-    scorers = {}
-    for name in names:
-        scorer = make_scorer(name, device=device)
-        if scorer.name in scorers:
-            raise ValueError(f"judges {name!r} and another judge both resolve to {scorer.name!r}")
-        scorers[scorer.name] = scorer
-    return scorers
-
-
 def _write_eval(
     config: EvalConfig,
     resolved: Resolved,
@@ -427,7 +414,9 @@ def _evaluate(
     """The body of :func:`run_eval` once its inputs are checked: ``(metrics, records)``."""
     from tqdm.auto import tqdm
 
-    scorers = _judges(resolved.judges, config.device)
+    from astrl.scorers import make_judges
+
+    scorers = make_judges(resolved.judges, device=config.device)
     notes: list[str] = []
     same = [j for j in scorers if j in resolved.training_scorers]
     if same:
