@@ -112,8 +112,8 @@ def parse_scorer(name: str) -> tuple[str, tuple[str, ...]]:
     Returns ``(kind, args)``: ``("profanity", ())``, ``("wordlist", (preset?, "-word", ...))``,
     ``("detoxify", (variant,))``, ``("keywords", words)``, ``("hf", (model, label))``, ``("judge", (model, style))``;
     two spellings of one scorer (``wordlist:-god,strict`` and ``wordlist:strict,-god``) give the same pair,
-    so it tells them apart without loading either (an ``hf`` name without its label is the exception: the
-    default label is the model's to say). An unknown
+    so one scorer is known as one without loading it (an ``hf`` name without its label is the exception:
+    the default label is the model's to say). An unknown
     form, an empty word list, an unknown variant or style, or a model path that does not exist
     raises a :class:`ScorerError` naming ``name``; nothing is loaded.
     """
