@@ -474,7 +474,7 @@ def run_replay(
     contents of ``transfer.json``."""
     from astrl.evaluation.run import default_judges
     from astrl.models import check_model_name
-    from astrl.scorers import check_scorer_names, make_judges
+    from astrl.scorers import make_judges
 
     warn = on_warning or _warn
     start = time.perf_counter()
@@ -491,10 +491,9 @@ def run_replay(
     judge_names = config.judges or default_judges(list(defaults.get("judges", [])), training)
     default_prompt = defaults.get("target_system_prompt")
     targets = [parse_target(t, default_prompt) for t in config.targets or [str(defaults.get("target", "smollm2-135m"))]]
-    check_scorer_names(judge_names, "judge")  # every check that needs no model, before one is loaded
     for target in targets:
         check_model_name(target.model, "target")
-    scorers = make_judges(judge_names, device=config.device)
+    scorers = make_judges(judge_names, device=config.device)  # checks every judge name before one loads
     max_new = config.max_new_tokens or defaults.get("max_new_tokens") or 32
     attacks = source.attacks
     out.mkdir(parents=True, exist_ok=True)
