@@ -13,6 +13,7 @@ from astrl.evaluation import metrics as m
 from astrl.evaluation.agreement import judge_agreement
 from astrl.evaluation.replay import (
     ReplayAttack,
+    ReplayConfig,
     chat_input,
     generate_replies,
     parse_target,
@@ -361,3 +362,21 @@ def test_text_file_of_probes_replays(tmp_path, tiny_model_dir):
     result = json.loads((out / "transfer.json").read_text())
     assert result["n_attacks"] == 2 and result["greedy"] and result["mode"] == "chat"  # the repeated probe is replayed once
     assert any("replayed once" in w for w in result["warnings"])
+
+
+def test_replay_and_eval_configs_reject_two_spellings_of_one_judge_at_construction():
+    from astrl.evaluation.run import EvalConfig
+
+    configs = (lambda judges: ReplayConfig(archive="runs/x", judges=judges), lambda judges: EvalConfig(tester="x", judges=judges))
+    for make in configs:
+        with pytest.raises(ValueError, match=r"judges 'keywords:Hell,damn' and 'keywords:damn,hell' name one scorer"):
+            make(["keywords:Hell,damn", "wordlist", "keywords:damn,hell"])
+        with pytest.raises(ValueError, match=r"judge 'wordlist' is given more than once"):
+            make(["wordlist", "wordlist"])
+        with pytest.raises(ValueError, match=r"at least one judge is needed"):
+            make([])
+        with pytest.raises(ValueError, match=r"unknown scorer 'nonsense'"):
+            make(["nonsense"])
+        assert make(["keywords:damn", "wordlist:strict"]).judges == ["keywords:damn", "wordlist:strict"]
+    with pytest.raises(ValueError, match=r"target 'a' is given more than once"):
+        ReplayConfig(archive="runs/x", targets=["a", "a"])

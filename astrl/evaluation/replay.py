@@ -43,6 +43,7 @@ from astrl.evaluation.metrics import DEFAULT_THRESHOLD, elicitation_metrics
 from astrl.evaluation.records import EvaluationError
 from astrl.jsonl import numbered_lines
 from astrl.keys import HISTORY, TEXT, TOKENS_RESPONSE
+from astrl.names import check_scorer_names
 
 REPLIES_FILE = "replies.jsonl"
 TRANSFER_FILE = "transfer.json"
@@ -445,12 +446,13 @@ class ReplayConfig:
             raise ValueError(f"threshold must be in [0, 1), got {self.threshold}")
         if self.mode is not None and self.mode not in ("chat", "text"):
             raise ValueError(f"mode must be 'chat' or 'text', got {self.mode!r}")
-        for name, values in (("targets", self.targets), ("judges", self.judges)):
-            if values is not None and not values:
-                raise ValueError(f"at least one of {name} is needed")
-            repeated = sorted({v for v in values or [] if values.count(v) > 1})
-            if repeated:
-                raise ValueError(f"{name[:-1]} {repeated[0]!r} is given more than once")
+        if self.targets is not None and not self.targets:
+            raise ValueError("at least one target is needed")
+        repeated = sorted({v for v in self.targets or [] if self.targets.count(v) > 1})
+        if repeated:
+            raise ValueError(f"target {repeated[0]!r} is given more than once")
+        if self.judges is not None:  # names only: no scorer is built here
+            check_scorer_names(self.judges, "judge")
 
 
 def _item(record: dict) -> dict:

@@ -35,6 +35,7 @@ from astrl.evaluation.records import (
 from astrl.evaluation.rejudge import rejudge
 from astrl.evaluation.tester import EXPORT_SETTINGS, TesterSource, load_tester, resolve_tester
 from astrl.keys import NEXT, PROBE_LOGPROB, QUERY
+from astrl.names import check_scorer_names
 from astrl.scorers import checked_scores
 
 if TYPE_CHECKING:
@@ -86,11 +87,8 @@ class EvalConfig(with_defaults(ConversationRuns, prompts=None, split="test", mod
             raise ValueError(f"top_attacks must be >= 0, got {self.top_attacks}")
         if not 0 <= self.threshold < 1:
             raise ValueError(f"threshold must be in [0, 1), got {self.threshold}")
-        if self.judges is not None and not self.judges:
-            raise ValueError("at least one judge is needed")
-        repeated = sorted({j for j in self.judges or [] if self.judges.count(j) > 1})
-        if repeated:
-            raise ValueError(f"judge {repeated[0]!r} is given more than once")
+        if self.judges is not None:  # names only: no scorer is built here
+            check_scorer_names(self.judges, "judge")
 
 
 @dataclass
