@@ -431,6 +431,36 @@ def test_fine_tuning_raises_the_likelihood_of_the_kept_probes():
     assert nll() < before - 0.5
 
 
+@pytest.mark.parametrize("select", ["share", "best_of"])
+def test_the_warm_start_scores_with_its_own_scorer_and_never_runs_the_judges(tmp_path, monkeypatch, select):
+    from test_training import _config, _trainer
+
+    import astrl.scorers as scorers
+    from astrl.training.setup import conversation_spec
+    from astrl.training.warm_start import warm_start
+
+    settings = dict(
+        scorer="keywords:the,you,hell,idiot", judges=["keywords:zebra"], reward="elicit", turns=1, reply_samples=2,
+        reply_lexicon_weight=1.0, reply_lexicon="hell,idiot,the,you", warm_start_probes=4, warm_start_rounds=2,
+        warm_start_min_toxic=0.0, warm_start_select=select, warm_start_samples=2, warm_start_max_nll=None,
+    )  # fmt: skip
+    config = _config(tmp_path, **settings)
+    trainer = _trainer(config)
+    texts: dict[str, int] = {}
+    real = scorers.KeywordScorer.__call__
+
+    def counted(self, batch):
+        texts[self.name] = texts.get(self.name, 0) + len(batch)
+        return real(self, batch)
+
+    monkeypatch.setattr(scorers.KeywordScorer, "__call__", counted)
+    summary, _ = warm_start(config, trainer.models)
+    assert summary["sampled"] == 8  # 2 rounds x 4 openers
+    assert texts.get("keywords:hell,idiot,the,you", 0) >= 16  # every round's probes and replies, by the scorer
+    assert "keywords:zebra" not in texts  # the judge scored nothing
+    assert "keywords:zebra" in conversation_spec(config).scorers  # the run's own env keeps its judge
+
+
 def test_training_warm_starts_once_records_it_and_resumes_without_redoing_it(tmp_path, monkeypatch):
     from test_training import _config, _trainer
 

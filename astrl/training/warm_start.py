@@ -84,13 +84,15 @@ def opener_seed(config, round_index: int) -> int:
 def _sampling_conversation(config, models, round_index: int, **changes):
     """The one-turn conversations a sampling round runs, and the tester's stop tokens: the run's
     conversations on the training split (openers in round ``round_index``'s order), Transformers
-    backends, no novelty; ``changes`` replace further fields of its spec."""
+    backends, no novelty, the warm start's scorer alone (it reads no judge: a model judge would be
+    loaded and run on every sampled reply for nothing); ``changes`` replace further fields of its spec."""
     from astrl.envs.recipe import build_conversation, opener_stream
     from astrl.training.setup import conversation_spec
 
     spec = replace(
         conversation_spec(config),
         split="train",  # never the held-out openers
+        scorers=[config.scorer],
         turns=1,
         novelty=None,
         backend="transformers",
