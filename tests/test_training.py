@@ -196,6 +196,27 @@ def test_run_directory_and_exact_resume(tmp_path, monkeypatch):
     assert [{k: r[k] for k in keys} for r in after] == [{k: r[k] for k in keys} for r in uninterrupted]
 
 
+def test_until_stops_with_a_checkpoint_on_the_whole_schedule_and_a_resume_goes_on_exactly(tmp_path):
+    settings = dict(reward="astprompter", total_steps=4, save_every=4, warmup_steps=1)
+    uninterrupted = _trainer(_config(tmp_path / "a", **settings)).train()
+    stopped = _trainer(_config(tmp_path / "b", **settings))
+    first = stopped.train(until=2)
+    run = tmp_path / "b" / "run"
+    assert [r["step"] for r in first] == [1, 2] and stopped.step == 2
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000002"]  # written at the stop, not at save_every
+    assert not (run / "final").exists()  # not finished: no final tester
+    # the rates are the 4-step schedule's (warm-up, then down to 0 at step 4), not a 2-step schedule's
+    assert [r["lr"] for r in first] == [r["lr"] for r in uninterrupted[:2]] and first[1]["lr"] > 0
+    with pytest.raises(ValueError, match="until must be a step at or after the run's step 2, got 1"):
+        stopped.train(until=1)
+    tok = make_tokenizer()
+    again = resume(run, progress=False, tester_lm=loaded(make_llama(tok), tok, name="tiny"))
+    rest = again.train()
+    keys = ("step", "reward_mean", "loss", "lr")
+    assert [{k: r[k] for k in keys} for r in rest] == [{k: r[k] for k in keys} for r in uninterrupted[2:]]
+    assert (run / "final" / "tester" / "adapter_config.json").is_file()
+
+
 def test_a_resume_that_changes_the_learning_rates_trains_at_them_from_the_saved_position(tmp_path):
     import shutil
 
@@ -331,7 +352,10 @@ def test_train_command_writes_a_run_and_resumes(tmp_path, tiny_model_dir, capsys
     assert "trained 2 steps" in out and (run_dir / "final" / "tester" / "adapter_config.json").is_file()
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["turns"] == 1 and saved["returns"] == "to_go"  # file values, then overrides
-    assert main(["train", "--resume", str(run_dir), "--quiet", "total_steps=3"]) == 0
+    assert main(["train", "--resume", str(run_dir), "--quiet", "--until", "1", "total_steps=4"]) == 2  # at step 2 already
+    assert "--until 1 is before the run's newest checkpoint, step 2" in capsys.readouterr().err
+    assert main(["train", "--resume", str(run_dir), "--quiet", "--until", "3", "total_steps=4"]) == 0
+    assert "stopped at step 3 of 4; continue with: astrl train --resume" in capsys.readouterr().out
     assert [r["step"] for r in _rows(run_dir / "metrics.csv")] == ["1", "2", "3"]
     assert main(["train", "--resume", str(tmp_path / "nowhere"), "--quiet"]) == 2
     assert "is not a run directory" in capsys.readouterr().err

@@ -25,6 +25,15 @@ def add_train_parser(sub) -> None:
         help="with --resume: load a checkpoint that needs full unpickling (older astrl versions); "
         "this can run code stored in the file, so use it only for run directories whose origin you trust",
     )
+    p.add_argument(
+        "--until",
+        type=at_least(0),
+        default=None,
+        metavar="STEP",
+        help="stop after step STEP (0: after the warm start) with a checkpoint there; the learning-rate schedule "
+        "still runs over total_steps, and --resume goes on from it. To try several RL branches of one warm start: "
+        "copy the run folder, then --resume COPY seed=N --until 16 on each",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar or sample tables")
     for flag, key, kind, text in _SCALE_FLAGS:
         p.add_argument(flag, dest=key, type=kind, default=None, help=f"{text} (the config key {key})")
@@ -108,6 +117,13 @@ def run_train(args) -> int:
 
     run_dir = Path(args.resume or config.run_dir)
     missing = args.resume and not run_dir.is_dir()  # resume says what is missing; no folder is made for it
+    if args.resume and not missing and getattr(args, "until", None) is not None:  # before any model loads
+        from astrl.training.trainer import latest_checkpoint
+
+        newest = latest_checkpoint(run_dir)
+        step = int(newest.name.removeprefix("step_")) if newest is not None else 0
+        if args.until < step:
+            raise ValueError(f"--until {args.until} is before the run's newest checkpoint, step {step}")
     # a second job on this folder stops here, before its models load
     with nullcontext() if missing else sole_writer(run_dir, "run folder"):
         return _train_run(args, overrides, config)
@@ -125,8 +141,11 @@ def _train_run(args, overrides: list[str], config) -> int:
         from astrl.training.trainer import Trainer
 
         trainer = Trainer(config, progress=not args.quiet)
+    until = getattr(args, "until", None)
+    if until is not None and until < trainer.step:  # before the first step runs
+        raise ValueError(f"--until {until} is before the run's step {trainer.step}")
     try:
-        rows = trainer.train()
+        rows = trainer.train(until=until)
     except KeyboardInterrupt:
         print(f"astrl: interrupted; {_continue_from(trainer)}")
         return 130
@@ -142,6 +161,9 @@ def _train_run(args, overrides: list[str], config) -> int:
         return 1
     last = rows[-1] if rows else {}
     print(f"trained {trainer.step} steps; run directory {trainer.run_dir}")
+    if trainer.step < trainer.config.total_steps:
+        total = trainer.config.total_steps
+        print(f"  stopped at step {trainer.step} of {total}; continue with: astrl train --resume {trainer.run_dir}")
     for key in ("reward_mean", "loss", "lr"):
         if key in last:
             print(f"  {key:<12} {last[key]:.4f}")

@@ -301,17 +301,25 @@ class Trainer:
         self._built = True
 
     # -- the loop -----------------------------------------------------------------------------------
-    def train(self) -> list[dict]:
-        """Train until ``total_steps``; returns the metrics rows of this call."""
+    def train(self, until: int | None = None) -> list[dict]:
+        """Train until ``total_steps``; returns the metrics rows of this call.
+
+        ``until`` stops earlier, after step ``until`` (0: after the warm start), with a checkpoint there
+        and no ``final/tester``; the learning-rate schedule still runs over ``total_steps``, so a resumed
+        run goes on exactly as if it had not stopped. Several branches of one warm start
+        (``resume(run, ["seed=N"])`` on copies of the run) can each be trained a few steps this way and
+        the best one continued."""
+        if until is not None and (isinstance(until, bool) or not isinstance(until, int) or until < self.step):
+            raise ValueError(f"until must be a step at or after the run's step {self.step}, got {until!r}")
         with sole_writer(self.run_dir, "run folder"):
             self.config.save(self.run_dir / "config.yaml")
             with self._recorder() as recorder:  # the run in the results store: failed if this raises
-                rows = self._train(recorder)
+                rows = self._train(recorder, self.config.total_steps if until is None else min(until, self.config.total_steps))
                 recorder.finish(rows[-1] if rows else None)
         return rows
 
-    def _train(self, recorder) -> list[dict]:
-        """The body of :meth:`train`; each finished step's turns go to ``recorder``."""
+    def _train(self, recorder, last: int) -> list[dict]:
+        """The body of :meth:`train`, up to step ``last``; each finished step's turns go to ``recorder``."""
         if not self._built:
             self._build()
         self.archive.write(self.run_dir / ARCHIVE_FILE)  # drops attacks found after the checkpoint resumed from
@@ -326,7 +334,7 @@ class Trainer:
         rows = []
         bar = tqdm(total=self.config.total_steps, initial=self.step, unit="step", disable=not self.progress, desc="train")
         try:
-            while self.step < self.config.total_steps:
+            while self.step < last:
                 self._step_start, self._step_updates = self._state_before_step(), 0
                 row = self.train_step()
                 rows.append(row)
@@ -336,7 +344,7 @@ class Trainer:
                 self._step_start = None  # a step boundary: the run directory and the trainer agree
                 bar.update(1)
                 bar.set_postfix(reward=f"{row.get('reward_mean', math.nan):.3f}", loss=f"{row['loss']:.3f}")
-                if self.step % self.config.save_every == 0 or self.step == self.config.total_steps:
+                if self.step % self.config.save_every == 0 or self.step == last:
                     self.save_checkpoint()
         except (KeyboardInterrupt, Exception):
             self.stopped_checkpoint = self._checkpoint_after_failure()
@@ -346,6 +354,9 @@ class Trainer:
             if self.config.collector == "ray":  # stop the workers; a later train() builds them again
                 self.algorithm.shutdown()
                 self._built = False
+        if self.step < self.config.total_steps:  # stopped early (until): the run is not finished
+            self.archive.write(self.run_dir / ARCHIVE_FILE)
+            return rows
         self.source.save(self.run_dir / "final" / "tester")
         if self.hardening is not None:
             save_model(self.models.target.model, self.models.target.tokenizer, self.run_dir / "final" / "target")
