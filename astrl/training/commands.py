@@ -31,8 +31,7 @@ def add_train_parser(sub) -> None:
         default=None,
         metavar="STEP",
         help="stop after step STEP (0: after the warm start) with a checkpoint there; the learning-rate schedule "
-        "still runs over total_steps, and --resume goes on from it. To try several RL branches of one warm start: "
-        "copy the run folder, then --resume COPY seed=N --until 16 on each",
+        "still runs over total_steps, and --resume goes on from it",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar or sample tables")
     for flag, key, kind, text in _SCALE_FLAGS:

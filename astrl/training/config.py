@@ -324,6 +324,16 @@ class AlgorithmSection:
         },
     )
     total_steps: int = field(default=100, metadata={"help": "Training steps (one collection and its updates each)."})
+    branches: int = field(
+        default=1,
+        metadata={
+            "help": "RL branches of the run's step 0 (its warm start) tried before it goes on: branch b trains "
+            "branch_steps steps from step 0 with seed + 100 b (b = 0: the run's own draws) in branches/seed_N/, and "
+            "the run continues the branch whose mean training reward over the second half of those steps is highest "
+            "(branches.json); 1: no branches."
+        },
+    )
+    branch_steps: int = field(default=16, metadata={"help": "Steps each branch trains before one is chosen (with branches > 1)."})
     lr: float = field(default=1e-4, metadata={"help": "Peak learning rate of the tester (warm-up, then linear decay to 0)."})
     weight_decay: float = field(default=0.0, metadata={"help": "Weight decay of the optimizer."})
     warmup_steps: int = field(default=5, metadata={"help": "Steps of linear learning-rate warm-up."})
@@ -423,6 +433,7 @@ class AlgorithmSection:
                 (0 <= self.weak_supervision <= 1, f"weak_supervision must be in [0, 1], got {self.weak_supervision}"),
                 *self._guide_checks(),
                 *self._reference_checks(),
+                *self._branch_checks(),
                 (
                     self.weak_supervision == 0 or self.algorithm in ("dpo", "ipo"),
                     f"weak_supervision needs algorithm dpo or ipo, got {self.algorithm!r}",
@@ -451,6 +462,24 @@ class AlgorithmSection:
                 not (self.novelty_ngram or self.novelty_embedding),
                 "guide_search runs its conversations in an env of their own, without the novelty terms' history: "
                 "set novelty_ngram and novelty_embedding to 0",
+            ),
+        ]
+
+    def _branch_checks(self) -> list[tuple[bool, str]]:
+        """``branches`` trains each branch in this process, on the run's models, before ``total_steps``."""
+        if self.branches == 1:
+            return []
+        return [
+            (self.branches >= 1, f"branches must be >= 1 (1: no branches), got {self.branches}"),
+            (
+                2 <= self.branch_steps < self.total_steps,
+                f"branch_steps must be >= 2 and below total_steps ({self.total_steps}): the choice reads the second "
+                f"half of a branch's steps and the run goes on after it, got {self.branch_steps}",
+            ),
+            (
+                self.collector == "local" and self.harden_every == 0,
+                f"branches train one after another on the models of this process: set collector: local and "
+                f"harden_every: 0 (got {self.collector!r}, {self.harden_every})",
             ),
         ]
 

@@ -26,6 +26,7 @@ import os
 import random
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -311,6 +312,8 @@ class Trainer:
         the best one continued."""
         if until is not None and (isinstance(until, bool) or not isinstance(until, int) or until < self.step):
             raise ValueError(f"until must be a step at or after the run's step {self.step}, got {until!r}")
+        if until is not None and self.step == 0 and self.config.branches > 1 and 0 < until < self.config.branch_steps:
+            raise ValueError(f"until {until} stops inside the branches (branch_steps {self.config.branch_steps}): use 0 or >= it")
         with sole_writer(self.run_dir, "run folder"):
             self.config.save(self.run_dir / "config.yaml")
             with self._recorder() as recorder:  # the run in the results store: failed if this raises
@@ -325,6 +328,8 @@ class Trainer:
         self.archive.write(self.run_dir / ARCHIVE_FILE)  # drops attacks found after the checkpoint resumed from
         if self.step == 0 and self.config.warm_start_probes and self.warm_start is None:
             self._warm_start()
+        if self.step == 0 and last > 0 and self.config.branches > 1:
+            self._branch()
         if self.step > 0 or self.warm_start is not None:  # Ray workers / a vLLM engine start from the untrained weights
             self.algorithm.sync_weights()
         from tqdm.auto import tqdm
@@ -362,6 +367,40 @@ class Trainer:
             save_model(self.models.target.model, self.models.target.tokenizer, self.run_dir / "final" / "target")
         self.archive.write(self.run_dir / ARCHIVE_FILE)
         return rows
+
+    def _branch(self) -> None:
+        """Train the run's branches of step 0 and go on as the chosen one (:mod:`astrl.training.branches`)."""
+        from astrl.training.branches import adopt, train_branches
+
+        if self.models is None:
+            raise ConfigError("branches applies to config-built runs (a System trains its own models)")
+        step0 = self.run_dir / CHECKPOINTS / f"step_{0:06d}"
+        if not step0.is_dir() or not self.resumed:  # none yet without a warm start; a new run's own, not a stale one
+            self.save_checkpoint()
+        chosen = train_branches(self, step0, lambda seed, folder, reseed: self._open_branch(seed, folder, step0, reseed))
+        # the run goes on as the chosen branch: its draws come from its seed, on the run's split of the openers
+        self.config = replace(self.config, seed=chosen["seed"], split_seed=self.config.prompt_split_seed)
+        self.source.config = self.config
+        checkpoint = Path(chosen["folder"]) / CHECKPOINTS / f"step_{self.config.branch_steps:06d}"
+        self.load_checkpoint(adopt(checkpoint, self.run_dir, self.config))
+
+    def _open_branch(self, seed: int, folder: Path, step0: Path, reseed: bool) -> Trainer:
+        """The trainer of the run's branch in ``folder`` (seed ``seed``, the run's split of the openers),
+        on the run's models, at the branch's newest checkpoint; one with none starts from ``step0``, its
+        draws from ``seed`` when ``reseed`` (the step-0 draws belong to the run's seed)."""
+        settings = replace(self.config, seed=seed, split_seed=self.config.prompt_split_seed, branches=1, run_dir=str(folder))
+        branch = Trainer(settings, models=self.models, progress=self.progress)
+        branch.store_kind, branch.resumed = self.store_kind, True
+        found = usable_checkpoint(folder)
+        if found is None:  # a branch stopped before its first checkpoint starts again
+            shutil.rmtree(folder, ignore_errors=True)
+            shutil.copytree(step0, folder / CHECKPOINTS / step0.name)
+            branch.load_checkpoint(step0)
+            if reseed:
+                branch.reseed(seed)
+        else:
+            branch.load_checkpoint(found[0], state=found[1])
+        return branch
 
     def _recorder(self):
         """The run in the results store (:mod:`astrl.store.recorder`); a resumed run keeps its id and
