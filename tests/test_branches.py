@@ -110,3 +110,15 @@ def test_until_inside_the_branches_is_refused_and_0_stops_before_them(tmp_path):
     with pytest.raises(ValueError, match="until 1 stops inside the branches \\(branch_steps 2\\)"):
         trainer.train(until=1)
     assert trainer.train(until=0) == [] and not (tmp_path / "run" / "branches").exists()
+
+
+def test_the_train_command_refuses_until_inside_the_branches_before_a_model_loads(tmp_path, capsys, monkeypatch):
+    from astrl.cli import main
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("astrl.training.trainer.build_models", no_load)
+    overrides = ["tester=tiny", "target=tiny", "total_steps=4", "branches=2", "branch_steps=3", f"run_dir={tmp_path / 'run'}"]
+    assert main(["train", "--quiet", "--until", "2", *overrides]) == 2
+    assert "until 2 stops inside the branches (branch_steps 3): use 0 or >= it" in capsys.readouterr().err

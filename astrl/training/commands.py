@@ -109,6 +109,10 @@ def run_train(args) -> int:
     if not args.resume:
         config = load_config(args.config, overrides, on_warning=_warn)
         config.check_names()  # before the trainer's heavy imports and model loads
+        if args.until is not None:
+            from astrl.training.trainer import check_until
+
+            check_until(config, 0, args.until)
     check_store()  # the results store before any model loads
     from contextlib import nullcontext
 
@@ -141,8 +145,7 @@ def _train_run(args, overrides: list[str], config) -> int:
 
         trainer = Trainer(config, progress=not args.quiet)
     until = getattr(args, "until", None)
-    if until is not None and until < trainer.step:  # before the first step runs
-        raise ValueError(f"--until {until} is before the run's step {trainer.step}")
+    trainer.check_until(until)  # before the first step runs
     try:
         rows = trainer.train(until=until)
     except KeyboardInterrupt:

@@ -71,6 +71,17 @@ def make_algorithm(config: TrainConfig, models: RunModels, env, policy, stream=N
     raise ConfigError(f"unknown algorithm {config.algorithm!r}")
 
 
+def check_until(config: TrainConfig, step: int, until: int | None) -> None:
+    """Raise ValueError unless ``until`` is None or a step that a run of ``config`` at ``step`` can stop
+    after (:meth:`Trainer.train`): not before ``step``, and not inside the branches of step 0."""
+    if until is None:
+        return
+    if isinstance(until, bool) or not isinstance(until, int) or until < step:
+        raise ValueError(f"until must be a step at or after the run's step {step}, got {until!r}")
+    if step == 0 and config.branches > 1 and 0 < until < config.branch_steps:
+        raise ValueError(f"until {until} stops inside the branches (branch_steps {config.branch_steps}): use 0 or >= it")
+
+
 def warmup_then_linear(warmup: int, total: int):
     """LR multiplier: linear warm-up over ``warmup`` updates, then linear decay to 0 at ``total``."""
 
@@ -310,16 +321,17 @@ class Trainer:
         run goes on exactly as if it had not stopped. Several branches of one warm start
         (``resume(run, ["seed=N"])`` on copies of the run) can each be trained a few steps this way and
         the best one continued."""
-        if until is not None and (isinstance(until, bool) or not isinstance(until, int) or until < self.step):
-            raise ValueError(f"until must be a step at or after the run's step {self.step}, got {until!r}")
-        if until is not None and self.step == 0 and self.config.branches > 1 and 0 < until < self.config.branch_steps:
-            raise ValueError(f"until {until} stops inside the branches (branch_steps {self.config.branch_steps}): use 0 or >= it")
+        self.check_until(until)
         with sole_writer(self.run_dir, "run folder"):
             self.config.save(self.run_dir / "config.yaml")
             with self._recorder() as recorder:  # the run in the results store: failed if this raises
                 rows = self._train(recorder, self.config.total_steps if until is None else min(until, self.config.total_steps))
                 recorder.finish(rows[-1] if rows else None)
         return rows
+
+    def check_until(self, until: int | None) -> None:
+        """Raise ValueError unless ``until`` (see :meth:`train`) is None or a step this run can stop after."""
+        check_until(self.config, self.step, until)
 
     def _train(self, recorder, last: int) -> list[dict]:
         """The body of :meth:`train`, up to step ``last``; each finished step's turns go to ``recorder``."""
