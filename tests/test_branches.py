@@ -68,6 +68,9 @@ def test_branches_train_from_step_0_and_the_run_goes_on_with_the_best_exactly(tm
     branch_rows = {seed: _rows(run / "branches" / f"seed_{seed}" / "metrics.csv") for seed in seeds}
     for seed, branch in zip(seeds, record["branches"], strict=True):  # each scored by its step 2 (the second half)
         assert [r["step"] for r in branch_rows[seed]] == ["1", "2"]
+        # no copy of step 0 (its draws are the run's seed's): a branch stopped before its first checkpoint
+        # starts again from the run's step 0, reseeded
+        assert [p.name for p in (run / "branches" / f"seed_{seed}" / "checkpoints").iterdir()] == ["step_000002"]
         assert branch["score"] == pytest.approx(float(branch_rows[seed][1]["reward_mean"]))
     assert record["chosen"] == choose([b["score"] for b in record["branches"]])
     chosen = seeds[record["chosen"]]

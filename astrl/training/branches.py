@@ -63,7 +63,7 @@ def train_branches(trainer, step0: Path, open_branch: Callable[[int, Path, bool]
     """Train ``trainer``'s branches of its step-0 checkpoint ``step0`` (each up to ``branch_steps``,
     resuming those already begun), record them in ``branches.json`` and return the chosen one's record
     (``seed``, ``folder``, ``score``). ``open_branch(seed, folder, own_draws)`` gives the trainer of a
-    branch at its newest checkpoint (``step0`` copied in when it has none; ``own_draws``: reseeded)."""
+    branch at its newest checkpoint (at ``step0`` when it has none; ``own_draws``: reseeded)."""
     from astrl.prefill import clear_turn_caches
 
     config = trainer.config

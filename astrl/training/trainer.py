@@ -404,9 +404,8 @@ class Trainer:
         branch = Trainer(settings, models=self.models, progress=self.progress)
         branch.store_kind, branch.resumed = self.store_kind, True
         found = usable_checkpoint(folder)
-        if found is None:  # a branch stopped before its first checkpoint starts again
+        if found is None:  # a branch stopped before its first checkpoint starts again from the run's step 0
             shutil.rmtree(folder, ignore_errors=True)
-            shutil.copytree(step0, folder / CHECKPOINTS / step0.name)
             branch.load_checkpoint(step0)
             if reseed:
                 branch.reseed(seed)
