@@ -125,3 +125,14 @@ def test_the_train_command_refuses_until_inside_the_branches_before_a_model_load
     overrides = ["tester=tiny", "target=tiny", "total_steps=4", "branches=2", "branch_steps=3", f"run_dir={tmp_path / 'run'}"]
     assert main(["train", "--quiet", "--until", "2", *overrides]) == 2
     assert "until 2 stops inside the branches (branch_steps 3): use 0 or >= it" in capsys.readouterr().err
+
+
+def test_branches_start_from_the_warm_started_step_0(tmp_path):
+    from test_kl_reference import WARM
+
+    settings = dict(WARM, total_steps=3, save_every=1, warmup_steps=1, kl_reference="warm_start")
+    plain = _trainer(_config(tmp_path / "plain", **settings)).train()
+    _trainer(_config(tmp_path / "run", branches=2, branch_steps=2, **settings)).train()
+    run = tmp_path / "run" / "run"
+    assert json.loads((run / "warm_start.json").read_text())["kept"] > 0  # the warm start fine-tuned the tester
+    assert _rows(run / "branches" / "seed_0" / "metrics.csv") == [{k: str(r[k]) for k in KEYS} for r in plain[:2]]

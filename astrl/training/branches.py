@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from astrl.archive import ARCHIVE_FILE
+from astrl.training.state_io import atomic_write_text
 
 BRANCHES_DIR = "branches"
 BRANCHES_FILE = "branches.json"
@@ -73,7 +74,8 @@ def train_branches(trainer, step0: Path, open_branch: Callable[[int, Path, bool]
         record.unlink(missing_ok=True)
     # the seeds come from the run's seed as the branches began (a resume after the choice names the branch's)
     base = json.loads(record.read_text(encoding="utf-8"))["seed"] if record.is_file() else config.seed
-    _write(record, {"seed": base, "branch_steps": config.branch_steps, "chosen": None, "branches": []})
+    begun = {"seed": base, "branch_steps": config.branch_steps, "chosen": None, "branches": []}
+    atomic_write_text(record, json.dumps(begun, indent=2) + "\n")
     records = []
     for index in range(config.branches):
         seed = branch_seed(base, index)
@@ -86,16 +88,11 @@ def train_branches(trainer, step0: Path, open_branch: Callable[[int, Path, bool]
         score = branch_score(_rows(branch.run_dir / "metrics.csv"), config.branch_steps)
         records.append({"seed": branch.config.seed, "folder": str(branch.run_dir), "score": score})
     chosen = choose([r["score"] for r in records])
-    _write(record, {"seed": base, "branch_steps": config.branch_steps, "chosen": chosen, "branches": records})
+    summary = {"seed": base, "branch_steps": config.branch_steps, "chosen": chosen, "branches": records}
+    atomic_write_text(record, json.dumps(summary, indent=2) + "\n")
     if trainer.progress:
         print(f"branches: going on with seed {records[chosen]['seed']} (score {records[chosen]['score']:.4f})")
     return records[chosen]
-
-
-def _write(path: Path, record: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(path)
 
 
 def adopt(checkpoint: Path, run_dir: Path, config) -> Path:

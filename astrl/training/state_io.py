@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pickle
 import random
 import zipfile
@@ -40,6 +41,13 @@ class UnsafeCheckpointError(ConfigError):
 
 class DamagedCheckpointError(ConfigError):
     """A checkpoint whose files are missing, truncated or changed since they were written."""
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` through a temporary file: a reader never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def write_manifest(folder: str | Path) -> None:

@@ -22,7 +22,6 @@ import csv
 import io
 import json
 import math
-import os
 import random
 import shutil
 import time
@@ -44,6 +43,7 @@ from astrl.training.setup import RunModels, build_env, build_models, build_strea
 from astrl.training.state_io import (
     STATE_FILE,
     DamagedCheckpointError,
+    atomic_write_text,
     checkpoint_problem,
     load_state,
     load_trainable_state,
@@ -318,9 +318,8 @@ class Trainer:
 
         ``until`` stops earlier, after step ``until`` (0: after the warm start), with a checkpoint there
         and no ``final/tester``; the learning-rate schedule still runs over ``total_steps``, so a resumed
-        run goes on exactly as if it had not stopped. Several branches of one warm start
-        (``resume(run, ["seed=N"])`` on copies of the run) can each be trained a few steps this way and
-        the best one continued."""
+        run goes on exactly as if it had not stopped (the ``branches`` setting trains its branches of
+        step 0 this way)."""
         self.check_until(until)
         with sole_writer(self.run_dir, "run folder"):
             self.config.save(self.run_dir / "config.yaml")
@@ -387,7 +386,8 @@ class Trainer:
         if self.models is None:
             raise ConfigError("branches applies to config-built runs (a System trains its own models)")
         step0 = self.run_dir / CHECKPOINTS / f"step_{0:06d}"
-        if not step0.is_dir() or not self.resumed:  # none yet without a warm start; a new run's own, not a stale one
+        # a new run without a warm start saves its own step 0 (none yet, or an earlier run's); a warm start just did
+        if not step0.is_dir() or not (self.resumed or self.config.warm_start_probes):
             self.save_checkpoint()
         chosen = train_branches(self, step0, lambda seed, folder, reseed: self._open_branch(seed, folder, step0, reseed))
         # the run goes on as the chosen branch: its draws come from its seed, on the run's split of the openers
@@ -443,7 +443,7 @@ class Trainer:
         source.after_warm_start()
         self.warm_start = summary
         (self.run_dir / "warm_start.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        _atomic_write(self.run_dir / "warm_start.jsonl", "".join(json.dumps(k, ensure_ascii=False) + "\n" for k in kept))
+        atomic_write_text(self.run_dir / "warm_start.jsonl", "".join(json.dumps(k, ensure_ascii=False) + "\n" for k in kept))
         self.save_checkpoint()
         partial.remove()  # step 0 holds it now
 
@@ -487,7 +487,7 @@ class Trainer:
                     continue  # a line cut short by a killed process
                 if isinstance(record, dict) and _int(record.get("step")) <= self.step:
                     kept.append(line + "\n")
-            _atomic_write(path, "".join(kept))
+            atomic_write_text(path, "".join(kept))
 
     def train_step(self) -> dict:
         start = time.perf_counter()
@@ -696,13 +696,6 @@ def _int(value) -> int:
         return 1 << 62  # unreadable: dropped by the step filters
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` through a temporary file: a reader never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def _csv_text(columns: list[str], rows: list[dict], *, header: bool = True) -> str:
     """CSV lines of ``rows`` under ``columns`` (a missing value is empty), after the header when ``header``."""
     buffer = io.StringIO()
@@ -724,7 +717,7 @@ def append_csv_row(path: Path, columns: list[str] | None, row: dict[str, str]) -
         return columns
     rows = list(csv.DictReader(path.open(encoding="utf-8"))) if columns is not None else []
     columns = list(dict.fromkeys([*(columns or []), *row]))
-    _atomic_write(path, _csv_text(columns, [*rows, row]))
+    atomic_write_text(path, _csv_text(columns, [*rows, row]))
     return columns
 
 
@@ -747,7 +740,7 @@ def trim_csv(path: Path, step: int) -> list[str] | None:
     if not kept:
         path.unlink()
         return None
-    _atomic_write(path, lines[0] + "".join(kept))
+    atomic_write_text(path, lines[0] + "".join(kept))
     return header
 
 
