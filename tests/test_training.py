@@ -12,6 +12,7 @@ from astrl.scorers import make_scorer
 from astrl.training import ConfigError, TrainConfig, Trainer, load_config, resume
 from astrl.training.grpo import returns_to_go
 from astrl.training.setup import build_models
+from astrl.training.trainer import earlier_run, latest_checkpoint
 
 KEYWORDS = "keywords:the,you,hello,how,are"
 
@@ -217,6 +218,23 @@ def test_until_stops_with_a_checkpoint_on_the_whole_schedule_and_a_resume_goes_o
     assert (run / "final" / "tester" / "adapter_config.json").is_file()
 
 
+def test_a_new_run_in_a_used_folder_leaves_nothing_of_the_earlier_run_for_a_resume_to_pick(tmp_path):
+    _trainer(_config(tmp_path, reward="astprompter", total_steps=4, save_every=2, warmup_steps=1)).train()
+    run = tmp_path / "run"
+    (run / "warm_start.json").write_text("{}")  # as an earlier run with a warm start leaves it
+    assert earlier_run(run) == "checkpoints up to step 4" and (run / "final").is_dir()
+    settings = dict(reward="astprompter", seed=3, total_steps=3, save_every=1, keep_checkpoints=5, warmup_steps=1)
+    new = _trainer(_config(tmp_path, **settings))
+    new.train(until=1)
+    # the earlier run's step 2 and step 4, final tester and warm-start record are gone: a resume finds step 1
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000001"]
+    assert not (run / "final").exists() and not (run / "warm_start.json").exists()
+    assert latest_checkpoint(run).name == "step_000001" and earlier_run(run) == "checkpoints up to step 1"
+    assert [r["step"] for r in _rows(run / "metrics.csv")] == ["1"]
+    new.train()  # the same trainer going on does not remove its own checkpoints
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001", "step_000002", "step_000003"]
+
+
 def test_a_resume_that_changes_the_learning_rates_trains_at_them_from_the_saved_position(tmp_path):
     import shutil
 
@@ -359,6 +377,32 @@ def test_train_command_writes_a_run_and_resumes(tmp_path, tiny_model_dir, capsys
     assert [r["step"] for r in _rows(run_dir / "metrics.csv")] == ["1", "2", "3"]
     assert main(["train", "--resume", str(tmp_path / "nowhere"), "--quiet"]) == 2
     assert "is not a run directory" in capsys.readouterr().err
+
+
+def test_train_command_refuses_a_used_run_dir_unless_told_to_overwrite(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    from astrl.cli import main
+
+    run_dir = tmp_path / "cli_run"
+    args = ["train", "--config", "configs/grpo.yaml", "--quiet", *_tiny_overrides(tiny_model_dir, run_dir)]
+    assert main(args) == 0
+    capsys.readouterr()
+    import astrl.models
+
+    def no_model(*_, **__):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(astrl.models, "load_model", no_model)
+    assert main([*args, "seed=5"]) == 2  # refused before any model loads
+    err = capsys.readouterr().err
+    assert f"run_dir {str(run_dir)!r} holds an earlier run (checkpoints up to step 2)" in err
+    assert f"astrl train --resume {run_dir}" in err and "--overwrite" in err
+    assert main(["train", "--resume", str(run_dir), "--overwrite", "--quiet"]) == 2
+    assert "--overwrite starts a new run; --resume continues one" in capsys.readouterr().err
+    monkeypatch.undo()
+    (run_dir / "checkpoints" / "step_000002").rename(run_dir / "checkpoints" / "step_000009")  # a stale later one
+    assert main([*args, "seed=5", "--overwrite"]) == 0
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["seed"] == 5
 
 
 def test_demo_trains_then_compares_and_reuses_a_finished_run(tmp_path, tiny_model_dir, monkeypatch):

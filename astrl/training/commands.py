@@ -20,6 +20,12 @@ def add_train_parser(sub) -> None:
     p.add_argument("--keys", action="store_true", help="print every config key with its default and meaning, and exit")
     p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest checkpoint")
     p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start a new run in a run_dir that holds an earlier one, replacing it (its checkpoints, final tester "
+        "and logs are removed); without it such a run_dir is refused",
+    )
+    p.add_argument(
         "--trust-checkpoint",
         action="store_true",
         help="with --resume: load a checkpoint that needs full unpickling (older astrl versions); "
@@ -105,10 +111,13 @@ def run_train(args) -> int:
         raise ValueError("--resume continues a run with its own config.yaml; pass overrides instead of --config")
     if not args.resume and args.trust_checkpoint:
         raise ValueError("--trust-checkpoint only applies with --resume RUN_DIR")
+    if args.resume and getattr(args, "overwrite", False):
+        raise ValueError("--overwrite starts a new run; --resume continues one: pass one of them")
     config = None
     if not args.resume:
         config = load_config(args.config, overrides, on_warning=_warn)
         config.check_names()  # before the trainer's heavy imports and model loads
+        _check_new_run_dir(config.run_dir, getattr(args, "overwrite", False))
         if args.until is not None:
             from astrl.training.trainer import check_until
 
@@ -130,6 +139,19 @@ def run_train(args) -> int:
     # a second job on this folder stops here, before its models load
     with nullcontext() if missing else sole_writer(run_dir, "run folder"):
         return _train_run(args, overrides, config)
+
+
+def _check_new_run_dir(run_dir: str, overwrite: bool) -> None:
+    """Refuse a new run in a folder that holds an earlier run, unless ``overwrite``."""
+    from astrl.training.trainer import earlier_run
+
+    held = earlier_run(run_dir)
+    if held is not None and not overwrite:
+        raise ValueError(
+            f"run_dir {str(run_dir)!r} holds an earlier run ({held}): continue it with "
+            f"astrl train --resume {run_dir}, start a new run there with --overwrite (which removes it), "
+            "or choose another run_dir"
+        )
 
 
 def _train_run(args, overrides: list[str], config) -> int:

@@ -272,6 +272,7 @@ class Trainer:
         self._columns: list[str] | None = None  # the header of metrics.csv, once it has one
         self.warm_start: dict | None = None  # what the warm start did, once it ran (warm_start_probes > 0)
         self.resumed = False  # made by resume(): a stopped warm start goes on from its last round
+        self._replaced_earlier = False  # a new run removes what an earlier run left in its folder, once
         self.store_kind = "train"  # the run's kind in the results store (the demo sets "demo")
         self._turn_records: list[dict] = []  # the running step's turns, for the results store
 
@@ -322,6 +323,9 @@ class Trainer:
         step 0 this way)."""
         self.check_until(until)
         with sole_writer(self.run_dir, "run folder"):
+            if not (self.resumed or self._replaced_earlier):
+                replace_earlier_run(self.run_dir)
+                self._replaced_earlier = True
             self.config.save(self.run_dir / "config.yaml")
             with self._recorder() as recorder:  # the run in the results store: failed if this raises
                 rows = self._train(recorder, self.config.total_steps if until is None else min(until, self.config.total_steps))
@@ -747,6 +751,34 @@ def trim_csv(path: Path, step: int) -> list[str] | None:
 def checkpoints(run_dir: str | Path) -> list[Path]:
     """The checkpoint folders of a run, oldest first (``step_NNNNNN``; never ``.tmp`` or ``.damaged`` ones)."""
     return sorted(p for p in (Path(run_dir) / CHECKPOINTS).glob("step_*") if p.name[5:].isdigit() and p.is_dir())
+
+
+# what a run leaves in its folder beside its logs: a new run in the folder removes an earlier run's
+EARLIER_RUN_FILES = (CHECKPOINTS, "final", "warm_start.json", "warm_start.jsonl")
+
+
+def earlier_run(run_dir: str | Path) -> str | None:
+    """What an earlier run left in ``run_dir`` that a new run there replaces (its checkpoints or its
+    final tester), in words; None when there is none."""
+    run_dir = Path(run_dir)
+    folders = checkpoints(run_dir)
+    if folders:
+        return f"checkpoints up to step {int(folders[-1].name.removeprefix('step_'))}"
+    if (run_dir / "final").is_dir():
+        return "a final tester"
+    return None
+
+
+def replace_earlier_run(run_dir: str | Path) -> None:
+    """Remove an earlier run's checkpoints, final models and warm-start record from ``run_dir``, so that
+    none of them outlives a new run there (a later ``--resume`` would pick a stale newest checkpoint).
+    The logs are trimmed by the new run itself."""
+    for name in EARLIER_RUN_FILES:
+        path = Path(run_dir) / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
