@@ -253,32 +253,42 @@ def token_logprobs(
     pad_token_id: int = 0,
     max_length: int | None = None,
     share_prefix: bool = False,
-) -> list[torch.Tensor]:
+    entropy: bool = False,
+):
     """:func:`score_tokens`' log-probs as one 1-D float tensor per sample, of the continuation's length.
 
     A prefix may be empty only if its continuation's first token is then not scored: in that case
     the returned row starts with ``nan`` for that token. Rows the model has just read as a prompt
     (:class:`PromptStates`, kept by a ``TurnCache``) are read from the kept hidden states, without
     gradients, instead of running the model again. ``share_prefix``: see :func:`score_tokens`.
+
+    With ``entropy``, returns ``(log_probs, entropies)``: also the full-vocabulary entropy at each
+    continuation position, one row per sample laid out as its log-probs (the LM head runs on the
+    continuation positions only, as for the log-probs; gradients follow the caller's grad mode).
     """
     if len(prefixes) != len(continuations):
         raise ValueError(f"got {len(prefixes)} prefixes but {len(continuations)} continuations")
     if not len(prefixes):
-        return []
-    out = _served_from_states(model, prefixes, continuations, max_length)
+        return ([], []) if entropy else []
+    out = [None] * len(prefixes) if entropy else _served_from_states(model, prefixes, continuations, max_length)
+    entropies: list[torch.Tensor | None] = [None] * len(prefixes)
     missing = [i for i, row in enumerate(out) if row is None]
     if missing:
-        scored = score_tokens(
+        scores = score_tokens(
             model,
             [prefixes[i] for i in missing],
             [continuations[i] for i in missing],
             pad_token_id=pad_token_id,
             max_length=max_length,
             share_prefix=share_prefix,
-        ).rows()
-        for i, row in zip(missing, scored, strict=True):
+            entropy=entropy,
+        )
+        for i, row in zip(missing, scores.rows(), strict=True):
             out[i] = row
-    return out  # type: ignore[return-value]
+        if entropy:
+            for i, row in zip(missing, unpad(scores.entropy, scores.lengths), strict=True):
+                entropies[i] = row
+    return (out, entropies) if entropy else out  # type: ignore[return-value]
 
 
 def shared_prefix_logprobs(
@@ -367,7 +377,8 @@ def nested_token_logprobs(
     pad_token_id: int = 0,
     max_length: int | None = None,
     share_prefix: bool = False,
-) -> list[torch.Tensor]:
+    entropy: bool = False,
+):
     """:func:`token_logprobs` where rows contained in longer rows are read from the longer row's forward.
 
     The turns of a conversation are nested: turn ``t + 1``'s prompt starts with turn ``t``'s prompt and
@@ -377,12 +388,12 @@ def nested_token_logprobs(
     same, up to float rounding, as a forward of the row alone). Rows longer than ``max_length`` are
     not merged (clipping would change their context). With ``share_prefix``, the longest rows that begin
     with the same prefix (a GRPO group's system prompt and opener) read it once (:func:`score_tokens`).
-    Returns what :func:`token_logprobs` returns.
+    Returns what :func:`token_logprobs` returns (with ``entropy``, the entropies read the same way).
     """
     if len(prefixes) != len(continuations):
         raise ValueError(f"got {len(prefixes)} prefixes but {len(continuations)} continuations")
     if not len(prefixes):
-        return []
+        return ([], []) if entropy else []
     prefixes = [p.reshape(-1).long() for p in prefixes]
     rows = [torch.cat([p, c.reshape(-1).long()]) for p, c in zip(prefixes, continuations, strict=True)]
     whole = {i for i, row in enumerate(rows) if max_length is None or len(row) <= max_length}  # never clipped
@@ -404,13 +415,15 @@ def nested_token_logprobs(
         pad_token_id=pad_token_id,
         max_length=max_length,
         share_prefix=share_prefix,
+        entropy=entropy,
     )
-    by_root = dict(zip(roots, scored, strict=True))
-    out = []
-    for i, row in enumerate(rows):
-        offset = len(prefixes[i]) - start[owner[i]]
-        out.append(by_root[owner[i]][offset : offset + len(row) - len(prefixes[i])])
-    return out
+
+    def read(per_root: list[torch.Tensor]) -> list[torch.Tensor]:  # each row's continuation from its root's row
+        by_root = dict(zip(roots, per_root, strict=True))
+        spans = [(len(prefixes[i]) - start[owner[i]], len(row) - len(prefixes[i])) for i, row in enumerate(rows)]
+        return [by_root[owner[i]][offset : offset + n] for i, (offset, n) in enumerate(spans)]
+
+    return (read(scored[0]), read(scored[1])) if entropy else read(scored)
 
 
 # -- hidden states a model kept from reading a prompt ---------------------------------------------------------

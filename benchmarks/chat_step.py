@@ -17,15 +17,19 @@ replies, 4 reply samples, 4 openers x 4 conversations) plus any ``--set KEY=VALU
 
 ``collect_rest`` is what the collection spent outside these (collector, env bookkeeping, advantages);
 ``update_rest`` the rest of the step (metrics, archive, samples). The JSON holds medians over the
-timed steps. The script uses only public entry points of the package and a few of its methods, so
-it measures an older checkout too (run it with that checkout first on ``PYTHONPATH``).
+timed steps, and ``peak_rss_gb``, the process's peak resident memory (models, build and steps
+included: compare runs of one config, e.g. with and without ``--set entropy_coef=0.01``). The
+script uses only public entry points of the package and a few of its methods, so it measures an
+older checkout too (run it with that checkout first on ``PYTHONPATH``).
 
     python benchmarks/chat_step.py --threads 2 --repeats 3
 """
 
 from __future__ import annotations
 
+import resource
 import statistics
+import sys
 import tempfile
 import time
 
@@ -166,6 +170,12 @@ def _timed(scorer, timer: Timer, name: str):
     return Timed()
 
 
+def peak_rss_bytes() -> int:
+    """The process's peak resident memory (``ru_maxrss``: kilobytes on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/demo.yaml")
@@ -200,6 +210,7 @@ def main() -> None:
             "reward_mean": [r(s["row"].get("reward_mean", float("nan")), 6) for s in steps],
             "warmup_step_s": r(warm["step_s"], 2),
             "build_s": r(build_s, 2),
+            "peak_rss_gb": r(peak_rss_bytes() / 2**30, 2),
         }
     )
 

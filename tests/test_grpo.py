@@ -182,24 +182,35 @@ def test_kl_and_diagnostics_are_zero_before_the_update_and_per_response_token_af
     for key in ("kl_to_ref", "kl_approx", "clip_fraction"):  # means over response tokens only
         assert out[key].item() == pytest.approx(hand[key], rel=1e-3, abs=1e-5), key
     assert out["loss_kl_to_ref"].item() == pytest.approx(0.1 * out["kl_to_ref"].item(), rel=1e-6)
-    if entropy_coef:  # GRPOLoss's own log-prob path: its mask is the response tokens
+    if entropy_coef:  # read at the response positions of the log-probs' own forward
         _, dist, _ = trainer.algorithm.loss_module._get_cur_log_prob(batch.copy())
         assert int(dist.mask.sum()) == hand["tokens"]
-        assert out["entropy"].item() == pytest.approx(_response_entropy(trainer, batch), rel=1e-4)
+        assert out["entropy"].item() == pytest.approx(float(_response_entropy(trainer, batch)), rel=1e-4)
         assert out["loss_entropy"].item() == pytest.approx(-entropy_coef * out["entropy"].item(), rel=1e-6)
+        # and its gradient is the hand-computed entropy's: the bonus trains what it logs
+        model = trainer.models.tester.model
+        params = [p for p in model.parameters() if p.requires_grad]
+        model.zero_grad()
+        trainer.algorithm.loss(batch)["loss_entropy"].backward()
+        ours = [p.grad.clone() for p in params]
+        model.zero_grad()
+        (-entropy_coef * _response_entropy(trainer, batch, grad=True)).backward()
+        assert any(g.abs().sum() > 0 for g in ours)
+        for got, want in zip(ours, [p.grad for p in params], strict=True):
+            assert torch.allclose(got, want, rtol=1e-3, atol=1e-8)
     else:
         assert out.get("entropy") is None
 
 
-def _response_entropy(trainer, batch) -> float:
+def _response_entropy(trainer, batch, grad: bool = False) -> torch.Tensor:
     """Mean full-vocabulary entropy of the tester at the positions that predict response tokens."""
     model, values = trainer.models.tester.model, []
     prompts = batch.get(("tokens", "prompt"), as_list=True)
     for prompt, full in zip(prompts, batch.get(("tokens", "full"), as_list=True), strict=True):
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad):
             logits = model(input_ids=full[None]).logits[0, len(prompt) - 1 : len(full) - 1].float()
-        values.append(torch.distributions.Categorical(logits=logits).entropy())
-    return float(torch.cat(values).mean())
+            values.append(torch.distributions.Categorical(logits=logits).entropy())
+    return torch.cat(values).mean()
 
 
 def test_trainer_logs_kl_and_diagnostics_per_response_token(tmp_path):

@@ -227,6 +227,26 @@ def test_rows_with_one_prefix_read_it_once_and_equal_rows_scored_alone(tok, arch
         assert [c[0] for c in calls] == [2, 2]
 
 
+@pytest.mark.parametrize("share", [False, True])
+def test_nested_rows_with_entropy_give_the_same_log_probs_and_each_position_s_entropy(tok, share):
+    model = make_llama(tok)
+    a, b, c, d = ragged(tok, [6, 4, 5, 3], seed=13)
+    # two conversations of one opener (a GRPO group), turn 2 of the first nesting its turn 1
+    prefixes, conts = [a, torch.cat([a, b, c]), a], [b, d, c]
+    kw = dict(pad_token_id=tok.pad_token_id, share_prefix=share)
+    with torch.no_grad():
+        plain_rows = nested_token_logprobs(model, prefixes, conts, **kw)
+        rows, entropies = nested_token_logprobs(model, prefixes, conts, entropy=True, **kw)
+        for prefix, cont, row, want, entropy in zip(prefixes, conts, rows, plain_rows, entropies, strict=True):
+            torch.testing.assert_close(row, want, rtol=1e-5, atol=1e-5)
+            full = torch.cat([prefix, cont])
+            logits = model(input_ids=full[None]).logits[0, len(prefix) - 1 : len(full) - 1].float()
+            hand = torch.distributions.Categorical(logits=logits).entropy()  # -sum_v p_v log p_v at each position
+            assert entropy.shape == cont.shape
+            torch.testing.assert_close(entropy, hand, rtol=1e-4, atol=1e-5)
+        assert token_logprobs(model, [], [], entropy=True) == ([], [])
+
+
 def test_mean_logprobs_are_float32_row_means_with_the_empty_value_unrounded():
     from astrl.lm_scoring import mean_logprobs
 

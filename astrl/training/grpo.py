@@ -154,9 +154,9 @@ class ResponseGRPOLoss(GRPOLoss):
 
     The current log-probs are computed for response tokens only: one right-padded forward whose LM
     head runs on the response positions (:func:`astrl.rewards.token_logprobs`), laid out as
-    GRPOLoss expects (left-padded over prompt + response, masked to the response). With an entropy
-    bonus the full distribution is needed, so GRPOLoss's own path is used (its ``sft`` mask also
-    covers the response tokens only). With ``share_prefix``, rows whose prompts begin the same way (a
+    GRPOLoss expects (left-padded over prompt + response, masked to the response). The entropy bonus
+    reads the full distribution at those positions from the same forward, so it never holds the
+    vocabulary's logits at prompt positions. With ``share_prefix``, rows whose prompts begin the same way (a
     group's system prompt and opener) read that prompt once in the forward (and the backward), see
     :func:`astrl.lm_scoring.score_tokens`.
     """
@@ -216,14 +216,12 @@ class ResponseGRPOLoss(GRPOLoss):
             if self.kl_coef > 0:
                 out["loss_kl_to_ref"] = self.kl_coef * kl
         if self.entropy_bonus:
-            entropy = masked_mean(self._get_entropy(dist, adv_shape=advantage.shape[:-1]).squeeze(-1), mask)
+            entropy = masked_mean(dist.entropy, mask)
             out["entropy"] = entropy.detach()
             out["loss_entropy"] = -self.entropy_coeff * entropy
         return self.output_type.from_tensordict(out)
 
     def _get_cur_log_prob(self, tensordict: TensorDictBase):
-        if self.entropy_bonus:
-            return super()._get_cur_log_prob(tensordict)
         prompts = tensordict.get(TOKENS_PROMPT, as_list=True)
         responses = tensordict.get(TOKENS_RESPONSE, as_list=True)
         # a conversation's earlier turns begin its later ones: one forward (and backward) for them all
@@ -234,14 +232,18 @@ class ResponseGRPOLoss(GRPOLoss):
             pad_token_id=self.pad_token_id,
             max_length=self.max_length,
             share_prefix=self.share_prefix,
+            entropy=self.entropy_bonus,
         )
+        rows, entropies = rows if self.entropy_bonus else (rows, None)
         if self.behaviour_from_current:  # no update since collection: the behaviour policy is this one
             self.last_behaviour = nested(full_rows(prompts, [r.detach() for r in rows]))
             tensordict.set(self.tensor_keys.sample_log_prob, self.last_behaviour.to(rows[0].device))
         width = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
         log_prob = pad_rows(rows, side="left", width=width)  # left padding: each response ends the row
         mask = pad_rows([torch.ones(len(r), dtype=torch.bool) for r in rows], side="left", width=width, device=log_prob.device)
-        return log_prob, SimpleNamespace(mask=mask), False
+        # the entropy bonus reads each response position's full-vocabulary entropy from the same forward
+        entropy = pad_rows(entropies, side="left", width=width) if entropies is not None else None
+        return log_prob, SimpleNamespace(mask=mask, entropy=entropy), False
 
 
 class OnPolicy(Algorithm):
