@@ -390,8 +390,8 @@ class Trainer:
         if self.models is None:
             raise ConfigError("branches applies to config-built runs (a System trains its own models)")
         step0 = self.run_dir / CHECKPOINTS / f"step_{0:06d}"
-        # a new run without a warm start saves its own step 0 (none yet, or an earlier run's); a warm start just did
-        if not step0.is_dir() or not (self.resumed or self.config.warm_start_probes):
+        # a run without a warm start has no step 0 yet (an earlier run's was removed by train()): save it
+        if not step0.is_dir():
             self.save_checkpoint()
         chosen = train_branches(self, step0, lambda seed, folder, reseed: self._open_branch(seed, folder, step0, reseed))
         # the run goes on as the chosen branch: its draws come from its seed, on the run's split of the openers
