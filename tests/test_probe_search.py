@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -458,6 +459,7 @@ def test_warm_start_scorer_is_checked_before_a_model_loads(tmp_path):
     from astrl.training.warm_start import warm_start_config
 
     config = _config(tmp_path, warm_start_probes=2, warm_start_scorer="wordlist", judges=["wordlist", "profanity"])
-    chooser = warm_start_config(config)  # the warm start's scorer, named once (not also as a judge)
-    assert (chooser.scorer, chooser.judges) == ("wordlist", ["profanity"]) and config.scorer != "wordlist"
+    chooser = warm_start_config(config)  # the warm start's scorer; all else as the run's
+    assert chooser.scorer == "wordlist" and config.scorer != "wordlist"
+    assert chooser == replace(config, scorer="wordlist")
     assert warm_start_config(_config(tmp_path, warm_start_probes=2)) == _config(tmp_path, warm_start_probes=2)  # unset: as is

@@ -446,7 +446,7 @@ class Trainer:
         summary, kept = warm_start(self.config, self.models, partial, print if self.progress else None)
         source.after_warm_start()
         self.warm_start = summary
-        (self.run_dir / "warm_start.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        atomic_write_text(self.run_dir / "warm_start.json", json.dumps(summary, indent=2) + "\n")
         atomic_write_text(self.run_dir / "warm_start.jsonl", "".join(json.dumps(k, ensure_ascii=False) + "\n" for k in kept))
         self.save_checkpoint()
         partial.remove()  # step 0 holds it now

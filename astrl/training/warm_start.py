@@ -379,8 +379,7 @@ def warm_start_config(config):
     is set (its lexicon, its scores of probes and replies), else unchanged."""
     if config.warm_start_scorer is None or config.warm_start_scorer == config.scorer:
         return config
-    judges = [j for j in config.judges if j != config.warm_start_scorer]  # a judge named once, as the scorer
-    return replace(config, scorer=config.warm_start_scorer, judges=judges)
+    return replace(config, scorer=config.warm_start_scorer)  # its judges stay unread: the warm start scores with one
 
 
 def _run_round(config, models, round_index: int, done: dict) -> None:
