@@ -189,6 +189,7 @@ def main() -> None:
         start = time.perf_counter()
         bench = ChatStep(args.config, overrides)
         build_s = time.perf_counter() - start
+        info["dtype"] = bench.config.dtype  # a --set dtype=... wins over --dtype
         warm = bench.step()
         steps = []
         for _ in range(args.repeats):
