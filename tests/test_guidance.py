@@ -1,16 +1,16 @@
-"""Search-guided GRPO: the forcing processor, the forced first turn, and guided members in GRPO groups."""
+"""Guided GRPO: the forcing processor, the forced first turn, guided members in GRPO groups (searched and replayed)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import make_llama, make_tokenizer
-from test_training import _config, _trainer
+from test_training import LOOSE_SCORER, _config, _run_twice, _trainer
 
 from astrl._compat import as_list
 from astrl.keys import NEXT, REWARD, STEP_COUNT, TOKENS_RESPONSE
 from astrl.training.config import ConfigError, load_config
-from astrl.training.guidance import ForceTokens, forced_first_turn, group_openers
+from astrl.training.guidance import ForceTokens, ReplayArchive, first_turns, forced_first_turn, group_openers
 
 
 def test_force_tokens_allows_only_the_given_token_of_each_forced_row():
@@ -67,7 +67,8 @@ def test_guided_groups_gain_a_conversation_that_opens_with_the_searched_probe(tm
     trainer = _trainer(config)
     trainer._build()
     algorithm = trainer.algorithm
-    guide, rollout = algorithm.guide, algorithm.guide.rollout
+    (guide,) = algorithm.guides
+    rollout = guide.rollout
     seen = {}
 
     def spied(data):
@@ -113,3 +114,108 @@ def test_guide_search_is_checked_before_a_model_loads():
     with pytest.raises(ConfigError, match="set collector: local, backend and target_backend: transformers"):
         load_config(None, [*base, "backend=vllm"])
     assert load_config(None, base).guide_search is True
+
+
+# -- replay-guided GRPO ----------------------------------------------------------------------------------
+def test_replay_archive_scores_shrink_each_probes_mean_toward_the_mean_of_all_tests():
+    archive = ReplayArchive()
+    archive.add([([1, 2], "x", 1.0), ([3], "y", 0.0), ([1, 2], "z", 0.5)])
+    # mu = (1 + 0 + 0.5) / 3 = 0.5; A = (1 + 0.5 + 0.5) / (2 + 1); B = (0 + 0.5) / (1 + 1)
+    assert archive.scores() == {(1, 2): pytest.approx(2 / 3), (3,): pytest.approx(0.25)}
+    assert archive.probes[(1, 2)] == {"total": 1.5, "tests": 2, "openers": ["x", "z"]}
+    # one lucky test ranks a probe once: C's single 1.2 is shrunk below A's two tests' 0.75 mean
+    archive.add([([4], "w", 1.2)])  # mu = 2.7 / 4 = 0.675; C = (1.2 + 0.675) / 2 = 0.9375; A = (1.5 + 0.675) / 3 = 0.725
+    assert archive.scores()[(4,)] == pytest.approx(0.9375) and archive.scores()[(1, 2)] == pytest.approx(0.725)
+    archive.add([([4], "x", -0.6)])  # its re-test fails: mu = 2.1 / 5 = 0.42; C = (0.6 + 0.42) / 3 = 0.34 < A = 0.64
+    assert archive.scores()[(4,)] == pytest.approx(0.34) and archive.scores()[(1, 2)] == pytest.approx(0.64)
+
+
+def test_replay_archive_chooses_the_best_probe_new_to_each_opener_and_distinct_within_a_step():
+    archive = ReplayArchive()
+    archive.add([([1, 2], "x", 1.0), ([3], "y", 0.0), ([1, 2], "z", 0.5)])  # A 0.667 > B 0.25
+    # x: A was tested on x, so B; y: B is taken, A is new to y
+    assert archive.choose(["x", "y"]) == [(3,), (1, 2)]
+    assert archive.choose(["w"]) == [(1, 2)]  # the best, new to w
+    assert archive.choose(["x", "z", "q"]) == [(3,), (1, 2), (1, 2)]  # z: only A is free; q: none free, the best
+    with pytest.raises(RuntimeError, match="holds no probe yet"):
+        ReplayArchive().choose(["x"])
+
+
+def test_replay_archive_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
+    archive = ReplayArchive()
+    archive.add([([1, 2], "x", 1.0), ([3], "y", -0.25)])
+    torch.save({"replay": archive.state_dict()}, tmp_path / "state.pt")
+    again = ReplayArchive()
+    again.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True)["replay"])
+    assert again.probes == archive.probes and (again.total, again.tests) == (0.75, 2)
+    assert again.scores() == archive.scores()
+
+
+def test_first_turns_are_each_conversations_first_probe_cut_after_its_first_stop():
+    from tensordict import TensorDict
+
+    responses = [torch.tensor([5, 9, 7]), torch.tensor([6, 6]), torch.tensor([8, 2, 9, 9]), torch.tensor([3])]
+    data = TensorDict({"query": ["a", "a", "b", "b"], STEP_COUNT: torch.tensor([0, 1, 0, 1])}, [4])
+    data.set(TOKENS_RESPONSE, torch.nested.nested_tensor(responses, layout=torch.jagged))
+    rows = first_turns(data, torch.tensor([0.5, 1.0, -0.5, 2.0]), stops=torch.tensor([9]))
+    assert rows == [([5, 9], "a", 0.5), ([8, 2, 9], "b", -0.5)]
+
+
+REPLAYED = dict(guide_replay=True, scorer=LOOSE_SCORER)
+
+
+@pytest.mark.parametrize("mode", ["text", "chat"])
+def test_replayed_groups_gain_a_conversation_that_opens_with_the_best_past_probe(tmp_path, mode):
+    config = _config(tmp_path, mode=mode, prompts_per_step=2, group_size=3, turns=2, **REPLAYED)
+    trainer = _trainer(config)
+    trainer._build()
+    algorithm = trainer.algorithm
+    (guide,) = algorithm.guides
+    batch, data = algorithm.collect()
+    # every sampled first probe of the step and every replayed one was counted as a test
+    sampled = first_turns(data, algorithm.returns(data), algorithm.stops)
+    assert guide.archive.tests == len(sampled) + 2
+    chosen = guide._chosen
+    assert len(chosen) == 2 and len(set(chosen)) == 2  # one per group, distinct
+    openers = group_openers(data, config.group_size)
+    expected = ReplayArchive()  # the wiring: the step's sampled first turns, added and chosen from (the rule is tested above)
+    expected.add(sampled)
+    assert chosen == expected.choose(openers)
+    # the batch: G sampled members, then the replayed member of each group; its first turns are the chosen probes
+    assert data.shape[0] == 2 * 3 * 2 and batch.shape[0] == 2 * 4 * 2
+    responses = batch.get(TOKENS_RESPONSE, as_list=True)[data.shape[0] :]
+    firsts = [r.tolist() for r in responses[::2]]  # turn 0 of each replayed conversation
+    assert [tuple(f) for f in firsts] == chosen
+    advantage = batch["advantage"].reshape(-1)
+    for g in range(2):  # each (group, turn) cell of G + 1 members sums to 0
+        for t in (0, 1):
+            rows = [i for i in range(12) if (i // 6) == g and i % 2 == t] + [12 + 2 * g + t]
+            assert advantage[rows].sum().abs() < 1e-5
+    metrics = algorithm.step_metrics()
+    assert set(metrics) == {"replay_reward", "replay_score", "replay_tests", "replay_probes"}
+    assert metrics["replay_probes"] == len(guide.archive.probes) and 1 <= metrics["replay_tests"]
+    assert openers == [as_list(data["query"])[0], as_list(data["query"])[6]]
+    row = trainer.train_step()  # a whole step trains on the replayed members too
+    assert "replay_reward" in row and torch.isfinite(torch.tensor(row["loss"]))
+
+
+def test_the_replay_archive_is_checkpointed_and_a_replayed_run_resumes_exactly(tmp_path, monkeypatch):
+    rows, uninterrupted, after = _run_twice(tmp_path, monkeypatch, 1, total_steps=3, save_every=100, **REPLAYED)
+    keys = ["reward_mean", "loss", "grad_norm", "replay_reward", "replay_score", "replay_tests", "replay_probes"]
+    assert [{k: r[k] for k in keys} for r in after] == [{k: r[k] for k in keys} for r in uninterrupted]
+    assert float(uninterrupted[-1]["replay_probes"]) > float(uninterrupted[0]["replay_probes"]) >= 1
+    state = torch.load(tmp_path / "a" / "run" / "checkpoints" / "step_000003" / "state.pt", weights_only=True)
+    (kept,) = state["algorithm"]["guides"]
+    # 3 steps x (2 groups x 2 sampled + 2 replayed) first turns, each one test
+    assert kept["tests"] == 3 * 6 and sum(p["tests"] for p in kept["probes"]) == 18
+
+
+def test_guide_replay_is_checked_before_a_model_loads_and_needs_no_reply_lexicon():
+    with pytest.raises(ConfigError, match="guide_replay adds members to GRPO groups: set algorithm: grpo, got 'ppo'"):
+        load_config(None, ["guide_replay=true", "algorithm=ppo"])
+    with pytest.raises(ConfigError, match="guide_replay runs its conversations in an env of their own"):
+        load_config(None, ["guide_replay=true", "novelty_ngram=0.3"])
+    with pytest.raises(ConfigError, match="guide_replay forces probes on Transformers models in this process"):
+        load_config(None, ["guide_replay=true", "collector=ray"])
+    black_box = load_config(None, ["guide_replay=true", "reward=elicit", "reply_lexicon_weight=0", "warm_start_probes=0"])
+    assert black_box.guide_replay is True and black_box.reply_lexicon_weight == 0

@@ -323,6 +323,15 @@ class AlgorithmSection:
             "is taken in its group and its ratio clipped like the others' (search-guided GRPO)."
         },
     )
+    guide_replay: bool = field(
+        default=False,
+        metadata={
+            "help": "grpo: every group gains one conversation whose first probe is the best first probe the run has "
+            "sampled so far, ranked by its first-turn returns over all its tests (shrunk toward the mean of every "
+            "test) and re-tested on the group's opener; its advantage is taken in its group and its ratio clipped "
+            "like the others' (replay-guided GRPO: needs no target logits)."
+        },
+    )
     total_steps: int = field(default=100, metadata={"help": "Training steps (one collection and its updates each)."})
     branches: int = field(
         default=1,
@@ -443,27 +452,34 @@ class AlgorithmSection:
         self._check_optimisation()
 
     def _guide_checks(self) -> list[tuple[bool, str]]:
-        """``guide_search`` needs GRPO collected here on Transformers, the reply lexicon and no novelty terms."""
-        if not self.guide_search:
-            return []
-        return [
-            (self.algorithm == "grpo", f"guide_search adds members to GRPO groups: set algorithm: grpo, got {self.algorithm!r}"),
-            (
-                self.collector == "local" and self.backend == "transformers" and self.target_backend == "transformers",
-                f"guide_search searches and forces probes on Transformers models in this process: set collector: local, "
-                f"backend and target_backend: transformers (got {self.collector!r}, {self.backend!r}, {self.target_backend!r})",
-            ),
-            (
-                self.reward == "elicit" and self.reply_lexicon_weight > 0,
-                f"guide_search searches for the elicit reward's reply lexicon: set reward: elicit and reply_lexicon_weight "
-                f"> 0 (reward is {self.reward!r}, reply_lexicon_weight {self.reply_lexicon_weight})",
-            ),
-            (
-                not (self.novelty_ngram or self.novelty_embedding),
-                "guide_search runs its conversations in an env of their own, without the novelty terms' history: "
-                "set novelty_ngram and novelty_embedding to 0",
-            ),
-        ]
+        """``guide_search`` and ``guide_replay`` need GRPO collected here on Transformers and no novelty terms;
+        ``guide_search`` also the reply lexicon."""
+        checks = []
+        for key in ("guide_search", "guide_replay"):
+            if not getattr(self, key):
+                continue
+            checks += [
+                (self.algorithm == "grpo", f"{key} adds members to GRPO groups: set algorithm: grpo, got {self.algorithm!r}"),
+                (
+                    self.collector == "local" and self.backend == "transformers" and self.target_backend == "transformers",
+                    f"{key} forces probes on Transformers models in this process: set collector: local, backend and "
+                    f"target_backend: transformers (got {self.collector!r}, {self.backend!r}, {self.target_backend!r})",
+                ),
+                (
+                    not (self.novelty_ngram or self.novelty_embedding),
+                    f"{key} runs its conversations in an env of their own, without the novelty terms' history: "
+                    "set novelty_ngram and novelty_embedding to 0",
+                ),
+            ]
+        if self.guide_search:
+            checks.append(
+                (
+                    self.reward == "elicit" and self.reply_lexicon_weight > 0,
+                    f"guide_search searches for the elicit reward's reply lexicon: set reward: elicit and reply_lexicon_weight "
+                    f"> 0 (reward is {self.reward!r}, reply_lexicon_weight {self.reply_lexicon_weight})",
+                )
+            )
+        return checks
 
     def _branch_checks(self) -> list[tuple[bool, str]]:
         """``branches`` trains each branch in this process, on the run's models, before ``total_steps``."""

@@ -429,35 +429,55 @@ class GRPOAlgorithm(OnPolicy):
             share_prefix=self.share_prefix,
         )
         self.loss_module.set_keys(ref_log_probs=REF_LOG_PROBS_FULL)
-        self.guide = None
+        self.guides = []  # each adds one member to every group (astrl.training.guidance)
         if config.guide_search:
             from astrl.training.guidance import SearchGuide
 
-            self.guide = SearchGuide(config, models)
+            self.guides.append(SearchGuide(config, models))
+        if config.guide_replay:
+            from astrl.training.guidance import ReplayGuide
+
+            self.guides.append(ReplayGuide(config, models, self.returns, self.stops))
 
     def step_metrics(self) -> dict:
-        """With ``guide_search``: the guided members' mean search estimate and reward (``guide_mass``, ``guide_reward``)."""
-        return dict(self.guide.last) if self.guide is not None else {}
+        """With ``guide_search``: the guided members' mean search estimate and reward (``guide_mass``,
+        ``guide_reward``); with ``guide_replay``: the replayed members' reward, score before the step, tests
+        before the step and the number of probes kept (``replay_reward``, ``replay_score``, ``replay_tests``,
+        ``replay_probes``)."""
+        return {k: v for guide in self.guides for k, v in guide.last.items()}
+
+    def state_dict(self) -> dict:
+        """The novelty histories and the guides' kept state (the replay guide's probes)."""
+        return {**super().state_dict(), "guides": [guide.state_dict() for guide in self.guides]}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        for guide, kept in zip(self.guides, state.get("guides", []), strict=False):
+            guide.load_state_dict(kept)
 
     # -- collection ------------------------------------------------------------------
     def collect(self) -> tuple[TensorDictBase, TensorDictBase]:
         """One batch of completed conversations -> (training turns, raw flat rollout); with
-        ``guide_search`` the training turns also hold each group's guided conversation
+        ``guide_search`` or ``guide_replay`` the training turns also hold each group's guided conversations
         (:mod:`astrl.training.guidance`), the raw rollout only the sampled ones."""
         data = self.next_rollout()
-        if self.guide is None:
-            return self.training_batch(data, self.advantages(data)), data
-        guided = self.guide.rollout(data)
-        return self.training_batch(data, self.advantages(data, guided), guided), data
+        guided = [guide.rollout(data) for guide in self.guides]
+        return self.training_batch(data, self.advantages(data, *guided), *guided), data
+
+    def returns(self, rollout: TensorDictBase) -> torch.Tensor:
+        """Each turn's return of a flat, trajectory-contiguous rollout: its reward (``returns: turn``) or the
+        sum with its conversation's later rewards (``to_go``)."""
+        rewards = rollout[NEXT, REWARD].reshape(-1).float()
+        if self.config.returns == "to_go":
+            return returns_to_go(rewards, rollout[NEXT, DONE].reshape(-1))
+        return rewards
 
     def advantages(self, data: TensorDictBase, *guided: TensorDictBase) -> torch.Tensor:
         """:func:`turn_group_advantages` of a flat, trajectory-contiguous rollout's returns; each rollout of
         ``guided`` (one conversation per group, in group order) adds one member to every group, its
         advantages following ``data``'s."""
         parts = (data, *guided)
-        rewards = [part[NEXT, REWARD].reshape(-1).float() for part in parts]
-        if self.config.returns == "to_go":
-            rewards = [returns_to_go(r, part[NEXT, DONE].reshape(-1)) for r, part in zip(rewards, parts, strict=True)]
+        rewards = [self.returns(part) for part in parts]
         openers = [opener for part in parts for opener in as_list(part[QUERY])]
         turns = torch.cat([part[STEP_COUNT].reshape(-1) for part in parts])
         members = self.config.group_size + len(guided)

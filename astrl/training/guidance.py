@@ -1,4 +1,4 @@
-"""Search-guided GRPO: each group gains a member whose first probe the lexicon search wrote.
+"""Guided GRPO: each group gains a member whose first probe is given, by the lexicon search or the run's past.
 
 GRPO on the tester's own samples learns an attack only when one of a group's ``G`` samples finds it;
 on the embedded default the set-ups that elicit are rare among samples, and a few hundred sampled
@@ -18,6 +18,21 @@ importance ratio ``pi_theta / pi_old`` (``pi_old``: the tester before this step'
 group pulls the tester toward it and pushes the weaker samples down; one that does not is pushed down
 like any other member. The metrics of a step read the sampled conversations only; ``guide_*`` columns
 report the guided ones.
+
+Replay-guided GRPO (``guide_replay: true``, :class:`ReplayGuide`) adds a member the same way, with a
+first probe taken from the run's own past instead of a search, so it needs no target logits (a black
+box gives it all it reads): every first probe the tester has sampled is kept with the returns its
+first turn earned, and each step re-tests the best of them on the step's openers. A probe ``p`` tested
+``n_p`` times with first-turn returns ``r_1..r_n`` is ranked by its mean shrunk toward the mean ``mu`` of
+every test so far::
+
+    score(p) = (r_1 + ... + r_n + mu) / (n_p + 1)
+
+so one lucky reply ranks a probe once, and a probe keeps its place only while its new tests hold
+it there. Group ``g`` gets the best-scoring probe not given to an earlier group of the step and not
+tested on ``g``'s opener before (else the best not given). Rare successes that one group's advantage
+would forget are tried again on new openers, and a probe that elicits across openers pulls the tester
+toward it step after step (self-imitation of the run's best).
 """
 
 from __future__ import annotations
@@ -29,7 +44,8 @@ import torch
 from tensordict import TensorDictBase
 
 from astrl._compat import as_list
-from astrl.keys import NEXT, QUERY, REWARD, STEP_COUNT
+from astrl.keys import NEXT, QUERY, REWARD, STEP_COUNT, TOKENS_RESPONSE
+from astrl.lm_scoring import response_mask
 
 
 class ForceTokens:
@@ -90,16 +106,15 @@ def group_openers(data: TensorDictBase, group_size: int) -> list[str]:
     return [queries[i] for i in first[::group_size]]
 
 
-class SearchGuide:
-    """The guided members of each GRPO step (module docstring): ``rollout(data)`` searches a probe for
-    every group opener of ``data`` and returns the flat rollout of one conversation per group whose first
-    probe is the searched one, in group order, with its rewards from the run's own reward transforms.
+class GuidedMembers:
+    """One more conversation per GRPO group, whose first tester turn is given: ``rollout(data)`` runs,
+    for every group opener of ``data`` in group order, one conversation whose first probe is
+    :meth:`first_probes`' tokens for it (later turns sampled), with its rewards from the run's own
+    reward transforms, and returns the flat rollout.
 
     Args:
-        config: the run's :class:`~astrl.training.config.TrainConfig` (``guide_search``, the search and
-            conversation settings).
-        models: the run's models; the tester (its adapters on) proposes the search's tokens and writes the
-            guided conversations' later turns.
+        config: the run's :class:`~astrl.training.config.TrainConfig` (the conversation settings).
+        models: the run's models; the tester (its adapters on) writes the guided conversations' later turns.
     """
 
     def __init__(self, config, models) -> None:
@@ -119,24 +134,161 @@ class SearchGuide:
         conversation = build_conversation(spec, tester=models.tester, target=models.target, stream=self.stream)
         self.env, self.tester = conversation.env, conversation.tester
         self.primer = next(t for t in self.env.transform if isinstance(t, DataLoadingPrimer))
-        self.lexicon = self.env.reply_lexicon  # the elicit reward's: the search aims at what the reward pays
         self.last: dict[str, float] = {}
 
-    def rollout(self, data: TensorDictBase) -> TensorDictBase:
-        from astrl.training.warm_start import search_probes
+    def first_probes(self, data: TensorDictBase, openers: list[str]) -> list[torch.Tensor]:
+        """The tokens of each group's first probe (one tensor per opener, in group order)."""
+        raise NotImplementedError
 
+    def rollout(self, data: TensorDictBase) -> TensorDictBase:
         openers = group_openers(data, self.config.group_size)
         if len(openers) != len(self.stream.prompts):
             raise ValueError(f"the step has {len(openers)} groups, the guide runs {len(self.stream.prompts)}")
-        found = search_probes(self.config, self.models, openers, self.lexicon)
+        tokens = self.first_probes(data, openers)
         self.stream.prompts[:] = openers
         self.primer.reset_dataloader()  # drop what it drew ahead: its next draw is the list just set
-        with torch.no_grad(), forced_first_turn(self.models.tester.model, [f.tokens for f in found]):
+        with torch.no_grad(), forced_first_turn(self.models.tester.model, tokens):
             reset = self.env.reset()
             drawn = as_list(reset[QUERY])
             if drawn != openers:
                 raise RuntimeError(f"the guide's env drew {drawn[:2]}..., not the step's openers {openers[:2]}...")
-            guided = self.env.rollout(self.config.turns, self.tester, tensordict=reset, auto_reset=False).reshape(-1)
+            return self.env.rollout(self.config.turns, self.tester, tensordict=reset, auto_reset=False).reshape(-1)
+
+    def state_dict(self) -> dict:
+        """What the guide keeps across steps (plain data)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`."""
+        return None
+
+
+class SearchGuide(GuidedMembers):
+    """Search-guided members (module docstring): each group's first probe is the lexicon search's for its
+    opener, searched with the tester as it is now."""
+
+    def __init__(self, config, models) -> None:
+        super().__init__(config, models)
+        self.lexicon = self.env.reply_lexicon  # the elicit reward's: the search aims at what the reward pays
+        self._found: list = []
+
+    def first_probes(self, data: TensorDictBase, openers: list[str]) -> list[torch.Tensor]:
+        from astrl.training.warm_start import search_probes
+
+        self._found = search_probes(self.config, self.models, openers, self.lexicon)
+        return [f.tokens for f in self._found]
+
+    def rollout(self, data: TensorDictBase) -> TensorDictBase:
+        guided = super().rollout(data)
         rewards = guided[NEXT, REWARD].reshape(-1).float()
+        found = self._found
         self.last = {"guide_mass": sum(f.mass for f in found) / len(found), "guide_reward": float(rewards.mean())}
         return guided
+
+
+def first_turns(data: TensorDictBase, returns: torch.Tensor, stops: torch.Tensor) -> list[tuple[list[int], str, float]]:
+    """``(probe tokens up to the first stop, opener, return)`` of every conversation's first turn of a flat,
+    trajectory-contiguous rollout, ``returns`` holding each turn's return."""
+    first = (data[STEP_COUNT].reshape(-1) == 0).tolist()
+    responses, queries = data.get(TOKENS_RESPONSE, as_list=True), as_list(data[QUERY])
+    rows = []
+    for response, opener, value, is_first in zip(responses, queries, returns.tolist(), first, strict=True):
+        if is_first:
+            kept = response[: int(response_mask(response, stops).sum())]
+            rows.append((kept.tolist(), opener, float(value)))
+    return rows
+
+
+class ReplayArchive:
+    """Every first probe a run has tested, with its tests' returns: the replay guide's memory (module
+    docstring gives the score and the choice)."""
+
+    def __init__(self) -> None:
+        self.probes: dict[tuple[int, ...], dict] = {}  # tokens -> {"total", "tests", "openers"}
+        self.total, self.tests = 0.0, 0
+
+    def add(self, rows: list[tuple[list[int], str, float]]) -> None:
+        """Count each ``(probe tokens, opener, return)`` as one test of that probe."""
+        for tokens, opener, value in rows:
+            entry = self.probes.setdefault(tuple(tokens), {"total": 0.0, "tests": 0, "openers": []})
+            entry["total"] += value
+            entry["tests"] += 1
+            if opener not in entry["openers"]:
+                entry["openers"].append(opener)
+            self.total += value
+            self.tests += 1
+
+    def scores(self) -> dict[tuple[int, ...], float]:
+        """Every probe's score: the mean of its returns shrunk toward the mean ``mu`` of all tests,
+        ``(sum of its returns + mu) / (its tests + 1)``."""
+        mu = self.total / self.tests if self.tests else 0.0
+        return {probe: (entry["total"] + mu) / (entry["tests"] + 1) for probe, entry in self.probes.items()}
+
+    def choose(self, openers: list[str]) -> list[tuple[int, ...]]:
+        """One probe per opener, in order: the best-scoring one not chosen for an earlier opener and not
+        tested on this opener, else the best not chosen, else the best (ties: the probe kept first)."""
+        scores = self.scores()
+        ranked = sorted(self.probes, key=scores.__getitem__, reverse=True)  # stable: insertion order on ties
+        if not ranked:
+            raise RuntimeError("the replay archive holds no probe yet: add() a rollout's first turns first")
+        chosen: list[tuple[int, ...]] = []
+        for opener in openers:
+            free = [p for p in ranked if p not in chosen]
+            fresh = [p for p in free if opener not in self.probes[p]["openers"]]
+            chosen.append((fresh or free or ranked)[0])
+        return chosen
+
+    def state_dict(self) -> dict:
+        probes = [
+            {"tokens": list(p), "total": e["total"], "tests": e["tests"], "openers": list(e["openers"])}
+            for p, e in self.probes.items()
+        ]
+        return {"probes": probes, "total": self.total, "tests": self.tests}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.probes = {
+            tuple(e["tokens"]): {"total": float(e["total"]), "tests": int(e["tests"]), "openers": list(e["openers"])}
+            for e in state.get("probes", [])
+        }
+        self.total, self.tests = float(state.get("total", 0.0)), int(state.get("tests", 0))
+
+
+class ReplayGuide(GuidedMembers):
+    """Replay-guided members (module docstring): each group's first probe is the best-scoring first probe
+    the run has sampled so far (:class:`ReplayArchive`), re-tested on the group's opener.
+
+    Args:
+        config, models: as :class:`GuidedMembers`.
+        returns: the returns GRPO ranks, ``returns(rollout) -> tensor`` over the rollout's turns.
+        stops: the tester's stop token ids (a probe is kept up to and with its first).
+    """
+
+    def __init__(self, config, models, returns, stops: torch.Tensor) -> None:
+        super().__init__(config, models)
+        self.returns, self.stops = returns, stops
+        self.archive = ReplayArchive()
+        self._chosen: list[tuple[int, ...]] = []
+
+    def first_probes(self, data: TensorDictBase, openers: list[str]) -> list[torch.Tensor]:
+        self.archive.add(first_turns(data, self.returns(data), self.stops))
+        self._chosen = self.archive.choose(openers)
+        return [torch.tensor(p, dtype=torch.long) for p in self._chosen]
+
+    def rollout(self, data: TensorDictBase) -> TensorDictBase:
+        guided = super().rollout(data)
+        scores, probes = self.archive.scores(), self.archive.probes
+        before = [scores[p] for p in self._chosen], [probes[p]["tests"] for p in self._chosen]
+        self.archive.add(first_turns(guided, self.returns(guided), self.stops))  # the re-tests are evidence too
+        self.last = {
+            "replay_reward": float(guided[NEXT, REWARD].reshape(-1).float().mean()),
+            "replay_score": sum(before[0]) / len(before[0]),
+            "replay_tests": sum(before[1]) / len(before[1]),
+            "replay_probes": float(len(probes)),
+        }
+        return guided
+
+    def state_dict(self) -> dict:
+        return self.archive.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.archive.load_state_dict(state)
