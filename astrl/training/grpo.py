@@ -441,8 +441,8 @@ class GRPOAlgorithm(OnPolicy):
 
     def step_metrics(self) -> dict:
         """With ``guide_search``: the guided members' mean search estimate and reward (``guide_mass``,
-        ``guide_reward``); with ``guide_replay``: the replayed members' reward, score before the step, tests
-        before the step and the number of probes kept (``replay_reward``, ``replay_score``, ``replay_tests``,
+        ``guide_reward``); with ``guide_replay``: the replayed members' reward, score and tests
+        before their re-test and the number of probes kept (``replay_reward``, ``replay_score``, ``replay_tests``,
         ``replay_probes``)."""
         return {k: v for guide in self.guides for k, v in guide.last.items()}
 
