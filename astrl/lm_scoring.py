@@ -529,6 +529,11 @@ def response_mask(tokens: torch.Tensor, stop_token_ids: Iterable[int]) -> torch.
     return stops_before == 0
 
 
+def until_stop(response: torch.Tensor, stop_token_ids: Iterable[int]) -> torch.Tensor:
+    """A 1-D response's tokens up to and including its first stop token (all of it without one)."""
+    return response[: int(response_mask(response, stop_token_ids).sum())]
+
+
 def stop_ids(tokenizer, model: torch.nn.Module | None = None) -> set[int]:
     """EOS ids of a tokenizer and, when given, of the model's generation config."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()

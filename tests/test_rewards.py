@@ -7,6 +7,7 @@ from tensordict import LazyStackedTensorDict, TensorDict
 
 from astrl._compat import as_list, history_to_chats
 from astrl.envs import make_redteam_env
+from astrl.lm_scoring import until_stop
 from astrl.policies import GenerationSettings, make_policy
 from astrl.rewards import (
     ClippedKLReward,
@@ -47,6 +48,12 @@ def test_response_mask_stops_after_the_first_eos():
         dtype=torch.bool,
     )
     assert torch.equal(response_mask(tokens, {3}), expected)
+
+
+def test_until_stop_keeps_a_response_up_to_and_with_its_first_stop():
+    assert until_stop(torch.tensor([7, 3, 5, 3, 1]), {3}).tolist() == [7, 3]
+    assert until_stop(torch.tensor([7, 8, 9]), {3}).tolist() == [7, 8, 9]  # no stop: all of it
+    assert until_stop(torch.tensor([1, 7]), {3, 1}).tolist() == [1]
 
 
 # -- ASTPrompter reward -----------------------------------------------------------------------------

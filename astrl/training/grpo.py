@@ -47,7 +47,7 @@ from astrl.keys import (
     TOKENS_PROMPT,
     TOKENS_RESPONSE,
 )
-from astrl.lm_scoring import nested_token_logprobs, response_mask, stop_ids
+from astrl.lm_scoring import nested_token_logprobs, stop_ids, until_stop
 from astrl.losses.kl import KL_TOKEN_CAP, checked_cap, k3
 from astrl.losses.ppo import masked_mean
 from astrl.prefill import weights_fingerprint
@@ -494,7 +494,7 @@ class GRPOAlgorithm(OnPolicy):
         conversations = done.cumsum(0) - done  # each rollout is flat and trajectory-contiguous
         items = []
         for prompt, response, advantage, conversation in zip(prompts, responses, advantages, conversations, strict=True):
-            response = response[: int(response_mask(response, self.stops).sum())]
+            response = until_stop(response, self.stops)
             full = torch.cat([prompt, response])
             item = TensorDict()
             item.set(TOKENS_PROMPT, prompt).set(TOKENS_RESPONSE, response).set(TOKENS_FULL, full)

@@ -45,7 +45,7 @@ from tensordict import TensorDictBase
 
 from astrl._compat import as_list
 from astrl.keys import NEXT, QUERY, REWARD, STEP_COUNT, TOKENS_RESPONSE
-from astrl.lm_scoring import response_mask
+from astrl.lm_scoring import until_stop
 
 
 class ForceTokens:
@@ -194,8 +194,7 @@ def first_turns(data: TensorDictBase, returns: torch.Tensor, stops: torch.Tensor
     rows = []
     for response, opener, value, is_first in zip(responses, queries, returns.tolist(), first, strict=True):
         if is_first:
-            kept = response[: int(response_mask(response, stops).sum())]
-            rows.append((kept.tolist(), opener, float(value)))
+            rows.append((until_stop(response, stops).tolist(), opener, float(value)))
     return rows
 
 

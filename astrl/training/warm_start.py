@@ -63,7 +63,7 @@ from astrl.keys import (
     TOKENS_PROMPT,
     TOKENS_RESPONSE,
 )
-from astrl.lm_scoring import response_mask, token_logprobs
+from astrl.lm_scoring import response_mask, token_logprobs, until_stop
 from astrl.prefill import clear_turn_caches
 from astrl.scorers import checked_scores
 from astrl.training.config import WARM_START_SELECTIONS
@@ -137,7 +137,7 @@ def sample_candidates(config, models, count: int, round_index: int = 0) -> list[
             responses = rollout.get(TOKENS_RESPONSE, as_list=True)
             estimates = nxt[TARGET_LEXICON].reshape(batch, -1).tolist() if lexicon else None
             for i, probe in enumerate(probes):
-                response = responses[i][: int(response_mask(responses[i], stops).sum())]
+                response = until_stop(responses[i], stops)
                 candidates.append(
                     {
                         "opener": as_list(rollout[QUERY])[i],
