@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_llama, make_tokenizer
+from tensordict import TensorDict
 from test_training import LOOSE_SCORER, _config, _run_twice, _trainer
 
 from astrl._compat import as_list
-from astrl.keys import NEXT, REWARD, STEP_COUNT, TOKENS_RESPONSE
+from astrl.keys import NEXT, QUERY, REWARD, STEP_COUNT, TOKENS_RESPONSE
 from astrl.training.config import ConfigError, load_config
 from astrl.training.guidance import ForceTokens, ReplayArchive, first_turns, forced_first_turn, group_openers
 
@@ -210,6 +211,27 @@ def test_the_replay_archive_is_checkpointed_and_a_replayed_run_resumes_exactly(t
     assert kept["tests"] == 3 * 6 and sum(p["tests"] for p in kept["probes"]) == 18
 
 
+def _turns(openers: list[str], returns: list[float]) -> TensorDict:
+    """First turns of one-turn conversations: their openers and returns."""
+    rows = len(openers)
+    step, reward = torch.zeros(rows, 1, dtype=torch.long), torch.tensor(returns).reshape(rows, 1)
+    return TensorDict({QUERY: openers, STEP_COUNT: step, NEXT: {REWARD: reward}}, batch_size=[rows])
+
+
+@pytest.mark.parametrize("rule", ["signed", "positive"])
+def test_guided_members_advantages_are_their_groups_and_positive_only_where_asked(tmp_path, rule):
+    config = _config(tmp_path, turns=1, group_size=2, guide_replay=True, guide_advantage=rule, scorer=LOOSE_SCORER)
+    trainer = _trainer(config)
+    trainer._build()
+    sampled = _turns(["a", "a", "b", "b"], [1.0, 0.0, 0.0, 0.0])
+    guided = _turns(["a", "b"], [-1.0, 3.0])  # one member a group, in group order
+    advantages = trainer.algorithm.advantages(sampled, guided)
+    # group a: returns 1, 0, -1: mean 0, population std sqrt(2/3); group b: 0, 0, 3: mean 1, std sqrt(2)
+    a, b = (2 / 3) ** -0.5, 2**-0.5
+    expected = [a, 0.0, -b, -b, -a if rule == "signed" else 0.0, 2 * b]
+    assert advantages.tolist() == pytest.approx(expected, abs=1e-5)
+
+
 def test_guide_replay_is_checked_before_a_model_loads_and_needs_no_reply_lexicon():
     with pytest.raises(ConfigError, match="guide_replay adds members to GRPO groups: set algorithm: grpo, got 'ppo'"):
         load_config(None, ["guide_replay=true", "algorithm=ppo"])
@@ -217,5 +239,9 @@ def test_guide_replay_is_checked_before_a_model_loads_and_needs_no_reply_lexicon
         load_config(None, ["guide_replay=true", "novelty_ngram=0.3"])
     with pytest.raises(ConfigError, match="guide_replay forces probes on Transformers models in this process"):
         load_config(None, ["guide_replay=true", "collector=ray"])
+    with pytest.raises(ConfigError, match="guide_advantage must be one of \\('signed', 'positive'\\), got 'clipped'"):
+        load_config(None, ["guide_replay=true", "guide_advantage=clipped"])
+    with pytest.raises(ConfigError, match="guide_advantage: positive applies to guided members: set guide_search"):
+        load_config(None, ["guide_advantage=positive"])
     black_box = load_config(None, ["guide_replay=true", "reward=elicit", "reply_lexicon_weight=0", "warm_start_probes=0"])
     assert black_box.guide_replay is True and black_box.reply_lexicon_weight == 0

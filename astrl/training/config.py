@@ -25,6 +25,7 @@ from astrl.yaml_data import read_yaml_mapping, yaml_problem
 ALGORITHMS = ("grpo", "ppo", "dpo", "ipo")
 RETURNS = ("turn", "to_go")
 GROUP_SCALES = ("std", "none")
+GUIDE_ADVANTAGES = ("signed", "positive")
 KL_REFERENCES = ("base", "warm_start")
 WARM_START_SELECTIONS = ("share", "lexicon", "search", "best_of")  # how the warm start finds and rates its probes
 OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "adagrad")
@@ -332,6 +333,14 @@ class AlgorithmSection:
             "like the others' (replay-guided GRPO: needs no target logits)."
         },
     )
+    guide_advantage: str = field(
+        default="signed",
+        metadata={
+            "help": "grpo with guide_search or guide_replay: the guided members' advantages as their group gives them "
+            "(signed) or only where they beat it (positive: a negative one is set to 0, self-imitation), so a forced "
+            "probe pulls the tester toward it but never pushes its tokens down; the group's mean and std still count it."
+        },
+    )
     total_steps: int = field(default=100, metadata={"help": "Training steps (one collection and its updates each)."})
     branches: int = field(
         default=1,
@@ -422,6 +431,10 @@ class AlgorithmSection:
                 (self.advantage in ("gae", "one_step"), f"advantage must be 'gae' or 'one_step', got {self.advantage!r}"),
                 (self.returns in RETURNS, f"returns must be one of {RETURNS}, got {self.returns!r}"),
                 (self.group_scale in GROUP_SCALES, f"group_scale must be one of {GROUP_SCALES}, got {self.group_scale!r}"),
+                (
+                    self.guide_advantage in GUIDE_ADVANTAGES,
+                    f"guide_advantage must be one of {GUIDE_ADVANTAGES}, got {self.guide_advantage!r}",
+                ),
                 (self.total_steps >= 1, f"total_steps must be >= 1, got {self.total_steps}"),
                 (self.group_size >= 2 or self.algorithm != "grpo", f"grpo needs group_size >= 2, got {self.group_size}"),
                 (self.beta > 0, f"beta must be > 0, got {self.beta}"),
@@ -471,6 +484,12 @@ class AlgorithmSection:
                     "set novelty_ngram and novelty_embedding to 0",
                 ),
             ]
+        checks.append(
+            (
+                self.guide_advantage == "signed" or self.guide_search or self.guide_replay,
+                f"guide_advantage: {self.guide_advantage} applies to guided members: set guide_search or guide_replay: true",
+            )
+        )
         if self.guide_search:
             checks.append(
                 (

@@ -475,13 +475,17 @@ class GRPOAlgorithm(OnPolicy):
     def advantages(self, data: TensorDictBase, *guided: TensorDictBase) -> torch.Tensor:
         """:func:`turn_group_advantages` of a flat, trajectory-contiguous rollout's returns; each rollout of
         ``guided`` (one conversation per group, in group order) adds one member to every group, its
-        advantages following ``data``'s."""
+        advantages following ``data``'s (with ``guide_advantage: positive`` none below 0)."""
         parts = (data, *guided)
         rewards = [self.returns(part) for part in parts]
         openers = [opener for part in parts for opener in as_list(part[QUERY])]
         turns = torch.cat([part[STEP_COUNT].reshape(-1) for part in parts])
         members = self.config.group_size + len(guided)
-        return turn_group_advantages(torch.cat(rewards), openers, turns, members, scale=self.config.group_scale)
+        advantages = turn_group_advantages(torch.cat(rewards), openers, turns, members, scale=self.config.group_scale)
+        if self.config.guide_advantage == "positive":  # guided members only pull (self-imitation)
+            sampled = rewards[0].numel()
+            advantages[sampled:] = advantages[sampled:].clamp_min(0)
+        return advantages
 
     def training_batch(self, data: TensorDictBase, advantages: torch.Tensor, *guided: TensorDictBase) -> TensorDictBase:
         """Exact tokens (prompt + response up to EOS), reference log-probs, advantage, conversation index
