@@ -338,7 +338,8 @@ class AlgorithmSection:
         metadata={
             "help": "grpo with guide_search or guide_replay: the guided members' advantages as their group gives them "
             "(signed) or only where they beat it (positive: a negative one is set to 0, self-imitation), so a forced "
-            "probe pulls the tester toward it but never pushes its tokens down; the group's mean and std still count it."
+            "probe pulls the tester toward it but never pushes its tokens down (every turn of a guided conversation); the "
+            "group's mean and std still count it."
         },
     )
     total_steps: int = field(default=100, metadata={"help": "Training steps (one collection and its updates each)."})
