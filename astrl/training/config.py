@@ -467,7 +467,7 @@ class AlgorithmSection:
 
     def _guide_checks(self) -> list[tuple[bool, str]]:
         """``guide_search`` and ``guide_replay`` need GRPO collected here on Transformers and no novelty terms;
-        ``guide_search`` also the reply lexicon."""
+        ``guide_search`` also the reply lexicon; ``guide_advantage: positive`` one of the two."""
         checks = []
         for key in ("guide_search", "guide_replay"):
             if not getattr(self, key):
