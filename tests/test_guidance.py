@@ -142,6 +142,20 @@ def test_replay_archive_chooses_the_best_probe_new_to_each_opener_and_distinct_w
         ReplayArchive().choose(["x"])
 
 
+def test_seeded_probes_are_replayed_untested_first_in_kept_order_then_ranked_by_their_tests():
+    archive = ReplayArchive()
+    archive.add([([1, 2], "x", 1.0), ([3], "y", 0.0)])  # mu = 0.5; A = (1 + 0.5) / 2 = 0.75, B = (0 + 0.5) / 2 = 0.25
+    archive.seed([(7,), (1, 2), (8, 9)])  # A is kept already: it keeps its tests
+    assert archive.probes[(1, 2)]["tests"] == 1 and archive.untested() == 2
+    assert archive.scores()[(7,)] == pytest.approx(0.5)  # no test: the mean of all tests, mu
+    # untested first, in the order seeded, before A's better score; then the ranked ones
+    assert archive.choose(["x", "y", "z"]) == [(7,), (8, 9), (1, 2)]
+    archive.add([([7], "x", -1.0), ([8, 9], "y", 2.0)])  # mu = 2 / 4 = 0.5: C = (-1 + 0.5) / 2, D = (2 + 0.5) / 2
+    assert archive.untested() == 0
+    assert archive.scores()[(7,)] == pytest.approx(-0.25) and archive.scores()[(8, 9)] == pytest.approx(1.25)
+    assert archive.choose(["x", "y", "z"]) == [(8, 9), (1, 2), (3,)]  # x: D is new to x; y: D is taken, A new to y
+
+
 def test_replay_archive_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
     archive = ReplayArchive()
     archive.add([([1, 2], "x", 1.0), ([3], "y", -0.25)])
@@ -193,7 +207,8 @@ def test_replayed_groups_gain_a_conversation_that_opens_with_the_best_past_probe
             rows = [i for i in range(12) if (i // 6) == g and i % 2 == t] + [12 + 2 * g + t]
             assert advantage[rows].sum().abs() < 1e-5
     metrics = algorithm.step_metrics()
-    assert set(metrics) == {"replay_reward", "replay_score", "replay_tests", "replay_probes"}
+    assert set(metrics) == {"replay_reward", "replay_score", "replay_tests", "replay_probes", "replay_untested"}
+    assert metrics["replay_untested"] == 0  # nothing seeded
     assert metrics["replay_probes"] == len(guide.archive.probes) and 1 <= metrics["replay_tests"]
     assert openers == [as_list(data["query"])[0], as_list(data["query"])[6]]
     row = trainer.train_step()  # a whole step trains on the replayed members too
@@ -209,6 +224,48 @@ def test_the_replay_archive_is_checkpointed_and_a_replayed_run_resumes_exactly(t
     (kept,) = state["algorithm"]["guides"]
     # 3 steps x (2 groups x 2 sampled + 2 replayed) first turns, each one test
     assert kept["tests"] == 3 * 6 and sum(p["tests"] for p in kept["probes"]) == 18
+
+
+SEEDS = ["you idiot", "the cat sat on the mat and then it ran off home"]
+
+
+def _fake_warm_start(monkeypatch) -> None:
+    """The warm start as a stub that keeps ``SEEDS`` (what the trainer writes and reads of it is real)."""
+    import astrl.training.warm_start as warm_start
+
+    summary = {"kept": len(SEEDS), "sampled": 4, "loss_first": 1.0, "loss_last": 0.5}
+    monkeypatch.setattr(warm_start, "warm_start", lambda *args, **kwargs: (summary, [{"probe": p} for p in SEEDS]))
+
+
+def test_the_warm_starts_probes_are_replayed_first_and_credited_with_their_tests(tmp_path, monkeypatch):
+    _fake_warm_start(monkeypatch)
+    settings = dict(prompts_per_step=2, group_size=2, turns=2, total_steps=1, save_every=100, warm_start_probes=4)
+    config = _config(tmp_path, guide_replay_warm_start=True, **REPLAYED, **settings)
+    trainer = _trainer(config)
+    (row,) = trainer.train()
+    (guide,) = trainer.algorithm.guides
+    tokenizer, limit = trainer.models.tester.tokenizer, config.max_new_tokens  # 4
+    short, long = (tokenizer(p, add_special_tokens=False)["input_ids"] for p in SEEDS)
+    assert len(short) < limit < len(long)
+    seeds = [(*short, tokenizer.eos_token_id), tuple(long[:limit])]  # ended as the tester's own probes end
+    assert guide._chosen == seeds  # step 1's two groups replayed the two seeds, untested before any sampled probe
+    for seed in seeds:  # each credited with its one re-test, whatever the tester wrote after a short seed
+        assert guide.archive.probes[seed]["tests"] == 1
+    assert row["replay_untested"] == 0 and row["replay_tests"] == 0
+
+
+def test_a_step_0_run_resumed_with_guide_replay_warm_start_needs_its_warm_starts_probes(tmp_path, monkeypatch):
+    from astrl.training.trainer import resume
+
+    _fake_warm_start(monkeypatch)
+    settings = dict(total_steps=1, save_every=100, warm_start_probes=4, **REPLAYED)
+    trainer = _trainer(_config(tmp_path, **settings))
+    trainer.train(until=0)  # the warm start and its step-0 checkpoint
+    run_dir = tmp_path / "run"
+    assert (run_dir / "warm_start.jsonl").is_file()
+    (run_dir / "warm_start.jsonl").unlink()
+    with pytest.raises(ConfigError, match="guide_replay_warm_start reads the warm start's kept probes from .*warm_start.jsonl"):
+        resume(run_dir, ["guide_replay_warm_start=true"], progress=False)  # before any model loads (none is given)
 
 
 def _turns(openers: list[str], returns: list[float]) -> TensorDict:
@@ -243,5 +300,9 @@ def test_guide_replay_is_checked_before_a_model_loads_and_needs_no_reply_lexicon
         load_config(None, ["guide_replay=true", "guide_advantage=clipped"])
     with pytest.raises(ConfigError, match="guide_advantage: positive applies to guided members: set guide_search"):
         load_config(None, ["guide_advantage=positive"])
+    with pytest.raises(ConfigError, match="guide_replay_warm_start starts the replay archive .* got guide_replay False"):
+        load_config(None, ["guide_replay_warm_start=true", "warm_start_probes=8"])
+    with pytest.raises(ConfigError, match="guide_replay_warm_start .* warm_start_probes > 0 .* warm_start_probes 0"):
+        load_config(None, ["guide_replay=true", "guide_replay_warm_start=true", "warm_start_probes=0"])
     black_box = load_config(None, ["guide_replay=true", "reward=elicit", "reply_lexicon_weight=0", "warm_start_probes=0"])
     assert black_box.guide_replay is True and black_box.reply_lexicon_weight == 0

@@ -333,6 +333,14 @@ class AlgorithmSection:
             "like the others' (replay-guided GRPO: needs no target logits)."
         },
     )
+    guide_replay_warm_start: bool = field(
+        default=False,
+        metadata={
+            "help": "guide_replay with a warm start: the replay archive starts with the warm start's kept probes "
+            "(warm_start.jsonl), and a probe not yet tested is replayed before any ranked one, so every probe the "
+            "warm start kept is tried on a training opener in the first steps, not only those the tester samples."
+        },
+    )
     guide_advantage: str = field(
         default="signed",
         metadata={
@@ -467,7 +475,8 @@ class AlgorithmSection:
 
     def _guide_checks(self) -> list[tuple[bool, str]]:
         """``guide_search`` and ``guide_replay`` need GRPO collected here on Transformers and no novelty terms;
-        ``guide_search`` also the reply lexicon; ``guide_advantage: positive`` one of the two."""
+        ``guide_search`` also the reply lexicon; ``guide_advantage: positive`` one of the two;
+        ``guide_replay_warm_start`` ``guide_replay`` and a warm start."""
         checks = []
         for key in ("guide_search", "guide_replay"):
             if not getattr(self, key):
@@ -489,6 +498,13 @@ class AlgorithmSection:
             (
                 self.guide_advantage == "signed" or self.guide_search or self.guide_replay,
                 f"guide_advantage: {self.guide_advantage} applies to guided members: set guide_search or guide_replay: true",
+            )
+        )
+        checks.append(
+            (
+                not self.guide_replay_warm_start or (self.guide_replay and self.warm_start_probes > 0),
+                "guide_replay_warm_start starts the replay archive with the warm start's probes: set guide_replay: true "
+                f"and warm_start_probes > 0 (got guide_replay {self.guide_replay}, warm_start_probes {self.warm_start_probes})",
             )
         )
         if self.guide_search:

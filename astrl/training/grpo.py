@@ -439,11 +439,20 @@ class GRPOAlgorithm(OnPolicy):
 
             self.guides.append(ReplayGuide(config, models, self.returns, self.stops))
 
+    def seed_replay(self, probes: list[str]) -> None:
+        """Start the replay guide's archive with ``probes``, untested (``guide_replay_warm_start``;
+        :meth:`~astrl.training.guidance.ReplayGuide.seed`)."""
+        from astrl.training.guidance import ReplayGuide
+
+        for guide in self.guides:
+            if isinstance(guide, ReplayGuide):
+                guide.seed(probes)
+
     def step_metrics(self) -> dict:
         """With ``guide_search``: the guided members' mean search estimate and reward (``guide_mass``,
         ``guide_reward``); with ``guide_replay``: the replayed members' reward, score and tests
-        before their re-test and the number of probes kept (``replay_reward``, ``replay_score``, ``replay_tests``,
-        ``replay_probes``)."""
+        before their re-test, the number of probes kept and of those not yet tested (``replay_reward``,
+        ``replay_score``, ``replay_tests``, ``replay_probes``, ``replay_untested``)."""
         return {k: v for guide in self.guides for k, v in guide.last.items()}
 
     def state_dict(self) -> dict:

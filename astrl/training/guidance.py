@@ -30,7 +30,10 @@ every test so far::
 
 so one lucky reply ranks a probe once, and a probe keeps its place only while its new tests hold
 it there. Group ``g`` gets the best-scoring probe not given to an earlier group of the step and not
-tested on ``g``'s opener before (else the best not given). Rare successes that one group's advantage
+tested on ``g``'s opener before (else the best not given). With ``guide_replay_warm_start: true`` the
+archive starts with the warm start's kept probes, untested, and an untested probe is given before any
+ranked one (in the order kept), so each is tried once on a training opener before the scores decide,
+not only the ones the tester happens to sample. Rare successes that one group's advantage
 would forget are tried again on new openers, and a probe that elicits across openers pulls the tester
 toward it step after step (self-imitation of the run's best).
 """
@@ -186,7 +189,7 @@ class SearchGuide(GuidedMembers):
         return guided
 
 
-def first_turns(data: TensorDictBase, returns: torch.Tensor, stops: torch.Tensor) -> list[tuple[list[int], str, float]]:
+def first_turns(data: TensorDictBase, returns: torch.Tensor, stops: set[int]) -> list[tuple[list[int], str, float]]:
     """``(probe tokens up to the first stop, opener, return)`` of every conversation's first turn of a flat,
     trajectory-contiguous rollout, ``returns`` holding each turn's return."""
     first = (data[STEP_COUNT].reshape(-1) == 0).tolist()
@@ -217,6 +220,16 @@ class ReplayArchive:
             self.total += value
             self.tests += 1
 
+    def seed(self, probes: list[tuple[int, ...]]) -> None:
+        """Keep ``probes`` untested (probes already kept are left as they are): :meth:`choose` gives each
+        before any tested probe, in this order."""
+        for tokens in probes:
+            self.probes.setdefault(tuple(tokens), {"total": 0.0, "tests": 0, "openers": []})
+
+    def untested(self) -> int:
+        """How many kept probes no test has reached yet (seeded ones only)."""
+        return sum(entry["tests"] == 0 for entry in self.probes.values())
+
     def scores(self) -> dict[tuple[int, ...], float]:
         """Every probe's score: the mean of its returns shrunk toward the mean ``mu`` of all tests,
         ``(sum of its returns + mu) / (its tests + 1)``."""
@@ -225,9 +238,11 @@ class ReplayArchive:
 
     def choose(self, openers: list[str]) -> list[tuple[int, ...]]:
         """One probe per opener, in order: the best-scoring one not chosen for an earlier opener and not
-        tested on this opener, else the best not chosen, else the best (ties: the probe kept first)."""
+        tested on this opener, else the best not chosen, else the best (ties: the probe kept first);
+        untested (seeded) probes rank above every tested one."""
         scores = self.scores()
-        ranked = sorted(self.probes, key=scores.__getitem__, reverse=True)  # stable: insertion order on ties
+        rank = {p: (self.probes[p]["tests"] == 0, scores[p]) for p in self.probes}
+        ranked = sorted(self.probes, key=rank.__getitem__, reverse=True)  # stable: insertion order on ties
         if not ranked:
             raise RuntimeError("the replay archive holds no probe yet: add() a rollout's first turns first")
         chosen: list[tuple[int, ...]] = []
@@ -259,14 +274,28 @@ class ReplayGuide(GuidedMembers):
     Args:
         config, models: as :class:`GuidedMembers`.
         returns: the returns GRPO ranks, ``returns(rollout) -> tensor`` over the rollout's turns.
-        stops: the tester's stop token ids (a probe is kept up to and with its first).
+        stops: the tester's stop token ids (a probe is kept up to and with its first; a seeded one ends with the
+            tokenizer's EOS when it is one of them).
     """
 
-    def __init__(self, config, models, returns, stops: torch.Tensor) -> None:
+    def __init__(self, config, models, returns, stops: set[int]) -> None:
         super().__init__(config, models)
         self.returns, self.stops = returns, stops
         self.archive = ReplayArchive()
         self._chosen: list[tuple[int, ...]] = []
+
+    def seed(self, texts: list[str]) -> None:
+        """Start the archive with ``texts`` (the warm start's kept probes), untested: each is tokenized by the
+        tester's tokenizer, cut to ``max_new_tokens`` and, when shorter, ended with the tester's stop token,
+        as the tester's own probes end (:meth:`ReplayArchive.seed`)."""
+        tokenizer, limit = self.models.tester.tokenizer, self.config.max_new_tokens
+        stop = tokenizer.eos_token_id if tokenizer.eos_token_id in self.stops else min(self.stops)
+        probes = []
+        for text in texts:
+            tokens = tokenizer(text, add_special_tokens=False)["input_ids"][:limit]
+            if tokens:
+                probes.append(tuple(tokens if len(tokens) == limit else [*tokens, stop]))
+        self.archive.seed(probes)
 
     def first_probes(self, data: TensorDictBase, openers: list[str]) -> list[torch.Tensor]:
         self.archive.add(first_turns(data, self.returns(data), self.stops))
@@ -277,12 +306,15 @@ class ReplayGuide(GuidedMembers):
         guided = super().rollout(data)
         scores, probes = self.archive.scores(), self.archive.probes
         before = [scores[p] for p in self._chosen], [probes[p]["tests"] for p in self._chosen]
-        self.archive.add(first_turns(guided, self.returns(guided), self.stops))  # the re-tests are evidence too
+        rows = first_turns(guided, self.returns(guided), self.stops)
+        # each re-test is evidence for the probe chosen (the forced tokens are all of it, or a seeded probe's prefix)
+        self.archive.add([(list(p), opener, value) for p, (_, opener, value) in zip(self._chosen, rows, strict=True)])
         self.last = {
             "replay_reward": float(guided[NEXT, REWARD].reshape(-1).float().mean()),
             "replay_score": sum(before[0]) / len(before[0]),
             "replay_tests": sum(before[1]) / len(before[1]),
             "replay_probes": float(len(probes)),
+            "replay_untested": float(self.archive.untested()),
         }
         return guided
 

@@ -343,6 +343,8 @@ class Trainer:
         self.archive.write(self.run_dir / ARCHIVE_FILE)  # drops attacks found after the checkpoint resumed from
         if self.step == 0 and self.config.warm_start_probes and self.warm_start is None:
             self._warm_start()
+        if self.step == 0 and self.config.guide_replay_warm_start:
+            self.algorithm.seed_replay(warm_start_probes(self.run_dir))
         if self.step == 0 and last > 0 and self.config.branches > 1:
             self._branch()
         if self.step > 0 or self.warm_start is not None:  # Ray workers / a vLLM engine start from the untrained weights
@@ -820,6 +822,23 @@ def usable_checkpoint(run_dir: str | Path, *, trust: bool = False, on_warning=No
     return None
 
 
+def warm_start_probes(run_dir: Path) -> list[str]:
+    """The probes the run's warm start kept, in order (its ``warm_start.jsonl``)."""
+    path = Path(run_dir) / "warm_start.jsonl"
+    if not path.is_file():
+        raise ConfigError(
+            f"guide_replay_warm_start reads the warm start's kept probes from {str(path)!r}, which does not exist: "
+            "resume a run whose warm start wrote it, or set guide_replay_warm_start=false"
+        )
+    probes = []
+    for number, line in numbered_lines(path.read_text(encoding="utf-8")):
+        try:
+            probes.append(str(json.loads(line)["probe"]))
+        except (ValueError, KeyError, TypeError) as error:
+            raise ConfigError(f"{str(path)!r} line {number} is not a kept probe with a 'probe' text: {error}") from None
+    return probes
+
+
 def resume(
     run_dir: str | Path,
     overrides: list[str] | tuple[str, ...] = (),
@@ -848,6 +867,8 @@ def resume(
     saved_seed = load_config(run_dir / "config.yaml", on_warning=lambda _: None).seed  # its notes come with the next read
     config = load_config(run_dir / "config.yaml", [*overrides, f"run_dir={run_dir}"])
     found = usable_checkpoint(run_dir, trust=trust_checkpoint, on_warning=on_warning)  # read before any model loads
+    if found is not None and found[1].get("step") == 0 and config.guide_replay_warm_start:
+        warm_start_probes(run_dir)  # the archive's seeds, read at step 0: a missing file is named now
     trainer = Trainer(config, progress=progress, models=build_models(config, tester_lm) if tester_lm else None)
     trainer.resumed = True
     if found is not None:
