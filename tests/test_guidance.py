@@ -226,7 +226,7 @@ def test_the_replay_archive_is_checkpointed_and_a_replayed_run_resumes_exactly(t
     assert kept["tests"] == 3 * 6 and sum(p["tests"] for p in kept["probes"]) == 18
 
 
-SEEDS = ["you idiot", "the cat sat on the mat and then it ran off home"]
+SEEDS = ["you idiot", "the cat sat on the mat and then it ran off home", "you<|im_end|> idiot"]
 
 
 def _fake_warm_start(monkeypatch) -> None:
@@ -239,17 +239,18 @@ def _fake_warm_start(monkeypatch) -> None:
 
 def test_the_warm_starts_probes_are_replayed_first_and_credited_with_their_tests(tmp_path, monkeypatch):
     _fake_warm_start(monkeypatch)
-    settings = dict(prompts_per_step=2, group_size=2, turns=2, total_steps=1, save_every=100, warm_start_probes=4)
+    settings = dict(prompts_per_step=3, group_size=2, turns=2, total_steps=1, save_every=100, warm_start_probes=4)
     config = _config(tmp_path, guide_replay_warm_start=True, **REPLAYED, **settings)
     trainer = _trainer(config)
     (row,) = trainer.train()
     (guide,) = trainer.algorithm.guides
     tokenizer, limit = trainer.models.tester.tokenizer, config.max_new_tokens  # 4
-    short, long = (tokenizer(p, add_special_tokens=False)["input_ids"] for p in SEEDS)
-    assert len(short) < limit < len(long)
-    seeds = [(*short, tokenizer.eos_token_id), tuple(long[:limit])]  # ended as the tester's own probes end
-    assert guide._chosen == seeds  # step 1's two groups replayed the two seeds, untested before any sampled probe
-    for seed in seeds:  # each credited with its one re-test, whatever the tester wrote after a short seed
+    short, long, stopped = (tokenizer(p, add_special_tokens=False)["input_ids"] for p in SEEDS)
+    eos = tokenizer.eos_token_id
+    assert len(short) < limit < len(long) and stopped[1] == eos and len(stopped) < limit
+    seeds = [(*short, eos), tuple(long[:limit]), (*stopped, eos)]  # ended as the tester's own probes end
+    assert guide._chosen == seeds  # step 1's three groups replayed the three seeds, untested before any sampled probe
+    for seed in seeds:  # each credited with its one re-test, the third too, though its rollout stopped at its first EOS
         assert guide.archive.probes[seed]["tests"] == 1
     assert row["replay_untested"] == 0 and row["replay_tests"] == 0
 

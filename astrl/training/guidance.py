@@ -307,7 +307,8 @@ class ReplayGuide(GuidedMembers):
         scores, probes = self.archive.scores(), self.archive.probes
         before = [scores[p] for p in self._chosen], [probes[p]["tests"] for p in self._chosen]
         rows = first_turns(guided, self.returns(guided), self.stops)
-        # each re-test is evidence for the probe chosen (the forced tokens are all of it, or a seeded probe's prefix)
+        # each re-test is evidence for the probe chosen, credited by its key: a seeded text whose tokens hold a stop
+        # before their end is cut there by the rollout, and must not stay untested (chosen again every step)
         self.archive.add([(list(p), opener, value) for p, (_, opener, value) in zip(self._chosen, rows, strict=True)])
         self.last = {
             "replay_reward": float(guided[NEXT, REWARD].reshape(-1).float().mean()),
