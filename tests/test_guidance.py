@@ -301,9 +301,9 @@ def test_guide_replay_is_checked_before_a_model_loads_and_needs_no_reply_lexicon
         load_config(None, ["guide_replay=true", "guide_advantage=clipped"])
     with pytest.raises(ConfigError, match="guide_advantage: positive applies to guided members: set guide_search"):
         load_config(None, ["guide_advantage=positive"])
-    with pytest.raises(ConfigError, match="guide_replay_warm_start starts the replay archive .* got guide_replay False"):
+    with pytest.raises(ConfigError, match="guide_replay_warm_start starts the replay archive .* \\(got guide_replay False"):
         load_config(None, ["guide_replay_warm_start=true", "warm_start_probes=8"])
-    with pytest.raises(ConfigError, match="guide_replay_warm_start .* warm_start_probes > 0 .* warm_start_probes 0"):
+    with pytest.raises(ConfigError, match="guide_replay_warm_start .* warm_start_probes > 0 .* warm_start_probes 0\\)"):
         load_config(None, ["guide_replay=true", "guide_replay_warm_start=true", "warm_start_probes=0"])
     black_box = load_config(None, ["guide_replay=true", "reward=elicit", "reply_lexicon_weight=0", "warm_start_probes=0"])
     assert black_box.guide_replay is True and black_box.reply_lexicon_weight == 0
