@@ -142,6 +142,7 @@ def test_a_config_yaml_written_before_the_sections_loads_as_an_equal_config(tmp_
         "guide_search": False,
         "guide_replay": False,
         "guide_replay_warm_start": False,
+        "guide_replay_bonus": 0.0,
         "guide_advantage": "signed",
         "branches": 1,
         "branch_steps": 16,

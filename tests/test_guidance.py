@@ -156,6 +156,30 @@ def test_seeded_probes_are_replayed_untested_first_in_kept_order_then_ranked_by_
     assert archive.choose(["x", "y", "z"]) == [(8, 9), (1, 2), (3,)]  # x: D is new to x; y: D is taken, A new to y
 
 
+def test_an_upper_confidence_bonus_retests_a_probe_seen_once_before_one_pinned_just_above_it():
+    rows = [([1], "x", 1.0)] * 8 + [([2], "y", 0.0)]  # A: 8 tests of 1.0; B: one test of 0.0
+    # mu = 8 / 9; s = sqrt(8 / 9 - mu^2) = sqrt(8) / 9; A = (8 + mu) / 9 = 80 / 81, B = mu / 2 = 4 / 9
+    plain, bold = ReplayArchive(), ReplayArchive(bonus=4.0)
+    for archive in (plain, bold):
+        archive.add(rows)
+    assert bold.spread() == pytest.approx(8**0.5 / 9) and bold.scores() == plain.scores()
+    assert plain.bounds() == plain.scores()  # bonus 0: the rank is the score
+    width = 4.0 * 8**0.5 / 9  # c * s = 1.2571
+    assert bold.bounds() == {(1,): pytest.approx(80 / 81 + width / 3), (2,): pytest.approx(4 / 9 + width / 2**0.5)}
+    # c = 4: B's bound 1.3333 stays below A's 1.4067; c = 8 puts B first (2.2222 against 1.8257)
+    assert bold.choose(["z"]) == [(1,)]
+    assert ReplayArchive(bonus=8.0).spread() == 0.0  # no test yet
+    wide = ReplayArchive(bonus=8.0)
+    wide.add(rows)
+    assert wide.choose(["z"]) == [(2,)] and plain.choose(["z"]) == [(1,)]
+    # the spread's sums survive a checkpoint; a state saved before the bonus existed reads a spread of 0
+    again = ReplayArchive(bonus=8.0)
+    again.load_state_dict(wide.state_dict())
+    assert again.bounds() == wide.bounds()
+    again.load_state_dict({k: v for k, v in wide.state_dict().items() if k != "total_sq"})
+    assert again.spread() == 0.0 and again.choose(["z"]) == [(1,)]
+
+
 def test_replay_archive_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
     archive = ReplayArchive()
     archive.add([([1, 2], "x", 1.0), ([3], "y", -0.25)])
@@ -181,11 +205,12 @@ REPLAYED = dict(guide_replay=True, scorer=LOOSE_SCORER)
 
 @pytest.mark.parametrize("mode", ["text", "chat"])
 def test_replayed_groups_gain_a_conversation_that_opens_with_the_best_past_probe(tmp_path, mode):
-    config = _config(tmp_path, mode=mode, prompts_per_step=2, group_size=3, turns=2, **REPLAYED)
+    config = _config(tmp_path, mode=mode, prompts_per_step=2, group_size=3, turns=2, guide_replay_bonus=0.5, **REPLAYED)
     trainer = _trainer(config)
     trainer._build()
     algorithm = trainer.algorithm
     (guide,) = algorithm.guides
+    assert guide.archive.bonus == 0.5
     batch, data = algorithm.collect()
     # every sampled first probe of the step and every replayed one was counted as a test
     sampled = first_turns(data, algorithm.returns(data), algorithm.stops)
@@ -193,7 +218,7 @@ def test_replayed_groups_gain_a_conversation_that_opens_with_the_best_past_probe
     chosen = guide._chosen
     assert len(chosen) == 2 and len(set(chosen)) == 2  # one per group, distinct
     openers = group_openers(data, config.group_size)
-    expected = ReplayArchive()  # the wiring: the step's sampled first turns, added and chosen from (the rule is tested above)
+    expected = ReplayArchive(0.5)  # the wiring: the step's sampled first turns, added and chosen from (the rule is tested above)
     expected.add(sampled)
     assert chosen == expected.choose(openers)
     # the batch: G sampled members, then the replayed member of each group; its first turns are the chosen probes
@@ -305,5 +330,10 @@ def test_guide_replay_is_checked_before_a_model_loads_and_needs_no_reply_lexicon
         load_config(None, ["guide_replay_warm_start=true", "warm_start_probes=8"])
     with pytest.raises(ConfigError, match="guide_replay_warm_start .* warm_start_probes > 0 .* warm_start_probes 0\\)"):
         load_config(None, ["guide_replay=true", "guide_replay_warm_start=true", "warm_start_probes=0"])
+    for bonus in ("-0.5", "nan", "inf"):
+        with pytest.raises(ConfigError, match=f"guide_replay_bonus .* finite and >= 0 .*got guide_replay_bonus {bonus}"):
+            load_config(None, ["guide_replay=true", f"guide_replay_bonus={bonus}"])
+    with pytest.raises(ConfigError, match="guide_replay_bonus .* needs guide_replay: true .* guide_replay False\\)"):
+        load_config(None, ["guide_replay_bonus=1.0"])
     black_box = load_config(None, ["guide_replay=true", "reward=elicit", "reply_lexicon_weight=0", "warm_start_probes=0"])
     assert black_box.guide_replay is True and black_box.reply_lexicon_weight == 0

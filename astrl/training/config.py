@@ -9,6 +9,7 @@ every entry point."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import textwrap
 import warnings
 from collections.abc import Callable, Sequence
@@ -341,6 +342,14 @@ class AlgorithmSection:
             "warm start kept is tried on a training opener in the first steps, not only those the tester samples."
         },
     )
+    guide_replay_bonus: float = field(
+        default=0.0,
+        metadata={
+            "help": "guide_replay: the archive ranks a probe by its score plus this many standard deviations of all "
+            "tests' returns, divided by sqrt(its tests + 1) (an upper confidence bound), so a probe seen once or twice "
+            "is re-tested before one whose many tests pin it just above; 0: by its score alone."
+        },
+    )
     guide_advantage: str = field(
         default="signed",
         metadata={
@@ -476,7 +485,7 @@ class AlgorithmSection:
     def _guide_checks(self) -> list[tuple[bool, str]]:
         """``guide_search`` and ``guide_replay`` need GRPO collected here on Transformers and no novelty terms;
         ``guide_search`` also the reply lexicon; ``guide_advantage: positive`` one of the two;
-        ``guide_replay_warm_start`` ``guide_replay`` and a warm start."""
+        ``guide_replay_warm_start`` ``guide_replay`` and a warm start; ``guide_replay_bonus`` >= 0 and ``guide_replay``."""
         checks = []
         for key in ("guide_search", "guide_replay"):
             if not getattr(self, key):
@@ -505,6 +514,15 @@ class AlgorithmSection:
                 not self.guide_replay_warm_start or (self.guide_replay and self.warm_start_probes > 0),
                 "guide_replay_warm_start starts the replay archive with the warm start's probes: set guide_replay: true "
                 f"and warm_start_probes > 0 (got guide_replay {self.guide_replay}, warm_start_probes {self.warm_start_probes})",
+            )
+        )
+        checks.append(
+            (
+                math.isfinite(self.guide_replay_bonus)
+                and self.guide_replay_bonus >= 0
+                and (self.guide_replay or self.guide_replay_bonus == 0),
+                f"guide_replay_bonus ranks the replay archive: it must be finite and >= 0 and needs guide_replay: true "
+                f"(got guide_replay_bonus {self.guide_replay_bonus}, guide_replay {self.guide_replay})",
             )
         )
         if self.guide_search:

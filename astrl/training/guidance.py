@@ -29,7 +29,12 @@ every test so far::
     score(p) = (r_1 + ... + r_n + mu) / (n_p + 1)
 
 so one lucky reply ranks a probe once, and a probe keeps its place only while its new tests hold
-it there. Group ``g`` gets the best-scoring probe not given to an earlier group of the step and not
+it there. With ``guide_replay_bonus: c > 0`` the ranking adds an upper-confidence term,
+
+    bound(p) = score(p) + c * s / sqrt(n_p + 1)
+
+(``s``: the standard deviation of every test's return), so a probe with few tests is tried again before
+one whose many tests pin it just above. Group ``g`` gets the best-ranked probe not given to an earlier group of the step and not
 tested on ``g``'s opener before (else the best not given). With ``guide_replay_warm_start: true`` the
 archive starts with the warm start's kept probes, untested, and an untested probe is given before any
 ranked one (in the order kept), so each is tried once on a training opener before the scores decide,
@@ -40,6 +45,7 @@ toward it step after step (self-imitation of the run's best).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -205,9 +211,10 @@ class ReplayArchive:
     """Every first probe a run has tested, with its tests' returns: the replay guide's memory (module
     docstring gives the score and the choice)."""
 
-    def __init__(self) -> None:
+    def __init__(self, bonus: float = 0.0) -> None:
+        self.bonus = bonus  # c of the upper-confidence term (module docstring); 0: rank by score
         self.probes: dict[tuple[int, ...], dict] = {}  # tokens -> {"total", "tests", "openers"}
-        self.total, self.tests = 0.0, 0
+        self.total, self.total_sq, self.tests = 0.0, 0.0, 0
 
     def add(self, rows: list[tuple[list[int], str, float]]) -> None:
         """Count each ``(probe tokens, opener, return)`` as one test of that probe."""
@@ -218,6 +225,7 @@ class ReplayArchive:
             if opener not in entry["openers"]:
                 entry["openers"].append(opener)
             self.total += value
+            self.total_sq += value * value
             self.tests += 1
 
     def seed(self, probes: list[tuple[int, ...]]) -> None:
@@ -236,12 +244,24 @@ class ReplayArchive:
         mu = self.total / self.tests if self.tests else 0.0
         return {probe: (entry["total"] + mu) / (entry["tests"] + 1) for probe, entry in self.probes.items()}
 
+    def spread(self) -> float:
+        """The standard deviation ``s`` of every test's return (0 before two tests)."""
+        if self.tests < 2:
+            return 0.0
+        mu = self.total / self.tests
+        return math.sqrt(max(self.total_sq / self.tests - mu * mu, 0.0))
+
+    def bounds(self) -> dict[tuple[int, ...], float]:
+        """Every probe's rank value: its score plus ``bonus * s / sqrt(tests + 1)`` (its score when ``bonus`` is 0)."""
+        scores, width = self.scores(), self.bonus * self.spread()
+        return {p: scores[p] + width / math.sqrt(e["tests"] + 1) for p, e in self.probes.items()}
+
     def choose(self, openers: list[str]) -> list[tuple[int, ...]]:
-        """One probe per opener, in order: the best-scoring one not chosen for an earlier opener and not
-        tested on this opener, else the best not chosen, else the best (ties: the probe kept first);
+        """One probe per opener, in order: the best-ranked one (:meth:`bounds`) not chosen for an earlier opener
+        and not tested on this opener, else the best not chosen, else the best (ties: the probe kept first);
         untested (seeded) probes rank above every tested one."""
-        scores = self.scores()
-        rank = {p: (self.probes[p]["tests"] == 0, scores[p]) for p in self.probes}
+        bounds = self.bounds()
+        rank = {p: (self.probes[p]["tests"] == 0, bounds[p]) for p in self.probes}
         ranked = sorted(self.probes, key=rank.__getitem__, reverse=True)  # stable: insertion order on ties
         if not ranked:
             raise RuntimeError("the replay archive holds no probe yet: add() a rollout's first turns first")
@@ -257,7 +277,7 @@ class ReplayArchive:
             {"tokens": list(p), "total": e["total"], "tests": e["tests"], "openers": list(e["openers"])}
             for p, e in self.probes.items()
         ]
-        return {"probes": probes, "total": self.total, "tests": self.tests}
+        return {"probes": probes, "total": self.total, "total_sq": self.total_sq, "tests": self.tests}
 
     def load_state_dict(self, state: dict) -> None:
         self.probes = {
@@ -265,6 +285,7 @@ class ReplayArchive:
             for e in state.get("probes", [])
         }
         self.total, self.tests = float(state.get("total", 0.0)), int(state.get("tests", 0))
+        self.total_sq = float(state.get("total_sq", 0.0))  # absent before guide_replay_bonus: its spread reads 0
 
 
 class ReplayGuide(GuidedMembers):
@@ -281,7 +302,7 @@ class ReplayGuide(GuidedMembers):
     def __init__(self, config, models, returns, stops: set[int]) -> None:
         super().__init__(config, models)
         self.returns, self.stops = returns, stops
-        self.archive = ReplayArchive()
+        self.archive = ReplayArchive(config.guide_replay_bonus)
         self._chosen: list[tuple[int, ...]] = []
 
     def seed(self, texts: list[str]) -> None:
