@@ -34,13 +34,13 @@ it there. With ``guide_replay_bonus: c > 0`` the ranking adds an upper-confidenc
     bound(p) = score(p) + c * s / sqrt(n_p + 1)
 
 (``s``: the standard deviation of every test's return), so a probe with few tests is tried again before
-one whose many tests pin it just above. Group ``g`` gets the best-ranked probe not given to an earlier group of the step and not
-tested on ``g``'s opener before (else the best not given). With ``guide_replay_warm_start: true`` the
-archive starts with the warm start's kept probes, untested, and an untested probe is given before any
-ranked one (in the order kept), so each is tried once on a training opener before the scores decide,
-not only the ones the tester happens to sample. Rare successes that one group's advantage
-would forget are tried again on new openers, and a probe that elicits across openers pulls the tester
-toward it step after step (self-imitation of the run's best).
+one whose many tests pin it just above. Group ``g`` gets the best-ranked probe not given to an earlier
+group of the step and not tested on ``g``'s opener before (else the best not given). With
+``guide_replay_warm_start: true`` the archive starts with the warm start's kept probes, untested, and an
+untested probe is given before any ranked one (in the order kept), so each is tried once on a training
+opener before the scores decide, not only the ones the tester happens to sample. Rare successes that one
+group's advantage would forget are tried again on new openers, and a probe that elicits across openers
+pulls the tester toward it step after step (self-imitation of the run's best).
 """
 
 from __future__ import annotations
