@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import make_llama, make_tokenizer
@@ -11,7 +13,14 @@ from test_training import LOOSE_SCORER, _config, _run_twice, _trainer
 from astrl._compat import as_list
 from astrl.keys import NEXT, QUERY, REWARD, STEP_COUNT, TOKENS_RESPONSE
 from astrl.training.config import ConfigError, load_config
-from astrl.training.guidance import ForceTokens, ReplayArchive, first_turns, forced_first_turn, group_openers
+from astrl.training.guidance import (
+    ForceTokens,
+    ReplayArchive,
+    ReplayGuide,
+    first_turns,
+    forced_first_turn,
+    group_openers,
+)
 
 
 def test_force_tokens_allows_only_the_given_token_of_each_forced_row():
@@ -156,6 +165,21 @@ def test_seeded_probes_are_replayed_untested_first_in_kept_order_then_ranked_by_
     assert archive.choose(["x", "y", "z"]) == [(8, 9), (1, 2), (3,)]  # x: D is new to x; y: D is taken, A new to y
 
 
+def test_seeded_texts_are_cut_as_the_testers_own_probes_end():
+    tok = make_tokenizer()
+    eos = tok.eos_token_id
+    guide = ReplayGuide.__new__(ReplayGuide)  # seed() reads only the tokenizer, max_new_tokens, stops and archive
+    guide.models = SimpleNamespace(tester=SimpleNamespace(tokenizer=tok))
+    guide.config, guide.stops, guide.archive = SimpleNamespace(max_new_tokens=4), {eos}, ReplayArchive()
+    texts = ["you idiot", "the cat sat on the mat and then", "you<|im_end|> idiot", "<|im_end|> idiot", "idiot<|im_end|>"]
+    short, long, stopped, _, ended = (tok(t, add_special_tokens=False)["input_ids"] for t in texts)
+    assert len(short) < 4 < len(long) and stopped[1] == eos and ended[-1] == eos and len(ended) < 4
+    guide.seed(texts)
+    # an EOS added; cut at 4 tokens; cut just after the first EOS; the empty probe left out; an EOS already there kept
+    assert list(guide.archive.probes) == [(*short, eos), tuple(long[:4]), tuple(stopped[:2]), tuple(ended)]
+    assert guide.archive.untested() == 4
+
+
 def test_an_upper_confidence_bonus_retests_a_probe_seen_once_before_one_pinned_just_above_it():
     rows = [([1], "x", 1.0)] * 8 + [([2], "y", 0.0)]  # A: 8 tests of 1.0; B: one test of 0.0
     # mu = 8 / 9; s = sqrt(8 / 9 - mu^2) = sqrt(8) / 9; A = (8 + mu) / 9 = 80 / 81, B = mu / 2 = 4 / 9
@@ -273,10 +297,12 @@ def test_the_warm_starts_probes_are_replayed_first_and_credited_with_their_tests
     short, long, stopped = (tokenizer(p, add_special_tokens=False)["input_ids"] for p in SEEDS)
     eos = tokenizer.eos_token_id
     assert len(short) < limit < len(long) and stopped[1] == eos and len(stopped) < limit
-    seeds = [(*short, eos), tuple(long[:limit]), (*stopped, eos)]  # ended as the tester's own probes end
+    # ended as the tester's own probes end: an EOS added, cut at max_new_tokens, cut just after its first EOS
+    seeds = [(*short, eos), tuple(long[:limit]), tuple(stopped[:2])]
     assert guide._chosen == seeds  # step 1's three groups replayed the three seeds, untested before any sampled probe
-    for seed in seeds:  # each credited with its one re-test, the third too, though its rollout stopped at its first EOS
+    for seed in seeds:  # each credited with its one re-test under the key the rollout produces
         assert guide.archive.probes[seed]["tests"] == 1
+    assert (*stopped, eos) not in guide.archive.probes  # no key the tester cannot write
     assert row["replay_untested"] == 0 and row["replay_tests"] == 0
 
 

@@ -307,15 +307,19 @@ class ReplayGuide(GuidedMembers):
 
     def seed(self, texts: list[str]) -> None:
         """Start the archive with ``texts`` (the warm start's kept probes), untested: each is tokenized by the
-        tester's tokenizer, cut to ``max_new_tokens`` and, when shorter, ended with the tester's stop token,
-        as the tester's own probes end (:meth:`ReplayArchive.seed`)."""
+        tester's tokenizer and cut as the tester's own probes end, at ``max_new_tokens`` or just after its first
+        stop token, a shorter one without a stop ended with the tester's (:meth:`ReplayArchive.seed`); a text
+        that starts with a stop token is an empty probe and is left out."""
         tokenizer, limit = self.models.tester.tokenizer, self.config.max_new_tokens
         stop = tokenizer.eos_token_id if tokenizer.eos_token_id in self.stops else min(self.stops)
         probes = []
         for text in texts:
-            tokens = tokenizer(text, add_special_tokens=False)["input_ids"][:limit]
-            if tokens:
-                probes.append(tuple(tokens if len(tokens) == limit else [*tokens, stop]))
+            ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][:limit], dtype=torch.long)
+            tokens = until_stop(ids, self.stops).tolist()
+            if not tokens or tokens[0] in self.stops:
+                continue
+            ended = tokens[-1] in self.stops or len(tokens) == limit
+            probes.append(tuple(tokens if ended else [*tokens, stop]))
         self.archive.seed(probes)
 
     def first_probes(self, data: TensorDictBase, openers: list[str]) -> list[torch.Tensor]:
@@ -328,8 +332,8 @@ class ReplayGuide(GuidedMembers):
         scores, probes = self.archive.scores(), self.archive.probes
         before = [scores[p] for p in self._chosen], [probes[p]["tests"] for p in self._chosen]
         rows = first_turns(guided, self.returns(guided), self.stops)
-        # each re-test is evidence for the probe chosen, credited by its key: a seeded text whose tokens hold a stop
-        # before their end is cut there by the rollout, and must not stay untested (chosen again every step)
+        # each re-test is evidence for the probe chosen, credited by its key (seed() already cut each seed as the
+        # rollout cuts it; crediting by key keeps any forced probe from staying untested, chosen again every step)
         self.archive.add([(list(p), opener, value) for p, (_, opener, value) in zip(self._chosen, rows, strict=True)])
         self.last = {
             "replay_reward": float(guided[NEXT, REWARD].reshape(-1).float().mean()),
