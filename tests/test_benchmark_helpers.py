@@ -1,8 +1,9 @@
-"""The arithmetic of benchmarks/train_loop.py, probe_search.py, turns_at_equal_compute.py and chat_lookahead_signal.py
-(the benchmarks are run by hand, never timed here)."""
+"""The arithmetic of benchmarks/train_loop.py, probe_search.py, turns_at_equal_compute.py, chat_lookahead_signal.py and
+probe_transfer.py (the benchmarks are run by hand, never timed here)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from tensordict import TensorDict, lazy_stack
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import probe_search  # noqa: E402
+import probe_transfer  # noqa: E402
 import train_loop  # noqa: E402
 import turns_at_equal_compute  # noqa: E402
 
@@ -126,3 +128,32 @@ def test_chat_lookahead_signal_rebuilds_what_the_target_read_and_ranks_within_op
     chosen, mean = cls.best_of(estimates, rates, openers)  # c has one probe: no choice to make
     assert chosen.tolist() == [0.25, 0.5]  # a: the 0.9 probe; b: a tie, the first
     assert mean.tolist() == [1.25 / 3, 0.25]
+
+
+def test_probe_transfer_ranks_ties_by_their_mean_rank_and_correlates_by_hand():
+    x = np.array([0.0, 0.05, 0.0, 0.1])
+    assert probe_transfer.ranks(x).tolist() == [1.5, 3.0, 1.5, 4.0]
+    # ranks centred: x -1, 0.5, -1, 1.5 and y -1.5, -0.5, 0.5, 1.5: 3 / sqrt(4.5 * 5) = 0.632
+    result = probe_transfer.correlations(x, np.array([0.0, 0.1, 0.2, 0.3]))
+    assert result["spearman"] == 0.632
+    # x centred -0.0375, 0.0125, -0.0375, 0.0625, y -0.15, -0.05, 0.05, 0.15: 0.0125 / sqrt(0.006875 * 0.05) = 0.674
+    assert result["pearson"] == 0.674
+    assert np.isnan(probe_transfer.correlations(x, np.zeros(4))["spearman"])
+
+
+def test_probe_transfer_reads_attacks_as_probe_major_train_then_held_out(tmp_path):
+    path = tmp_path / "attacks.jsonl"
+    probe_transfer.write_attacks(path, [("a", "p0"), ("b", "p1")], ["t0", "t1", "h0", "h1"])
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(d["probe"], d["conversation"][0]["content"]) for d in lines][5] == ("p1", "t1")
+    # attack 5 = probe 1, training opener 1; attack 6 = probe 1, held-out opener 0; a toxic probe never counts
+    records = [
+        {"attack": 5, "sample": 1, "scores": {"j": {"reply": 0.9, "probe": 0.1}}},
+        {"attack": 6, "sample": 0, "scores": {"j": {"reply": 0.9, "probe": 0.1}}},
+        {"attack": 2, "sample": 0, "scores": {"j": {"reply": 0.9, "probe": 0.7}}},
+        {"attack": 3, "sample": 0, "scores": {"j": {"reply": 0.4, "probe": 0.1}}},
+    ]
+    shares = probe_transfer.elicited_shares(records, n_probes=2, n_openers=2, replies=2, name="j")
+    assert shares.shape == (2, 2, 2, 2)
+    assert shares[1, 0, 1, 1] == 1 and shares[1, 1, 0, 0] == 1
+    assert shares.sum() == 2
