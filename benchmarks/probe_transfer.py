@@ -20,6 +20,10 @@ reports, with Spearman and Pearson correlations:
   that bounds every correlation above);
 
 and the held-out judge share of the top 4, 8 and 12 probes by each training-opener ranking, against all probes.
+With ``--lexicon``, also ``lexicon_train``: each training-opener reply's reply lexicon estimate under the
+scorer's whole-word lexicon (``1 - prod_t (1 - m_t)``, the target's logits over the reply teacher-forced,
+as the reward's ``reply_lexicon`` term reads it with ``reply_lexicon_whole_words``), a probe's mean over its
+replies: the dense reading the RL also has.
 
     python benchmarks/probe_transfer.py --probes RUN/warm_start.jsonl EVAL_DIR ... --out /tmp/transfer
     python benchmarks/probe_transfer.py --probes ... --out DIR --reuse   # analyse DIR's replies again
@@ -54,6 +58,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="draws the probes and openers, and the replies")
     parser.add_argument("--out", required=True, help="folder of the replay (attacks.jsonl, replies.jsonl, ...)")
     parser.add_argument("--reuse", action="store_true", help="analyse the replies already in --out (same attacks)")
+    parser.add_argument("--lexicon", action="store_true", help="also each training-opener reply's lexicon estimate")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads for --lexicon")
     return parser.parse_args()
 
 
@@ -127,6 +133,38 @@ def elicited_shares(records: list[dict], n_probes: int, n_openers: int, replies:
     return out
 
 
+def lexicon_train(records: list[dict], attacks: Path, n_probes: int, n_openers: int, replies: int, args) -> np.ndarray:
+    """``[probe, training opener, reply]``: the reply lexicon estimate of each training-opener reply under
+    ``args.scorer``'s whole-word lexicon, from one teacher-forced forward of the target over chat and reply."""
+    import torch
+    from whole_word_lexicon import reply_stats
+
+    from astrl._compat import render_chats
+    from astrl.evaluation.replay import chat_input, read_attacks
+    from astrl.models import load_model
+    from astrl.rewards.lexicon import ReplyLexicon, reply_lexicon
+    from astrl.scorers import make_scorer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    listed, _ = read_attacks(attacks)
+    lm = load_model("smollm2-135m", dtype="float32", device="cpu")
+    lexicon = reply_lexicon("scorer", lm.tokenizer, scorer=make_scorer(args.scorer), whole_words=True)
+    train = [x for x in records if (x["attack"] % (2 * n_openers)) < n_openers]
+    chats = [chat_input(listed[x["attack"]], None) for x in train]
+    prompts = [lm.tokenizer(text, add_special_tokens=False)["input_ids"] for text in render_chats(lm.tokenizer, chats)]
+    tokens = [lm.tokenizer(x["reply"], add_special_tokens=False)["input_ids"] or [lm.tokenizer.eos_token_id] for x in train]
+    out = np.zeros((n_probes, n_openers, replies))
+    for i in range(0, len(train), args.batch):
+        batch = slice(i, i + args.batch)
+        stats = reply_stats(lm.model, lexicon, prompts[batch], tokens[batch], lm.tokenizer.pad_token_id or 0)
+        for record, stat, reply in zip(train[batch], stats, tokens[batch], strict=True):
+            mass = lexicon.reply_mass(stat.unsqueeze(0), torch.tensor([reply]))
+            probe, opener = divmod(record["attack"], 2 * n_openers)
+            out[probe, opener, record["sample"]] = float(ReplyLexicon.estimate(mass, torch.ones(1, len(reply), dtype=torch.bool)))
+    return out
+
+
 def main() -> None:
     args = parse_args()
     out = Path(args.out)
@@ -167,8 +205,14 @@ def main() -> None:
         "judge_train": judge[:, 0].mean(axis=(1, 2)),
         "judge_test": judge[:, 1].mean(axis=(1, 2)),
     }
+    if args.lexicon:
+        cached = out / "lexicon_train.npy"
+        if not (args.reuse and cached.is_file()):
+            np.save(cached, lexicon_train(records, attacks, len(probes), args.openers, args.replies, args))
+        share["lexicon_train"] = np.load(cached).mean(axis=(1, 2))
     pairs = [
         ("scorer_train", "judge_test"),
+        *([("lexicon_train", "judge_test"), ("lexicon_train", "scorer_test")] if args.lexicon else []),
         ("judge_train", "judge_test"),
         ("scorer_train", "scorer_test"),
         ("scorer_test", "judge_test"),
@@ -176,7 +220,7 @@ def main() -> None:
     result = {f"{a}~{b}": correlations(share[a], share[b]) for a, b in pairs}
     result["judge_test_halves"] = correlations(judge[:, 1, :half].mean(axis=(1, 2)), judge[:, 1, half:].mean(axis=(1, 2)))
     top = {"all": r(float(share["judge_test"].mean()), 4)}
-    for key in ("scorer_train", "judge_train"):
+    for key in ("scorer_train", "judge_train", *(["lexicon_train"] if args.lexicon else [])):
         order = np.argsort(-share[key], kind="stable")
         for k in (4, 8, 12):
             top[f"top{k}_by_{key}"] = r(float(share["judge_test"][order[:k]].mean()), 4)
