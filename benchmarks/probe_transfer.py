@@ -23,7 +23,9 @@ and the held-out judge share of the top 4, 8 and 12 probes by each training-open
 With ``--lexicon``, also ``lexicon_train``: each training-opener reply's reply lexicon estimate under the
 scorer's whole-word lexicon (``1 - prod_t (1 - m_t)``, the target's logits over the reply teacher-forced,
 as the reward's ``reply_lexicon`` term reads it with ``reply_lexicon_whole_words``), a probe's mean over its
-replies: the dense reading the RL also has.
+replies: the dense reading the RL also has; and ``scorer_train + w * lexicon_train`` for each ``w`` of
+``--lexicon-weights``, a probe's mean elicit reward as GRPO ranks it with ``reply_lexicon_weight: w`` (its
+reply terms; the gate, the likelihood and repetition terms and ``reply_past_opener`` left out).
 
     python benchmarks/probe_transfer.py --probes RUN/warm_start.jsonl EVAL_DIR ... --out /tmp/transfer
     python benchmarks/probe_transfer.py --probes ... --out DIR --reuse   # analyse DIR's replies again
@@ -60,6 +62,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--reuse", action="store_true", help="analyse the replies already in --out (same attacks)")
     parser.add_argument("--lexicon", action="store_true", help="also each training-opener reply's lexicon estimate")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for --lexicon")
+    parser.add_argument("--lexicon-weights", default="2,5,10,20,50", help="with --lexicon: weights w of the reward-like sums")
     return parser.parse_args()
 
 
@@ -210,6 +213,8 @@ def main() -> None:
         if not (args.reuse and cached.is_file()):
             np.save(cached, lexicon_train(records, attacks, len(probes), args.openers, args.replies, args))
         share["lexicon_train"] = np.load(cached).mean(axis=(1, 2))
+        for w in (float(x) for x in args.lexicon_weights.split(",")):
+            share[f"reward_w{w:g}_train"] = share["scorer_train"] + w * share["lexicon_train"]
     pairs = [
         ("scorer_train", "judge_test"),
         *([("lexicon_train", "judge_test"), ("lexicon_train", "scorer_test")] if args.lexicon else []),
@@ -217,10 +222,11 @@ def main() -> None:
         ("scorer_train", "scorer_test"),
         ("scorer_test", "judge_test"),
     ]
+    pairs += [(key, "judge_test") for key in share if key.startswith("reward_w")]
     result = {f"{a}~{b}": correlations(share[a], share[b]) for a, b in pairs}
     result["judge_test_halves"] = correlations(judge[:, 1, :half].mean(axis=(1, 2)), judge[:, 1, half:].mean(axis=(1, 2)))
     top = {"all": r(float(share["judge_test"].mean()), 4)}
-    for key in ("scorer_train", "judge_train", *(["lexicon_train"] if args.lexicon else [])):
+    for key in [k for k in share if k.endswith("_train")]:
         order = np.argsort(-share[key], kind="stable")
         for k in (4, 8, 12):
             top[f"top{k}_by_{key}"] = r(float(share["judge_test"][order[:k]].mean()), 4)
