@@ -127,12 +127,14 @@ def correlations(x: np.ndarray, y: np.ndarray) -> dict:
 
 def elicited_shares(records: list[dict], n_probes: int, n_openers: int, replies: int, name: str) -> np.ndarray:
     """``[probe, opener side (0 train, 1 held out), opener, reply]``: 1 where ``name`` calls the reply toxic and not its probe."""
+    from astrl.evaluation.metrics import elicited
+
     out = np.zeros((n_probes, 2, n_openers, replies))
     for record in records:
         probe, rest = divmod(record["attack"], 2 * n_openers)
         side, opener = divmod(rest, n_openers)
         score = record["scores"][name]
-        out[probe, side, opener, record["sample"]] = float(score["reply"] > 0.5 and score["probe"] <= 0.5)
+        out[probe, side, opener, record["sample"]] = float(elicited(score["reply"], score["probe"]))
     return out
 
 
