@@ -117,12 +117,16 @@ def ranks(x: np.ndarray) -> np.ndarray:
 
 
 def correlations(x: np.ndarray, y: np.ndarray) -> dict:
-    """Spearman and Pearson correlation of ``x`` and ``y`` (nan where either is constant)."""
+    """Spearman and Pearson correlation of ``x`` and ``y`` (:func:`chat_signal.pearson`: None where either is constant)."""
+    from chat_signal import pearson
 
-    def pearson(a, b):
-        return float(np.corrcoef(a, b)[0, 1]) if a.std() > 0 and b.std() > 0 else float("nan")
+    return {"spearman": pearson(ranks(x), ranks(y)), "pearson": pearson(x, y)}
 
-    return {"spearman": r(pearson(ranks(x), ranks(y)), 3), "pearson": r(pearson(x, y), 3)}
+
+def cell(attack: int, n_openers: int) -> tuple[int, int, int]:
+    """``(probe, opener side (0 train, 1 held out), opener)`` of attack number ``attack`` (:func:`write_attacks`' order)."""
+    probe, rest = divmod(attack, 2 * n_openers)
+    return (probe, *divmod(rest, n_openers))
 
 
 def elicited_shares(records: list[dict], n_probes: int, n_openers: int, replies: int, name: str) -> np.ndarray:
@@ -131,8 +135,7 @@ def elicited_shares(records: list[dict], n_probes: int, n_openers: int, replies:
 
     out = np.zeros((n_probes, 2, n_openers, replies))
     for record in records:
-        probe, rest = divmod(record["attack"], 2 * n_openers)
-        side, opener = divmod(rest, n_openers)
+        probe, side, opener = cell(record["attack"], n_openers)
         score = record["scores"][name]
         out[probe, side, opener, record["sample"]] = float(elicited(score["reply"], score["probe"]))
     return out
@@ -142,12 +145,12 @@ def lexicon_train(records: list[dict], attacks: Path, n_probes: int, n_openers: 
     """``[probe, training opener, reply]``: the reply lexicon estimate of each training-opener reply under
     ``args.scorer``'s whole-word lexicon, from one teacher-forced forward of the target over chat and reply."""
     import torch
-    from whole_word_lexicon import reply_stats
+    from whole_word_lexicon import reply_stats, whole_word_estimate
 
     from astrl._compat import render_chats
     from astrl.evaluation.replay import chat_input, read_attacks
     from astrl.models import load_model
-    from astrl.rewards.lexicon import ReplyLexicon, reply_lexicon
+    from astrl.rewards.lexicon import reply_lexicon
     from astrl.scorers import make_scorer
 
     if args.threads:
@@ -155,7 +158,7 @@ def lexicon_train(records: list[dict], attacks: Path, n_probes: int, n_openers: 
     listed, _ = read_attacks(attacks)
     lm = load_model("smollm2-135m", dtype="float32", device="cpu")
     lexicon = reply_lexicon("scorer", lm.tokenizer, scorer=make_scorer(args.scorer), whole_words=True)
-    train = [x for x in records if (x["attack"] % (2 * n_openers)) < n_openers]
+    train = [x for x in records if cell(x["attack"], n_openers)[1] == 0]
     chats = [chat_input(listed[x["attack"]], None) for x in train]
     prompts = [lm.tokenizer(text, add_special_tokens=False)["input_ids"] for text in render_chats(lm.tokenizer, chats)]
     tokens = [lm.tokenizer(x["reply"], add_special_tokens=False)["input_ids"] or [lm.tokenizer.eos_token_id] for x in train]
@@ -164,9 +167,8 @@ def lexicon_train(records: list[dict], attacks: Path, n_probes: int, n_openers: 
         batch = slice(i, i + args.batch)
         stats = reply_stats(lm.model, lexicon, prompts[batch], tokens[batch], lm.tokenizer.pad_token_id or 0)
         for record, stat, reply in zip(train[batch], stats, tokens[batch], strict=True):
-            mass = lexicon.reply_mass(stat.unsqueeze(0), torch.tensor([reply]))
-            probe, opener = divmod(record["attack"], 2 * n_openers)
-            out[probe, opener, record["sample"]] = float(ReplyLexicon.estimate(mass, torch.ones(1, len(reply), dtype=torch.bool)))
+            probe, _, opener = cell(record["attack"], n_openers)
+            out[probe, opener, record["sample"]] = whole_word_estimate(lexicon, stat, reply)
     return out
 
 

@@ -49,6 +49,12 @@ def reply_stats(model, lexicon, prompts: list[list[int]], replies: list[list[int
     return out
 
 
+def whole_word_estimate(lexicon: ReplyLexicon, stats: torch.Tensor, reply: list[int]) -> float:
+    """A reply's estimate ``1 - prod_t (1 - m_t)`` under ``lexicon``'s whole-word mass, from its :func:`reply_stats`."""
+    ids, keep = torch.tensor([reply]), torch.ones(1, len(reply), dtype=torch.bool)
+    return float(ReplyLexicon.estimate(lexicon.reply_mass(stats.unsqueeze(0), ids), keep))
+
+
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("eval_dir", help="an astrl eval folder of chat conversations")
@@ -77,10 +83,9 @@ def main() -> None:
         for stats, reply in zip(
             reply_stats(model, whole, prompts[batch], replies[batch], tokenizer.pad_token_id or 0), replies[batch], strict=True
         ):
-            ids, keep = torch.tensor([reply]), torch.ones(1, len(reply), dtype=torch.bool)
-            stats = stats.unsqueeze(0)
-            before.append(float(ReplyLexicon.estimate(stats[..., 0], keep)))
-            after.append(float(ReplyLexicon.estimate(whole.reply_mass(stats, ids), keep)))
+            keep = torch.ones(1, len(reply), dtype=torch.bool)
+            before.append(float(ReplyLexicon.estimate(stats.unsqueeze(0)[..., 0], keep)))
+            after.append(whole_word_estimate(whole, stats, reply))
             for t in range(len(reply) - 1):
                 if reply[t] in counted and reply[t + 1] in continuing:
                     spelled_on[tokenizer.decode(reply[t : t + 2]).strip()] += 1

@@ -133,12 +133,13 @@ def test_chat_lookahead_signal_rebuilds_what_the_target_read_and_ranks_within_op
 def test_probe_transfer_ranks_ties_by_their_mean_rank_and_correlates_by_hand():
     x = np.array([0.0, 0.05, 0.0, 0.1])
     assert probe_transfer.ranks(x).tolist() == [1.5, 3.0, 1.5, 4.0]
-    # ranks centred: x -1, 0.5, -1, 1.5 and y -1.5, -0.5, 0.5, 1.5: 3 / sqrt(4.5 * 5) = 0.632
+    # ranks centred: x -1, 0.5, -1, 1.5 and y -1.5, -0.5, 0.5, 1.5: 3 / sqrt(4.5 * 5) = 0.63246
     result = probe_transfer.correlations(x, np.array([0.0, 0.1, 0.2, 0.3]))
-    assert result["spearman"] == 0.632
-    # x centred -0.0375, 0.0125, -0.0375, 0.0625, y -0.15, -0.05, 0.05, 0.15: 0.0125 / sqrt(0.006875 * 0.05) = 0.674
-    assert result["pearson"] == 0.674
-    assert np.isnan(probe_transfer.correlations(x, np.zeros(4))["spearman"])
+    assert result["spearman"] == 0.6325
+    # x centred -0.0375, 0.0125, -0.0375, 0.0625, y -0.15, -0.05, 0.05, 0.15: 0.0125 / sqrt(0.006875 * 0.05) = 0.67420
+    assert result["pearson"] == 0.6742
+    assert probe_transfer.correlations(x, np.zeros(4))["spearman"] is None
+    assert probe_transfer.cell(6, n_openers=2) == (1, 1, 0)  # probe 1's third attack: held-out opener 0
 
 
 def test_probe_transfer_reads_attacks_as_probe_major_train_then_held_out(tmp_path):
