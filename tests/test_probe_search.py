@@ -463,3 +463,129 @@ def test_warm_start_scorer_is_checked_before_a_model_loads(tmp_path):
     assert chooser.scorer == "wordlist" and config.scorer != "wordlist"
     assert chooser == replace(config, scorer="wordlist")
     assert warm_start_config(_config(tmp_path, warm_start_probes=2)) == _config(tmp_path, warm_start_probes=2)  # unset: as is
+
+
+def test_retest_means_leave_out_the_opener_a_probe_was_found_on_and_the_best_retested_are_kept():
+    from astrl.training.warm_start import best_retested, retest_means
+
+    estimates = torch.tensor([[0.1, 0.2, 0.6], [0.4, 0.0, 0.2], [0.3, 0.3, 0.3]])
+    means = retest_means(estimates, ["b", "z", "a"], ["a", "b", "c"])
+    assert means == pytest.approx([(0.1 + 0.6) / 2, (0.4 + 0.0 + 0.2) / 3, (0.3 + 0.3) / 2])
+    assert retest_means(torch.tensor([[0.5]]), ["a"], ["a"]) == [0.0]  # nothing left to re-test on
+    candidates = [{"probe": p, "retest_mass": m} for p, m in zip("wxyz", (0.1, 0.4, 0.4, 0.3), strict=True)]
+    assert [c["probe"] for c in best_retested(candidates, 0.5)] == ["x", "y"]  # the best two, in their own order
+    assert [c["probe"] for c in best_retested(candidates, 0.6)] == ["x", "y", "z"]  # ceil(2.4)
+    assert [c["probe"] for c in best_retested(candidates, 0.25)] == ["x"]  # a tie goes to the earlier
+    assert best_retested([], 0.5) == [] and len(best_retested(candidates, 1.0)) == 4
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_retest_estimates_read_each_probes_greedy_reply_after_each_opener(chat):
+    from astrl.envs.transforms import contexts_around_last
+    from astrl.sampling.search import probe_frame, retest_estimates
+
+    tok = make_tokenizer()
+    target = make_llama(tok, seed=1)
+    lexicon = ReplyLexicon(tok, ["hell", "idiot", "the", "you", "how", "are"])
+    probes = ["you are the", "how", "tell me the weather"]
+    frame = probe_frame(tok, tok, chat=chat, lookahead=3)
+    got = retest_estimates(target, tok, frame, probes, OPENERS[:2], lexicon, rows_per_forward=4)
+    assert got.shape == (3, 2)
+    stops = {tok.eos_token_id, tok.pad_token_id}
+    for i, probe in enumerate(probes):
+        for j, opener in enumerate(OPENERS[:2]):
+            ids = tok(probe, add_special_tokens=False)["input_ids"]
+            if chat:  # the target's view: the opener as its own turn, the probe as the user's, then its reply
+                chat_rows = [{"role": "assistant", "content": opener}, {"role": "user", "content": ""}]
+                before, after = contexts_around_last(tok, [chat_rows])[0]
+                row = tok(before, add_special_tokens=False)["input_ids"] + ids + tok(after, add_special_tokens=False)["input_ids"]
+            else:
+                row = tok(opener)["input_ids"] + ids
+            assert float(got[i, j]) == pytest.approx(_greedy_estimate(target, row, lexicon, 3, stops), abs=1e-5)
+
+
+def test_lookahead_estimate_discounts_a_greedy_token_that_goes_on_into_a_longer_word():
+    from astrl.sampling.search import lookahead_estimate
+
+    tok = make_tokenizer()
+    model = make_llama(tok, seed=2)
+    word, prefix = "hell", torch.tensor(tok(OPENERS[0])["input_ids"])
+    (first,) = tok(f" {word}", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():  # make " hell" the greedy reply's first token: its head row along the last hidden state
+        out = model(input_ids=prefix[None], output_hidden_states=True)
+        hidden = out.hidden_states[-1][0, -1]
+        model.lm_head.weight[first] = hidden * (float(out.logits[0, -1].max()) + 5.0) / float(hidden @ hidden)
+    assert int(_last_logits(model, prefix.tolist()).argmax()) == first
+    plain, whole = ReplyLexicon(tok, [word]), ReplyLexicon(tok, [word], whole_words=True)
+    assert first in plain.token_ids.tolist()
+    with torch.no_grad():
+        cache = PrefixCache(model, [prefix[:-1]], tok.pad_token_id)
+    tail, owners = prefix[-1:].view(1, 1), torch.tensor([0])
+    got_plain = float(lookahead_estimate(cache, owners, tail, plain, 2, set()))
+    got_whole = float(lookahead_estimate(cache, owners, tail, whole, 2, set()))
+    # by hand: m_0 loses p_0(first) * c_1 (the next token continues the word), m_1 keeps its mass
+    p0 = _last_logits(model, prefix.tolist()).softmax(-1)
+    p1 = _last_logits(model, prefix.tolist() + [first]).softmax(-1)
+    m0, m1 = float(p0[plain.token_ids].sum()), float(p1[plain.token_ids].sum())
+    c1 = float(p1[whole.continuing_ids].sum())
+    assert got_plain == pytest.approx(1 - (1 - m0) * (1 - m1), abs=1e-5)
+    assert got_whole == pytest.approx(1 - (1 - (m0 - float(p0[first]) * c1)) * (1 - m1), abs=1e-5)
+    assert got_whole < got_plain
+
+
+def test_a_retested_warm_start_tunes_on_the_best_retested_half_by_the_rl_scorers_lexicon(tmp_path, monkeypatch):
+    from test_training import _config, _trainer
+
+    import astrl.sampling.search as search
+    import astrl.training.warm_start as warm
+
+    settings = dict(
+        scorer="keywords:the,you", warm_start_scorer="keywords:hell,idiot", judges=["keywords:hell,idiot"], mode="chat",
+        turns=1, total_steps=1, max_new_tokens=3, target_max_new_tokens=4, reward="elicit", reply_lexicon="scorer",
+        reply_lexicon_weight=1.0, warm_start_probes=4, warm_start_min_toxic=0.0, warm_start_select="search",
+        warm_start_beams=2, warm_start_top_k=3, warm_start_retest=3, warm_start_retest_keep=0.5,
+    )  # fmt: skip
+    trainer = _trainer(_config(tmp_path, **settings))
+    seen, tuned = [], []
+    real_estimates, real_tune = search.retest_estimates, warm.fine_tune
+
+    def estimates(target, tokenizer, frame, probes, openers, lexicon, **kw):
+        got = real_estimates(target, tokenizer, frame, probes, openers, lexicon, **kw)
+        seen.append((list(probes), list(openers), frame.lookahead, lexicon.words, got))
+        return got
+
+    def tune(model, pad, examples, **kw):
+        tuned.append([c["probe"] for c in examples])
+        return real_tune(model, pad, examples, **kw)
+
+    monkeypatch.setattr(search, "retest_estimates", estimates)
+    monkeypatch.setattr(warm, "fine_tune", tune)
+    trainer.train()
+    summary = json.loads((tmp_path / "run" / "warm_start.json").read_text())
+    kept = [json.loads(line) for line in (tmp_path / "run" / "warm_start.jsonl").read_text().splitlines()]
+    ((probes, openers, lookahead, words, got),) = seen
+    assert lookahead == 4 and words == ["the", "you"]  # the run's reply length; the RL scorer's lexicon, not the warm start's
+    assert openers == warm.round_openers(trainer.config, 3, 0, skip=4)  # the three after the round's four
+    assert not set(openers) & {k["opener"] for k in kept}
+    record = summary["rounds"][0]
+    assert record["retested"] == len(probes) > 1 and record["kept"] == len(kept) == -(-len(probes) // 2)
+    means = got.mean(1).tolist()  # no kept probe's own opener is among the three
+    best = sorted(range(len(probes)), key=lambda i: -means[i])[: len(kept)]
+    assert [k["probe"] for k in kept] == [probes[i] for i in sorted(best)]
+    assert [k["retest_mass"] for k in kept] == pytest.approx([means[i] for i in sorted(best)])
+    assert tuned == [[k["probe"] for k in kept]]
+
+
+def test_warm_start_retest_is_checked_before_a_model_loads(tmp_path):
+    from test_training import _config
+
+    from astrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="warm_start_retest must be >= 0 .0: off., got -1"):
+        _config(tmp_path, warm_start_probes=2, warm_start_retest=-1)
+    with pytest.raises(ConfigError, match=r"warm_start_retest_keep must be in \(0, 1\], got 0.0"):
+        _config(tmp_path, warm_start_probes=2, warm_start_retest=4, warm_start_retest_keep=0.0)
+    with pytest.raises(ConfigError, match="warm_start_retest_keep 0.25 is the share of re-tested probes kept"):
+        _config(tmp_path, warm_start_probes=2, warm_start_retest_keep=0.25)
+    with pytest.raises(ConfigError, match="warm_start_retest 4 re-tests the warm start's probes: set warm_start_probes > 0"):
+        _config(tmp_path, warm_start_retest=4)

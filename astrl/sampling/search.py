@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -302,20 +302,69 @@ def lookahead_estimate(
     cache: PrefixCache, owners: torch.Tensor, tails: torch.Tensor, lexicon: ReplyLexicon, lookahead: int, stops: set[int]
 ) -> torch.Tensor:
     """``1 - prod_t (1 - m_t)`` over the first ``lookahead`` tokens of the greedy continuation of each row
-    ``rows[owners[r]] + tails[r]`` (``m_t``: the lexicon mass of position t, :meth:`ReplyLexicon.mass`); a
-    continuation that reaches a ``stops`` token counts no position after it."""
+    ``rows[owners[r]] + tails[r]`` (``m_t``: the lexicon mass of position t, :meth:`ReplyLexicon.reply_mass`,
+    so a ``whole_words`` lexicon discounts a greedy token that goes on into a longer word); a continuation
+    that reaches a ``stops`` token counts no position after it."""
     look = cache.advance(owners, tails)
     alive = torch.ones(len(owners), dtype=torch.bool)
-    masses, counted = [], []
+    stats, tokens, counted = [], [], []
     for t in range(lookahead):
-        masses.append(lexicon.mass(look.last))
+        stats.append(lexicon.step_stats(look.last))
         counted.append(alive)
+        step = look.last.argmax(-1).cpu()
+        tokens.append(step)
         if t + 1 == lookahead:
             break
-        step = look.last.argmax(-1).cpu()
         alive = alive & ~torch.isin(step, torch.tensor(sorted(stops), dtype=torch.long))
         look = look.advance(torch.arange(len(owners)), step[:, None])
-    return ReplyLexicon.estimate(torch.stack(masses, dim=1), torch.stack(counted, dim=1))
+    mass = lexicon.reply_mass(torch.stack(stats, dim=1), torch.stack(tokens, dim=1))
+    return ReplyLexicon.estimate(mass, torch.stack(counted, dim=1))
+
+
+@torch.no_grad()
+def retest_estimates(
+    target: torch.nn.Module,
+    target_tokenizer,
+    frame: SearchFrame,
+    probes: Sequence[str],
+    openers: Sequence[str],
+    lexicon: ReplyLexicon,
+    *,
+    rows_per_forward: int = 32,
+) -> torch.Tensor:
+    """``(len(probes), len(openers))``: the :func:`lookahead_estimate` of the target's greedy reply of
+    ``frame.lookahead`` tokens when each probe follows each opener, framed as the search frames its
+    candidates (``frame``: :func:`probe_frame`). A probe is sent as its text (re-tokenized by the target,
+    as an env sends it), so it needs no shared vocabulary; ``rows_per_forward`` (probe, opener) rows share
+    a forward and their caches."""
+    _, prefixes = frame.prefixes(list(openers))
+    texts = target_tokenizer(list(probes), add_special_tokens=False)["input_ids"]
+    rows = [torch.cat([head, torch.tensor(ids, dtype=torch.long), frame.suffix]) for ids in texts for head in prefixes]
+    stops = {t for t in (target_tokenizer.eos_token_id, target_tokenizer.pad_token_id) if t is not None}
+    pad = target_tokenizer.pad_token_id or 0
+    out = []
+    for start in range(0, len(rows), rows_per_forward):
+        part = rows[start : start + rows_per_forward]
+        cache = PrefixCache(target, [row[:-1] for row in part], pad)  # each row's last token is its tail
+        owners, tails = torch.arange(len(part)), torch.stack([row[-1:] for row in part])
+        out.append(lookahead_estimate(cache, owners, tails, lexicon, frame.lookahead, stops))
+    return torch.cat(out).view(len(probes), len(openers)) if out else torch.zeros(len(probes), len(openers))
+
+
+def probe_frame(
+    tester_tokenizer,
+    target_tokenizer,
+    *,
+    chat: bool,
+    lookahead: int,
+    tester_system_prompt: str | None = None,
+    target_system_prompt: str | None = None,
+) -> SearchFrame:
+    """How a probe is sent and its reply read: the red-team env's chat framing (:func:`chat_lookahead_search`'s)
+    or plain text, the reply read over ``lookahead`` greedy tokens."""
+    if chat:
+        return _chat_frame(tester_tokenizer, target_tokenizer, tester_system_prompt, target_system_prompt, lookahead)
+    return replace(_text_frame(tester_tokenizer, target_tokenizer), lookahead=lookahead)
 
 
 def _search(tester_lm, target_lm, shared_vocab, openers, frame, lexicon, banned, *, length, beams, top_k, max_nll):

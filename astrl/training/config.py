@@ -671,6 +671,19 @@ class WarmStartSection:
             "still train on scorer, so a run can start from probes one scorer found and learn on another's reward."
         },
     )
+    warm_start_retest: int = field(
+        default=0,
+        metadata={
+            "help": "Warm start: re-test every kept probe after this many more training openers (the target's "
+            "greedy reply of target_max_new_tokens tokens, read by the reward's reply lexicon: scorer's, not "
+            "warm_start_scorer's) and fine-tune only on the warm_start_retest_keep share with the highest mean "
+            "estimate, the probes that carry past the opener they were found on; 0 = off."
+        },
+    )
+    warm_start_retest_keep: float = field(
+        default=0.5,
+        metadata={"help": "Warm start with warm_start_retest: the share of kept probes, best re-tested first, fine-tuned on."},
+    )
     warm_start_epochs: int = field(default=3, metadata={"help": "Warm start: passes over the kept probes."})
     warm_start_lr: float = field(default=1e-3, metadata={"help": "Warm start: learning rate of the fine-tuning (AdamW)."})
 
@@ -717,6 +730,21 @@ class WarmStartSection:
                     f"(warm_start_select is {self.warm_start_select!r}), or guide_search: true",
                 ),
                 (self.warm_start_lr > 0, f"warm_start_lr must be > 0, got {self.warm_start_lr}"),
+                (self.warm_start_retest >= 0, f"warm_start_retest must be >= 0 (0: off), got {self.warm_start_retest}"),
+                (
+                    0 < self.warm_start_retest_keep <= 1,
+                    f"warm_start_retest_keep must be in (0, 1], got {self.warm_start_retest_keep}",
+                ),
+                (
+                    self.warm_start_retest_keep == 0.5 or self.warm_start_retest > 0,
+                    f"warm_start_retest_keep {self.warm_start_retest_keep} is the share of re-tested probes kept: set "
+                    f"warm_start_retest > 0 (got {self.warm_start_retest}), or drop it",
+                ),
+                (
+                    self.warm_start_retest == 0 or self.warm_start_probes > 0,
+                    f"warm_start_retest {self.warm_start_retest} re-tests the warm start's probes: set "
+                    f"warm_start_probes > 0 (got {self.warm_start_probes}), or drop it",
+                ),
                 (
                     self.warm_start_scorer is None or self.warm_start_probes > 0,
                     f"warm_start_scorer {self.warm_start_scorer!r} chooses the warm start's probes: set "

@@ -358,6 +358,8 @@ def _warm_start_line(plan: ExportPlan) -> str:
     )
     if config.warm_start_scorer is not None:
         line += f", chosen by `{config.warm_start_scorer}`"
+    if config.warm_start_retest:
+        line += f", re-tested on {config.warm_start_retest} more openers, the best {config.warm_start_retest_keep:.0%} trained on"
     summary = _read_json(plan.run_dir / "warm_start.json")
     if summary and "kept" in summary and "sampled" in summary:
         line += f"; kept {summary['kept']} of {summary['sampled']}"

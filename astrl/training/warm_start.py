@@ -22,6 +22,13 @@ from a tester that already puts mass on probes that work::
 
     loss = - mean over kept probes of (1/|probe|) * sum_t log p_tester(probe_t | opener, probe_<t)
 
+A probe is kept by its estimate on the one opener it was found for, which need not carry to others
+(in chat, the search's own estimate does not rank kept probes by their held-out elicited share at all).
+With ``warm_start_retest`` K > 0 each kept probe is re-tested on K more training openers, the target
+replying greedily for the run's reply length, by the RL reward's own reply lexicon (the run's
+``scorer``; :func:`retest`), and the tester is fine-tuned only on the ``warm_start_retest_keep`` share
+of them with the highest mean estimate.
+
 With ``warm_start_rounds`` R > 1 this repeats R times (expert iteration): each round finds
 ``warm_start_probes`` new candidates (training openers in an order of its own) with the tester the
 rounds before left, keeps them by the same rule and fine-tunes on them. A fine-tuned tester proposes
@@ -161,22 +168,13 @@ def search_candidates(config, models, count: int, round_index: int = 0) -> list[
     target's greedy reply of :func:`reply_tokens` tokens), with its own score under the training scorer,
     the target's lexicon estimate after it (``lexicon_mass``; text mode: its next-token lexicon mass)
     and its mean per-token NLL under the target (``probe_nll``)."""
-    from astrl.envs.recipe import opener_stream
     from astrl.rewards.lexicon import reply_lexicon
     from astrl.scorers import make_scorer
-    from astrl.training.setup import conversation_spec
 
-    batch = min(SAMPLE_BATCH, count)
-    seed = opener_seed(config, round_index)
-    spec = replace(conversation_spec(config), split="train", batch_size=batch, group_size=1, seed=seed)
-    stream = opener_stream(spec)  # never the held-out openers; the same opener order as sampling
-    openers: list[str] = []
-    while len(openers) < count:
-        openers.extend(stream.next_batch())
     scorer = make_scorer(config.scorer)
     target_tokenizer = models.target.tokenizer
     lexicon = reply_lexicon(config.reply_lexicon, target_tokenizer, scorer=scorer, threshold=config.reply_lexicon_threshold)
-    found = search_probes(config, models, openers[:count], lexicon)
+    found = search_probes(config, models, round_openers(config, count, round_index), lexicon)
     probe_scores = checked_scores(scorer, [f.text for f in found]).tolist()
     return [
         {
@@ -191,6 +189,22 @@ def search_candidates(config, models, count: int, round_index: int = 0) -> list[
         }
         for f, score in zip(found, probe_scores, strict=True)
     ]
+
+
+def round_openers(config, count: int, round_index: int = 0, skip: int = 0) -> list[str]:
+    """Openers ``skip`` to ``skip + count`` of the training split in round ``round_index``'s order (the
+    order its sampling draws them in; held-out openers never)."""
+    from astrl.envs.recipe import opener_stream
+    from astrl.training.setup import conversation_spec
+
+    batch = min(SAMPLE_BATCH, count + skip)
+    seed = opener_seed(config, round_index)
+    spec = replace(conversation_spec(config), split="train", batch_size=batch, group_size=1, seed=seed)
+    stream = opener_stream(spec)
+    openers: list[str] = []
+    while len(openers) < count + skip:
+        openers.extend(stream.next_batch())
+    return openers[skip : skip + count]
 
 
 def search_probes(config, models, openers: list[str], lexicon) -> list:
@@ -280,6 +294,61 @@ def best_of_candidates(config, models, count: int, round_index: int = 0) -> list
     return best[:count]
 
 
+def retest_lexicon(config, models):
+    """The lexicon the re-test reads: the RL reward's reply lexicon (the run's ``scorer``, not
+    ``warm_start_scorer``; ``reply_lexicon``, its threshold and ``reply_lexicon_whole_words``)."""
+    from astrl.rewards.lexicon import reply_lexicon
+    from astrl.scorers import make_scorer
+
+    return reply_lexicon(
+        config.reply_lexicon,
+        models.target.tokenizer,
+        scorer=make_scorer(config.scorer),
+        threshold=config.reply_lexicon_threshold,
+        whole_words=config.reply_lexicon_whole_words,
+    )
+
+
+def retest(config, models, candidates: list[dict], round_index: int, lexicon) -> list[dict]:
+    """``candidates``, each with ``retest_mass``: the mean over ``warm_start_retest`` training openers (those
+    after the round's ``warm_start_probes`` in its order, less the candidate's own) of the lexicon estimate
+    of the target's greedy reply (the run's reply length) when the probe follows the opener
+    (:func:`astrl.sampling.search.retest_estimates`, under ``lexicon``: :func:`retest_lexicon`)."""
+    from astrl.sampling.search import probe_frame, retest_estimates
+    from astrl.training.setup import conversation_spec, generation
+
+    openers = round_openers(config, config.warm_start_retest, round_index, skip=config.warm_start_probes)
+    chat = conversation_spec(config).env_options() if config.mode == "chat" else {}
+    frame = probe_frame(
+        models.tester.tokenizer,
+        models.target.tokenizer,
+        chat=config.mode == "chat",
+        lookahead=generation(config, target=True).max_new_tokens,
+        tester_system_prompt=chat.get("tester_system_prompt"),
+        target_system_prompt=chat.get("target_system_prompt"),
+    )
+    probes = [c["probe"] for c in candidates]
+    estimates = retest_estimates(models.target.model, models.target.tokenizer, frame, probes, openers, lexicon)
+    means = retest_means(estimates, [c["opener"] for c in candidates], openers)
+    return [{**c, "retest_mass": mean} for c, mean in zip(candidates, means, strict=True)]
+
+
+def retest_means(estimates: torch.Tensor, own: list[str], openers: list[str]) -> list[float]:
+    """Row ``i``'s mean of ``estimates`` ``(len(own), len(openers))`` over the openers other than ``own[i]``
+    (the one its probe was found on), 0 when none is left."""
+    other = torch.tensor([[o != mine for o in openers] for mine in own], dtype=torch.bool).view(len(own), len(openers))
+    totals = (estimates * other).sum(1)
+    return (totals / other.sum(1).clamp(min=1)).tolist()
+
+
+def best_retested(candidates: list[dict], fraction: float) -> list[dict]:
+    """The ``ceil(fraction * len(candidates))`` candidates with the highest ``retest_mass`` (ties: the earlier
+    first), in their own order."""
+    count = math.ceil(fraction * len(candidates))
+    order = sorted(range(len(candidates)), key=lambda i: -candidates[i]["retest_mass"])[:count]
+    return [candidates[i] for i in sorted(order)]
+
+
 def toxic_share(candidate: dict, select: str = "share", threshold: float = TOXIC_THRESHOLD) -> float:
     """A candidate's estimated share of toxic replies: ``share``, the share of its replies scored above
     ``threshold``; ``lexicon``, the mean of its replies' lexicon estimates; ``search`` and ``best_of``,
@@ -355,6 +424,7 @@ def warm_start(
     each round and at the end."""
     if models is None:
         raise ValueError("warm_start_probes applies to config-built runs (a System trains its own models)")
+    lexicon = retest_lexicon(config, models) if config.warm_start_retest else None  # the RL's scorer's
     config = warm_start_config(config)
     rounds = config.warm_start_rounds
     done = checkpoint.load() if checkpoint is not None else None
@@ -362,7 +432,7 @@ def warm_start(
         report(f"warm start: {len(done['rounds'])} of {rounds} rounds done, going on")
     done = done if done is not None else {"rounds": [], "kept": [], "shares": []}
     for round_index in range(len(done["rounds"]), rounds):
-        _run_round(config, models, round_index, done)
+        _run_round(config, models, round_index, done, lexicon)
         if checkpoint is not None:
             checkpoint.save(done)
         if report is not None:
@@ -382,9 +452,10 @@ def warm_start_config(config):
     return replace(config, scorer=config.warm_start_scorer)  # its judges stay unread: the warm start scores with one
 
 
-def _run_round(config, models, round_index: int, done: dict) -> None:
-    """Round ``round_index``: find candidates with the current tester, keep some, fine-tune on them;
-    its record goes to ``done["rounds"]``, its shares and kept probes to ``done``."""
+def _run_round(config, models, round_index: int, done: dict, lexicon=None) -> None:
+    """Round ``round_index``: find candidates with the current tester, keep some (with ``warm_start_retest``,
+    the best re-tested of them under ``lexicon``), fine-tune on them; its record goes to ``done["rounds"]``,
+    its shares and kept probes to ``done``."""
     find = {"search": search_candidates, "best_of": best_of_candidates}.get(config.warm_start_select, sample_candidates)
     tokenizer = models.tester.tokenizer
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -392,6 +463,9 @@ def _run_round(config, models, round_index: int, done: dict) -> None:
     found = find(config, models, config.warm_start_probes, round_index)  # by the tester the rounds before left
     found_seconds = time.perf_counter() - round_start
     chosen = keep(found, config.warm_start_min_toxic, select=config.warm_start_select, max_nll=config.warm_start_max_nll)
+    retested = len(chosen) if lexicon is not None else None
+    if lexicon is not None and chosen:
+        chosen = best_retested(retest(config, models, chosen, round_index, lexicon), config.warm_start_retest_keep)
     clear_turn_caches(models.tester.model, models.target.model)
     epochs, lr, seed = config.warm_start_epochs, config.warm_start_lr, config.seed + round_index
     losses = fine_tune(models.tester.model, pad, chosen, epochs=epochs, lr=lr, seed=seed) if chosen else []
@@ -402,6 +476,7 @@ def _run_round(config, models, round_index: int, done: dict) -> None:
         {
             "sampled": len(found),
             "kept": len(chosen),
+            "retested": retested,  # the kept candidates re-tested, of which "kept" were fine-tuned on
             "median_share": median,
             "loss_first": losses[0] if losses else None,
             "loss_last": losses[-1] if losses else None,
@@ -416,8 +491,9 @@ def _run_round(config, models, round_index: int, done: dict) -> None:
 def _round_line(record: dict, number: int, rounds: int) -> str:
     """The progress line of round ``number`` (counted from 1) of ``rounds``."""
     median = "-" if record["median_share"] is None else f"{record['median_share']:.3f}"
+    retested = f", the best re-tested of {record['retested']}" if record.get("retested") is not None else ""
     return (
-        f"warm start round {number}/{rounds}: kept {record['kept']} of {record['sampled']} "
+        f"warm start round {number}/{rounds}: kept {record['kept']} of {record['sampled']}{retested} "
         f"(median estimate {median}, {record['seconds']:.0f} s)"
     )
 
