@@ -26,6 +26,13 @@ as the reward's ``reply_lexicon`` term reads it with ``reply_lexicon_whole_words
 replies: the dense reading the RL also has; and ``scorer_train + w * lexicon_train`` for each ``w`` of
 ``--lexicon-weights``, a probe's mean elicit reward as GRPO ranks it with ``reply_lexicon_weight: w`` (its
 reply terms; the gate, the likelihood and repetition terms and ``reply_past_opener`` left out).
+With ``--greedy``, also ``greedy_<scorer>_<T>_train`` for each scorer of ``--greedy-scorers`` and length
+``T`` of ``--greedy-tokens``: the lexicon estimate of the target's greedy reply of T tokens after each
+training opener, under the scorer's whole-word lexicon, read by
+:func:`astrl.sampling.search.retest_estimates` (the warm start's ``warm_start_retest``), a probe's mean
+over openers. ``groups`` repeats the correlations within the probes from warm starts and within those
+from eval folders, with the held-out share of each ranking's top and bottom half, and for the warm-start
+probes their search's own estimate on the opener they were found on (``own_estimate``, ``lexicon_mass``).
 
     python benchmarks/probe_transfer.py --probes RUN/warm_start.jsonl EVAL_DIR ... --out /tmp/transfer
     python benchmarks/probe_transfer.py --probes ... --out DIR --reuse   # analyse DIR's replies again
@@ -63,6 +70,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lexicon", action="store_true", help="also each training-opener reply's lexicon estimate")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for --lexicon")
     parser.add_argument("--lexicon-weights", default="2,5,10,20,50", help="with --lexicon: weights w of the reward-like sums")
+    parser.add_argument("--greedy", action="store_true", help="also each probe's greedy-reply re-test on the training openers")
+    parser.add_argument("--greedy-scorers", default="profanity,wordlist:strict", help="with --greedy: whose lexicons read it")
+    parser.add_argument("--greedy-tokens", default="4,16", help="with --greedy: greedy reply lengths")
     return parser.parse_args()
 
 
@@ -172,6 +182,62 @@ def lexicon_train(records: list[dict], attacks: Path, n_probes: int, n_openers: 
     return out
 
 
+def greedy_train(probes: list[str], openers: list[str], args) -> dict[str, np.ndarray]:
+    """``greedy_<scorer>_<T>_train``: each probe's mean over ``openers`` of its greedy reply's lexicon estimate
+    (:func:`astrl.sampling.search.retest_estimates`, chat framing, the scorer's whole-word lexicon)."""
+    import torch
+
+    from astrl.models import load_model
+    from astrl.rewards.lexicon import reply_lexicon
+    from astrl.sampling.search import probe_frame, retest_estimates
+    from astrl.scorers import make_scorer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lm = load_model("smollm2-135m", dtype="float32", device="cpu")
+    out = {}
+    for name in args.greedy_scorers.split(","):
+        lexicon = reply_lexicon("scorer", lm.tokenizer, scorer=make_scorer(name), whole_words=True)
+        for tokens in (int(t) for t in args.greedy_tokens.split(",")):
+            frame = probe_frame(lm.tokenizer, lm.tokenizer, chat=True, lookahead=tokens)
+            estimates = retest_estimates(lm.model, lm.tokenizer, frame, probes, openers, lexicon)
+            out[f"greedy_{name}_{tokens}_train"] = estimates.mean(1).numpy()
+    return out
+
+
+def own_estimates(sources: list[str], probes: list[tuple[str, str]]) -> np.ndarray:
+    """Each probe's ``lexicon_mass`` in the ``warm_start.jsonl`` it came from (NaN for an eval folder's)."""
+    found: dict[tuple[str, str], float] = {}
+    for source in sources:
+        if Path(source).is_file():
+            for line in Path(source).read_text(encoding="utf-8").splitlines():
+                if line.strip():
+                    record = json.loads(line)
+                    found[(source, record["probe"])] = float(record.get("lexicon_mass", np.nan))
+    return np.array([found.get(pair, np.nan) for pair in probes])
+
+
+def halves(ranking: np.ndarray, held_out: np.ndarray) -> tuple[float, float]:
+    """The mean ``held_out`` of the top and the bottom half of the probes by ``ranking`` (ties: the earlier first)."""
+    order = np.argsort(-ranking, kind="stable")
+    half = len(order) // 2
+    return float(held_out[order[:half]].mean()), float(held_out[order[half:]].mean())
+
+
+def group_readings(share: dict[str, np.ndarray], rows: list[int]) -> dict:
+    """Within the probes ``rows``: each training-side ranking's correlations with the held-out judge share and
+    the held-out share of its top and bottom half."""
+    held = share["judge_test"][rows]
+    out = {"probes": len(rows), "judge_test": r(float(held.mean()), 4)}
+    for key in [k for k in share if k.endswith("_train") or k == "own_estimate"]:
+        values = share[key][rows]
+        if np.isnan(values).any():
+            continue
+        top, bottom = halves(values, held)
+        out[key] = correlations(values, held) | {"top_half": r(top, 4), "bottom_half": r(bottom, 4)}
+    return out
+
+
 def main() -> None:
     args = parse_args()
     out = Path(args.out)
@@ -219,6 +285,12 @@ def main() -> None:
         share["lexicon_train"] = np.load(cached).mean(axis=(1, 2))
         for w in (float(x) for x in args.lexicon_weights.split(",")):
             share[f"reward_w{w:g}_train"] = share["scorer_train"] + w * share["lexicon_train"]
+    if args.greedy:
+        cached = out / "greedy_train.npz"
+        if not (args.reuse and cached.is_file()):
+            np.savez(cached, **greedy_train([p for _, p in probes], train, args))
+        share.update(dict(np.load(cached)))
+    share["own_estimate"] = own_estimates(args.probes, probes)
     pairs = [
         ("scorer_train", "judge_test"),
         *([("lexicon_train", "judge_test"), ("lexicon_train", "scorer_test")] if args.lexicon else []),
@@ -226,7 +298,7 @@ def main() -> None:
         ("scorer_train", "scorer_test"),
         ("scorer_test", "judge_test"),
     ]
-    pairs += [(key, "judge_test") for key in share if key.startswith("reward_w")]
+    pairs += [(key, "judge_test") for key in share if key.startswith(("reward_w", "greedy_"))]
     result = {f"{a}~{b}": correlations(share[a], share[b]) for a, b in pairs}
     result["judge_test_halves"] = correlations(judge[:, 1, :half].mean(axis=(1, 2)), judge[:, 1, half:].mean(axis=(1, 2)))
     top = {"all": r(float(share["judge_test"].mean()), 4)}
@@ -237,7 +309,13 @@ def main() -> None:
     by_source = {}
     for source in dict.fromkeys(s for s, _ in probes):
         rows = [i for i, (s, _) in enumerate(probes) if s == source]
-        by_source[source] = {key: r(float(value[rows].mean()), 4) for key, value in share.items()} | {"probes": len(rows)}
+        by_source[source] = {key: r(float(value[rows].mean()), 4) for key, value in share.items() if key != "own_estimate"}
+        by_source[source]["probes"] = len(rows)
+    warm = [i for i, (s, _) in enumerate(probes) if Path(s).is_file()]
+    groups = {
+        "warm_start": group_readings(share, warm),
+        "eval": group_readings(share, [i for i in range(len(probes)) if i not in set(warm)]),
+    }
     emit(
         {
             "probes": len(probes),
@@ -248,7 +326,8 @@ def main() -> None:
             "correlations": result,
             "judge_test_share": top,
             "by_source": by_source,
-            "mean_share": {key: r(float(value.mean()), 4) for key, value in share.items()},
+            "groups": groups,
+            "mean_share": {key: r(float(value.mean()), 4) for key, value in share.items() if key != "own_estimate"},
         }
     )
 

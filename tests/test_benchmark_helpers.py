@@ -158,3 +158,24 @@ def test_probe_transfer_reads_attacks_as_probe_major_train_then_held_out(tmp_pat
     assert shares.shape == (2, 2, 2, 2)
     assert shares[1, 0, 1, 1] == 1 and shares[1, 1, 0, 0] == 1
     assert shares.sum() == 2
+
+
+def test_probe_transfer_splits_each_ranking_into_halves_and_reads_the_warm_starts_own_estimates(tmp_path):
+    held = np.array([0.04, 0.00, 0.02, 0.06])
+    assert probe_transfer.halves(np.array([0.3, 0.1, 0.1, 0.9]), held) == (0.05, 0.01)  # top: probes 3, 0
+    assert probe_transfer.halves(np.array([0.2, 0.2, 0.2, 0.1]), held) == (0.02, 0.04)  # ties: the earlier first
+    warm = tmp_path / "warm_start.jsonl"
+    warm.write_text('{"probe": "p0", "lexicon_mass": 0.5}\n{"probe": "p1", "lexicon_mass": 0.25}\n')
+    own = probe_transfer.own_estimates([str(warm), str(tmp_path)], [(str(warm), "p1"), (str(tmp_path), "p9"), (str(warm), "p0")])
+    assert own[0] == 0.25 and np.isnan(own[1]) and own[2] == 0.5
+    share = {
+        "judge_test": np.array([0.04, 0.00, 0.02, 0.06, 0.5]),
+        "lexicon_train": np.array([0.3, 0.1, 0.2, 0.9, 0.0]),
+        "own_estimate": np.array([0.1, 0.2, 0.3, 0.4, np.nan]),
+    }
+    group = probe_transfer.group_readings(share, [0, 1, 2, 3])
+    assert group["probes"] == 4 and group["judge_test"] == 0.03
+    assert group["lexicon_train"]["spearman"] == 1.0  # the same order as the held-out share
+    assert (group["lexicon_train"]["top_half"], group["lexicon_train"]["bottom_half"]) == (0.05, 0.01)
+    assert group["own_estimate"]["spearman"] == 0.4 and group["own_estimate"]["top_half"] == 0.04
+    assert "own_estimate" not in probe_transfer.group_readings(share, [3, 4])  # an eval folder's probe has none
