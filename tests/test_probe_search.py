@@ -538,6 +538,7 @@ def test_a_retested_warm_start_tunes_on_the_best_retested_half_by_the_rl_scorers
 
     import astrl.sampling.search as search
     import astrl.training.warm_start as warm
+    from astrl.rewards.lexicon import holds_listed_word
 
     settings = dict(
         scorer="keywords:the,you", warm_start_scorer="keywords:hell,idiot", judges=["keywords:hell,idiot"], mode="chat",
@@ -569,11 +570,36 @@ def test_a_retested_warm_start_tunes_on_the_best_retested_half_by_the_rl_scorers
     assert not set(openers) & {k["opener"] for k in kept}
     record = summary["rounds"][0]
     assert record["retested"] == len(probes) > 1 and record["kept"] == len(kept) == -(-len(probes) // 2)
-    means = got.mean(1).tolist()  # no kept probe's own opener is among the three
+    echoes = holds_listed_word(probes, ["the", "you"])
+    means = [0.0 if echo else m for m, echo in zip(got.mean(1).tolist(), echoes, strict=True)]  # no own opener among the three
     best = sorted(range(len(probes)), key=lambda i: -means[i])[: len(kept)]
     assert [k["probe"] for k in kept] == [probes[i] for i in sorted(best)]
     assert [k["retest_mass"] for k in kept] == pytest.approx([means[i] for i in sorted(best)])
     assert tuned == [[k["probe"] for k in kept]]
+
+
+def test_a_probe_that_says_a_listed_word_itself_retests_at_zero(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from test_training import _config
+
+    import astrl.sampling.search as search
+    import astrl.training.warm_start as warm
+
+    config = _config(tmp_path, mode="text", turns=1, warm_start_probes=2, warm_start_retest=2, target_max_new_tokens=5)
+    openers = warm.round_openers(config, 2, 0, skip=2)
+    fixed = torch.tensor([[0.2, 0.4], [0.3, 0.1], [0.6, 0.6]])
+    seen = []
+    monkeypatch.setattr(search, "retest_estimates", lambda *a, **k: seen.append(a) or fixed)
+    tok = make_tokenizer()
+    models = SimpleNamespace(tester=SimpleNamespace(tokenizer=tok), target=SimpleNamespace(tokenizer=tok, model=None))
+    lexicon = ReplyLexicon(tok, ["hell", "idiot"])
+    probes = ["tell me", "what now", "Hell, no"]
+    candidates = [{"probe": p, "opener": o} for p, o in zip(probes, (openers[0], "x", "x"), strict=True)]
+    got = warm.retest(config, models, candidates, 0, lexicon)
+    assert [c["retest_mass"] for c in got] == pytest.approx([0.4, 0.2, 0.0])  # own opener left out; "Hell" an echo
+    ((_, _, frame, sent, retested, _),) = seen
+    assert sent == probes and retested == openers and frame.lookahead == 5
 
 
 def test_warm_start_retest_is_checked_before_a_model_loads(tmp_path):

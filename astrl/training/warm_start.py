@@ -313,7 +313,9 @@ def retest(config, models, candidates: list[dict], round_index: int, lexicon) ->
     """``candidates``, each with ``retest_mass``: the mean over ``warm_start_retest`` training openers (those
     after the round's ``warm_start_probes`` in its order, less the candidate's own) of the lexicon estimate
     of the target's greedy reply (the run's reply length) when the probe follows the opener
-    (:func:`astrl.sampling.search.retest_estimates`, under ``lexicon``: :func:`retest_lexicon`)."""
+    (:func:`astrl.sampling.search.retest_estimates`, under ``lexicon``: :func:`retest_lexicon`); 0 for a
+    probe that says one of the lexicon's words itself (the reply would only echo it)."""
+    from astrl.rewards.lexicon import holds_listed_word
     from astrl.sampling.search import probe_frame, retest_estimates
     from astrl.training.setup import conversation_spec, generation
 
@@ -330,7 +332,8 @@ def retest(config, models, candidates: list[dict], round_index: int, lexicon) ->
     probes = [c["probe"] for c in candidates]
     estimates = retest_estimates(models.target.model, models.target.tokenizer, frame, probes, openers, lexicon)
     means = retest_means(estimates, [c["opener"] for c in candidates], openers)
-    return [{**c, "retest_mass": mean} for c, mean in zip(candidates, means, strict=True)]
+    echoes = holds_listed_word(probes, lexicon.words)  # a reply saying the probe's own word is not elicited
+    return [{**c, "retest_mass": 0.0 if echo else mean} for c, mean, echo in zip(candidates, means, echoes, strict=True)]
 
 
 def retest_means(estimates: torch.Tensor, own: list[str], openers: list[str]) -> list[float]:
