@@ -168,12 +168,10 @@ def search_candidates(config, models, count: int, round_index: int = 0) -> list[
     target's greedy reply of :func:`reply_tokens` tokens), with its own score under the training scorer,
     the target's lexicon estimate after it (``lexicon_mass``; text mode: its next-token lexicon mass)
     and its mean per-token NLL under the target (``probe_nll``)."""
-    from astrl.rewards.lexicon import reply_lexicon
     from astrl.scorers import make_scorer
 
     scorer = make_scorer(config.scorer)
-    target_tokenizer = models.target.tokenizer
-    lexicon = reply_lexicon(config.reply_lexicon, target_tokenizer, scorer=scorer, threshold=config.reply_lexicon_threshold)
+    lexicon = config_lexicon(config, models.target.tokenizer, scorer)
     found = search_probes(config, models, round_openers(config, count, round_index), lexicon)
     probe_scores = checked_scores(scorer, [f.text for f in found]).tolist()
     return [
@@ -294,26 +292,22 @@ def best_of_candidates(config, models, count: int, round_index: int = 0) -> list
     return best[:count]
 
 
-def retest_lexicon(config, models):
-    """The lexicon the re-test reads: the RL reward's reply lexicon (the run's ``scorer``, not
-    ``warm_start_scorer``; ``reply_lexicon``, its threshold and ``reply_lexicon_whole_words``)."""
+def config_lexicon(config, tokenizer, scorer=None, *, whole_words: bool = False):
+    """``config``'s reply lexicon for ``tokenizer``: ``reply_lexicon`` with its threshold, a ``scorer``
+    source read from ``scorer`` (default: ``config.scorer``'s); ``whole_words`` as given."""
     from astrl.rewards.lexicon import reply_lexicon
     from astrl.scorers import make_scorer
 
-    return reply_lexicon(
-        config.reply_lexicon,
-        models.target.tokenizer,
-        scorer=make_scorer(config.scorer),
-        threshold=config.reply_lexicon_threshold,
-        whole_words=config.reply_lexicon_whole_words,
-    )
+    scorer = make_scorer(config.scorer) if scorer is None else scorer
+    threshold = config.reply_lexicon_threshold
+    return reply_lexicon(config.reply_lexicon, tokenizer, scorer=scorer, threshold=threshold, whole_words=whole_words)
 
 
 def retest(config, models, candidates: list[dict], round_index: int, lexicon) -> list[dict]:
     """``candidates``, each with ``retest_mass``: the mean over ``warm_start_retest`` training openers (those
     after the round's ``warm_start_probes`` in its order, less the candidate's own) of the lexicon estimate
     of the target's greedy reply (the run's reply length) when the probe follows the opener
-    (:func:`astrl.sampling.search.retest_estimates`, under ``lexicon``: :func:`retest_lexicon`); 0 for a
+    (:func:`astrl.sampling.search.retest_estimates`, under ``lexicon``: the RL reward's); 0 for a
     probe that says one of the lexicon's words itself (the reply would only echo it)."""
     from astrl.rewards.lexicon import holds_listed_word
     from astrl.sampling.search import probe_frame, retest_estimates
@@ -427,7 +421,9 @@ def warm_start(
     each round and at the end."""
     if models is None:
         raise ValueError("warm_start_probes applies to config-built runs (a System trains its own models)")
-    lexicon = retest_lexicon(config, models) if config.warm_start_retest else None  # the RL's scorer's
+    lexicon = None  # the re-test reads the RL reward's lexicon: the run's scorer (not warm_start_scorer), its whole words
+    if config.warm_start_retest:
+        lexicon = config_lexicon(config, models.target.tokenizer, whole_words=config.reply_lexicon_whole_words)
     config = warm_start_config(config)
     rounds = config.warm_start_rounds
     done = checkpoint.load() if checkpoint is not None else None
