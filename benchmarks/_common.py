@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
 import json
 import os
 import resource
@@ -81,16 +83,39 @@ def sync(device: str) -> None:
 
 
 class Timer:
-    """Accumulates wall-clock seconds and call counts of wrapped callables."""
+    """Accumulates wall-clock seconds and call counts of wrapped callables; with ``memory=True`` also
+    each section's peak memory in MiB (``peaks``: resident memory on CPU, the PyTorch allocator's on
+    CUDA), nested sections included. The peak counter is reset at every section boundary
+    (:func:`reset_peak_memory`), so a reading covers only the interval since the previous boundary, and
+    it counts for every section open through that interval."""
 
-    def __init__(self, device: str = "cpu") -> None:
+    def __init__(self, device: str = "cpu", memory: bool = False) -> None:
         self.device = device
+        self.memory = memory
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self.peaks: dict[str, float] = {}
+        self.peak_mb = 0.0  # over every interval read so far, inside sections or not
+        self._open: list[str] = []
+
+    def overall_peak_mb(self) -> float:
+        """The peak over the whole run so far (the resets make ``ru_maxrss`` and ``VmHWM`` useless for it)."""
+        return max(self.peak_mb, peak_memory_mb(self.device))
+
+    def _read_peak(self, names: list[str]) -> None:
+        """Fold the peak since the last boundary into ``names``' peaks, then start a new interval."""
+        peak = peak_memory_mb(self.device)
+        self.peak_mb = max(self.peak_mb, peak)
+        for name in names:
+            self.peaks[name] = max(self.peaks.get(name, 0.0), peak)
+        reset_peak_memory(self.device)
 
     @contextmanager
     def section(self, name: str) -> Iterator[None]:
         sync(self.device)
+        if self.memory:
+            self._read_peak(self._open)  # the interval before this section belongs to the enclosing ones
+            self._open.append(name)
         start = time.perf_counter()
         try:
             yield
@@ -98,6 +123,9 @@ class Timer:
             sync(self.device)
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
             self.calls[name] = self.calls.get(name, 0) + 1
+            if self.memory:
+                self._read_peak(self._open)
+                self._open.pop()
 
     def wrap(self, name: str, fn: Callable) -> Callable:
         def timed(*args, **kwargs):
@@ -122,6 +150,41 @@ def hwm_rss_mb() -> float:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     return max_rss_mb()
+
+
+def peak_memory_mb(device: str) -> float:
+    """Peak memory since the last :func:`reset_peak_memory`, in MiB: the PyTorch allocator's on CUDA,
+    the process's resident set (``VmHWM``) on CPU."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**20
+    return hwm_rss_mb()
+
+
+def reset_peak_memory(device: str) -> None:
+    """Start a new peak interval: ``torch.cuda.reset_peak_memory_stats`` on CUDA; on Linux CPU, glibc's
+    ``malloc_trim(0)`` first returns the freed heap it keeps (else every later interval would start
+    from the largest heap so far), then writing 5 to ``/proc/self/clear_refs`` sets ``VmHWM`` back to
+    the resident set, which is then what is live."""
+    if str(device).startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+        return
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+    except OSError as error:
+        raise RuntimeError(f"cannot reset the peak resident set through /proc/self/clear_refs: {error}") from None
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None where the C library has none (macOS, musl)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 def max_rss_mb() -> float:

@@ -18,7 +18,12 @@ replies, 4 reply samples, 4 openers x 4 conversations) plus any ``--set KEY=VALU
 ``collect_rest`` is what the collection spent outside these (collector, env bookkeeping, advantages);
 ``update_rest`` the rest of the step (metrics, archive, samples). The JSON holds medians over the
 timed steps, and ``peak_rss_gb``, the process's peak resident memory (models, build and steps
-included: compare runs of one config, e.g. with and without ``--set entropy_coef=0.01``). The
+included: compare runs of one config, e.g. with and without ``--set entropy_coef=0.01``). With
+``--memory`` it also holds ``peak_by_section_gb``: each timed section's peak resident memory (median
+over the timed steps), plus ``step`` (the whole ``train_step``) and ``collect`` (the collection): a
+peak that ``collect`` does not reach lies in the update. The freed heap glibc keeps is returned at
+each section's start and end (``malloc_trim``), so a section's peak is what it holds live, not the
+largest heap so far; the timings of a ``--memory`` run include those calls. The
 script uses only public entry points of the package and a few of its methods, so it measures an
 older checkout too (run it with that checkout first on ``PYTHONPATH``).
 
@@ -48,11 +53,11 @@ CHAT = ["mode=chat", "turns=2", "max_new_tokens=12", "warm_start_probes=0", "war
 class ChatStep:
     """A config-built trainer whose ``train_step`` is timed phase by phase."""
 
-    def __init__(self, config_path: str, overrides: list[str]) -> None:
+    def __init__(self, config_path: str, overrides: list[str], memory: bool = False) -> None:
         self.config = load_config(ROOT / config_path if not config_path.startswith("/") else config_path, overrides)
         self.trainer = Trainer(self.config, progress=False)
         self.trainer._build()  # what train() does before its first step
-        self.timer = Timer(self.config.device)
+        self.timer = Timer(self.config.device, memory=memory)
         self.turn = {"tester": 0, "target": 0}
         self._instrument()
 
@@ -101,31 +106,58 @@ class ChatStep:
         for model in {id(m): m for m in (trainer.models.tester.model, trainer.models.target.model)}.values():
             hook = turn_cache_of(model)  # timed inside the cache hook, which the trainer finds and clears
             owner, name = (hook, "_generate") if hook is not None else (model, "generate")
-            self._wrap(owner, name, lambda: f"{self.role}_turn{self.turn[self.role]}_generate")
+            self._wrap(owner, name, self._generate_section)
         if target_turn.lexicon is not None:
-            self._wrap(target_turn.lexicon, "mass", "reply_lexicon")
-            self._wrap(target_turn.lexicon, "estimate", "reply_lexicon")
+            for name in ("step_stats", "reply_mass", "estimate"):
+                self._wrap(target_turn.lexicon, name, "reply_lexicon")
         for transform in transforms:
             if isinstance(transform, ScoreReward):
                 transform.scorers = {k: _timed(fn, timer, "scorers_env") for k, fn in transform.scorers.items()}
             if isinstance(transform, astprompter.ASTPrompterReward):
                 transform.scorer = _timed(transform.scorer, timer, "scorers_reward")
                 self._wrap(transform, "compute", "reward_transform")
+        self._wrap(algorithm, "collect", "collect")
+        for guide in getattr(algorithm, "guides", []):  # their own env: its turns are not the step's turns
+            self._wrap_guide(guide)
         self._wrap(algorithm, "training_batch", "reference_logprobs")
         if hasattr(algorithm, "_read_behaviour"):
             self._wrap(algorithm, "_read_behaviour", "behaviour_logprobs")
         self._wrap(algorithm, "loss", "loss_forward")
         self._wrap(trainer, "_optimizer_step", "optimizer")
 
+    def _wrap_guide(self, guide) -> None:
+        rollout = guide.rollout
+
+        def timed(*a, **kw):
+            self.role = "guide"
+            try:
+                with self.timer.section("guides"):
+                    return rollout(*a, **kw)
+            finally:
+                self.role = None
+
+        guide.rollout = timed
+
+    def _generate_section(self) -> str:
+        """The section of a ``generate`` call: the turn it serves, or ``guides_generate`` (a guide's own)."""
+        return f"{self.role}_turn{self.turn[self.role]}_generate" if self.role != "guide" else "guides_generate"
+
     def step(self) -> dict:
         self.timer.seconds.clear()
+        self.timer.peaks.clear()
         self.turn = {"tester": 0, "target": 0}
         likelihood = astprompter.probe_logprobs
-        astprompter.probe_logprobs = self.timer.wrap("likelihood_term", likelihood)
+
+        def timed_likelihood(*a, **kw):
+            with self.timer.section("guides_likelihood_term" if self.role == "guide" else "likelihood_term"):
+                return likelihood(*a, **kw)
+
+        astprompter.probe_logprobs = timed_likelihood
         backward = torch.Tensor.backward
         torch.Tensor.backward = self.timer.wrap("backward", backward)
         try:
-            row = self.trainer.train_step()
+            with self.timer.section("step"):
+                row = self.trainer.train_step()
         finally:
             astprompter.probe_logprobs = likelihood
             torch.Tensor.backward = backward
@@ -145,9 +177,12 @@ class ChatStep:
         parts["likelihood_term"] = s.get("likelihood_term", 0.0)
         parts["reward_rest"] = s.get("reward_transform", 0.0) - parts["likelihood_term"] - s.get("scorers_reward", 0.0)
         parts["reference_logprobs"] = s.get("reference_logprobs", 0.0)
+        parts["guides"] = s.get("guides", 0.0)  # guide_search / guide_replay's own conversations, all of them
+        parts["guides_generate"] = s.get("guides_generate", 0.0)  # inside "guides"
         collect = row["collect_seconds"]
         counted = sum(s.get(k, 0.0) for k in s if k.count("_") == 1 and k.startswith(("tester_turn", "target_turn")))
         counted += s.get("scorers_env", 0.0) + s.get("reward_transform", 0.0) + parts["reference_logprobs"]
+        counted += parts["guides"]
         parts["collect_rest"] = collect - counted
         parts["behaviour_logprobs"] = s.get("behaviour_logprobs", 0.0)
         parts["loss_forward"] = s.get("loss_forward", 0.0)
@@ -155,7 +190,9 @@ class ChatStep:
         parts["optimizer"] = s.get("optimizer", 0.0)
         update = row["step_seconds"] - collect
         parts["update_rest"] = update - sum(parts[k] for k in ("behaviour_logprobs", "loss_forward", "backward", "optimizer"))
-        return {"step_s": row["step_seconds"], "collect_s": collect, "update_s": update, "parts": parts, "row": row}
+        peaks = {k: v / 1024 for k, v in self.timer.peaks.items()}
+        times = {"step_s": row["step_seconds"], "collect_s": collect, "update_s": update}
+        return {**times, "parts": parts, "row": row, "peaks": peaks}
 
 
 def _timed(scorer, timer: Timer, name: str):
@@ -181,22 +218,25 @@ def main() -> None:
     parser.add_argument("--config", default="configs/demo.yaml")
     parser.add_argument("--set", action="append", default=[], help="more KEY=VALUE overrides (after the chat ones)")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps after one untimed step")
+    parser.add_argument("--memory", action="store_true", help="also each section's peak resident memory (Linux)")
     args = parser.parse_args()
     info = setup(args)
     with tempfile.TemporaryDirectory() as run_dir:
         overrides = [*CHAT, f"device={args.device}", f"dtype={args.dtype}", f"seed={args.seed}", "total_steps=1000"]
         overrides += [f"run_dir={run_dir}", *args.set]
         start = time.perf_counter()
-        bench = ChatStep(args.config, overrides)
+        bench = ChatStep(args.config, overrides, memory=args.memory)
         build_s = time.perf_counter() - start
         info["dtype"] = bench.config.dtype  # a --set dtype=... wins over --dtype
         warm = bench.step()
         steps = []
         for _ in range(args.repeats):
             steps.append(bench.step())
-            print({k: r(v, 2) for k, v in steps[-1].items() if k not in ("parts", "row")}, flush=True)
+            print({k: r(v, 2) for k, v in steps[-1].items() if k not in ("parts", "row", "peaks")}, flush=True)
     median = statistics.median
     parts = steps[0]["parts"].keys()
+    # the per-section resets move ru_maxrss's high-water mark with them: the timer holds the peak then
+    peak = bench.timer.overall_peak_mb() / 1024 if args.memory else peak_rss_bytes() / 2**30
     emit(
         {
             "benchmark": "chat_step",
@@ -211,9 +251,17 @@ def main() -> None:
             "reward_mean": [r(s["row"].get("reward_mean", float("nan")), 6) for s in steps],
             "warmup_step_s": r(warm["step_s"], 2),
             "build_s": r(build_s, 2),
-            "peak_rss_gb": r(peak_rss_bytes() / 2**30, 2),
+            "peak_rss_gb": r(peak, 2),
+            **({"peak_by_section_gb": section_peaks(steps)} if args.memory else {}),
         }
     )
+
+
+def section_peaks(steps: list[dict]) -> dict:
+    """Each section's median peak (GiB) over ``steps``, highest first."""
+    names = {name for s in steps for name in s["peaks"]}
+    medians = {name: statistics.median([s["peaks"].get(name, 0.0) for s in steps]) for name in names}
+    return {name: r(medians[name], 2) for name in sorted(names, key=lambda n: -medians[n])}
 
 
 if __name__ == "__main__":

@@ -179,3 +179,22 @@ def test_probe_transfer_splits_each_ranking_into_halves_and_reads_the_warm_start
     assert (group["lexicon_train"]["top_half"], group["lexicon_train"]["bottom_half"]) == (0.05, 0.01)
     assert group["own_estimate"]["spearman"] == 0.4 and group["own_estimate"]["top_half"] == 0.04
     assert "own_estimate" not in probe_transfer.group_readings(share, [3, 4])  # an eval folder's probe has none
+
+
+def test_timer_gives_each_section_the_peak_of_its_own_interval():
+    import _common
+
+    timer = _common.Timer("cpu", memory=True)
+    base = _common.rss_mb()
+    with timer.section("outer"):
+        with timer.section("big"):
+            block = torch.ones(200 * 2**20 // 4)  # 200 MiB, written, so resident
+            del block
+        with timer.section("small"):
+            block = torch.ones(2**20 // 4)
+            del block
+    assert timer.peaks["big"] >= base + 190
+    assert timer.peaks["outer"] >= timer.peaks["big"]  # an enclosing section holds its inner sections' peaks
+    assert timer.peaks["small"] < base + 100  # the reset as it began forgot the freed block
+    assert timer.overall_peak_mb() >= timer.peaks["big"]
+    assert timer.calls == {"outer": 1, "big": 1, "small": 1}
