@@ -615,3 +615,41 @@ def test_warm_start_retest_is_checked_before_a_model_loads(tmp_path):
         _config(tmp_path, warm_start_probes=2, warm_start_retest_keep=0.25)
     with pytest.raises(ConfigError, match="warm_start_retest 4 re-tests the warm start's probes: set warm_start_probes > 0"):
         _config(tmp_path, warm_start_retest=4)
+
+
+def test_warm_start_whole_words_gives_the_chat_search_a_whole_word_lexicon_of_its_scorer(tmp_path, monkeypatch):
+    from test_training import _config, _trainer
+
+    import astrl.training.warm_start as warm
+
+    settings = dict(
+        scorer="keywords:the,you", warm_start_scorer="keywords:hell,idiot", judges=["keywords:hell,idiot"], mode="chat",
+        turns=1, total_steps=1, max_new_tokens=3, target_max_new_tokens=4, reward="elicit", reply_lexicon="scorer",
+        reply_lexicon_weight=1.0, warm_start_probes=2, warm_start_min_toxic=0.0, warm_start_select="search",
+        warm_start_beams=2, warm_start_top_k=3,
+    )  # fmt: skip
+    real, seen = warm.search_probes, []
+    monkeypatch.setattr(warm, "search_probes", lambda c, m, o, lexicon: seen.append(lexicon) or real(c, m, o, lexicon))
+    for whole in (False, True):
+        seen.clear()
+        trainer = _trainer(_config(tmp_path / str(whole), **settings, warm_start_whole_words=whole))
+        assert len(warm.search_candidates(warm.warm_start_config(trainer.config), trainer.models, 2)) == 2
+        (lexicon,) = seen
+        assert lexicon.words == ["hell", "idiot"] and lexicon.whole_words is whole  # the search's scorer, as set
+        assert (lexicon.continuing_ids is not None) is whole
+
+
+def test_warm_start_whole_words_is_checked_before_a_model_loads(tmp_path):
+    from test_training import _config
+
+    from astrl.errors import ConfigError
+
+    chat = dict(mode="chat", warm_start_probes=2, warm_start_select="search")
+    _config(tmp_path, **chat, warm_start_whole_words=True)  # the one setting it serves
+    for wrong, named in (
+        (dict(warm_start_probes=0), "got 0"),
+        (dict(warm_start_select="share"), "got 'share'"),
+        (dict(mode="text"), "got 'text'"),
+    ):
+        with pytest.raises(ConfigError, match=f"warm_start_whole_words changes the chat search's lookahead lexicon.*{named}"):
+            _config(tmp_path, **{**chat, **wrong}, warm_start_whole_words=True)
