@@ -152,7 +152,6 @@ def test_a_config_yaml_written_before_the_sections_loads_as_an_equal_config(tmp_
         "reply_past_opener": False,
         "reply_lexicon_whole_words": False,
         "warm_start_scorer": None,
-        "warm_start_whole_words": False,
         "warm_start_retest": 0,
         "warm_start_retest_keep": 0.5,
     }

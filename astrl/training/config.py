@@ -671,14 +671,6 @@ class WarmStartSection:
             "still train on scorer, so a run can start from probes one scorer found and learn on another's reward."
         },
     )
-    warm_start_whole_words: bool = field(
-        default=False,
-        metadata={
-            "help": "Warm start with warm_start_select: search: the search's reply lexicon counts a listed word only "
-            "where the word ends with its token (as reply_lexicon_whole_words does for the reward), so a search cannot "
-            "aim at a listed word's letters opening a longer word (' Ass' in ' Assistant'); chat mode only."
-        },
-    )
     warm_start_retest: int = field(
         default=0,
         metadata={
@@ -738,13 +730,6 @@ class WarmStartSection:
                     f"(warm_start_select is {self.warm_start_select!r}), or guide_search: true",
                 ),
                 (self.warm_start_lr > 0, f"warm_start_lr must be > 0, got {self.warm_start_lr}"),
-                (
-                    not self.warm_start_whole_words
-                    or (self.warm_start_probes > 0 and self.warm_start_select == "search" and self.mode == "chat"),
-                    "warm_start_whole_words changes the chat search's lookahead lexicon (a text-mode search reads one "
-                    f"next token, where no word has ended): set warm_start_probes > 0 (got {self.warm_start_probes}), "
-                    f"warm_start_select: search (got {self.warm_start_select!r}) and mode: chat (got {self.mode!r}), or drop it",
-                ),
                 (self.warm_start_retest >= 0, f"warm_start_retest must be >= 0 (0: off), got {self.warm_start_retest}"),
                 (
                     0 < self.warm_start_retest_keep <= 1,

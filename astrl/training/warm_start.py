@@ -166,13 +166,12 @@ def search_candidates(config, models, count: int, round_index: int = 0) -> list[
     :func:`astrl.sampling.search.lexicon_beam_search` (``max_new_tokens`` tokens, ``warm_start_max_nll``
     its naturalness bound; in chat mode :func:`~astrl.sampling.search.chat_lookahead_search`, over the
     target's greedy reply of :func:`reply_tokens` tokens), with its own score under the training scorer,
-    the target's lexicon estimate after it (``lexicon_mass``; text mode: its next-token lexicon mass;
-    with ``warm_start_whole_words`` a listed word counts only where it ends) and its mean per-token NLL
-    under the target (``probe_nll``)."""
+    the target's lexicon estimate after it (``lexicon_mass``; text mode: its next-token lexicon mass)
+    and its mean per-token NLL under the target (``probe_nll``)."""
     from astrl.scorers import make_scorer
 
     scorer = make_scorer(config.scorer)
-    lexicon = config_lexicon(config, models.target.tokenizer, scorer, whole_words=config.warm_start_whole_words)
+    lexicon = config_lexicon(config, models.target.tokenizer, scorer)
     found = search_probes(config, models, round_openers(config, count, round_index), lexicon)
     probe_scores = checked_scores(scorer, [f.text for f in found]).tolist()
     return [
