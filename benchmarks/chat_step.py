@@ -108,8 +108,10 @@ class ChatStep:
             owner, name = (hook, "_generate") if hook is not None else (model, "generate")
             self._wrap(owner, name, self._generate_section)
         if target_turn.lexicon is not None:
-            for name in ("step_stats", "reply_mass", "estimate"):
-                self._wrap(target_turn.lexicon, name, "reply_lexicon")
+            lexicon = target_turn.lexicon  # an older checkout reads a step's mass through mass(), not step_stats()
+            names = ("step_stats", "reply_mass", "estimate") if hasattr(lexicon, "step_stats") else ("mass", "estimate")
+            for name in names:
+                self._wrap(lexicon, name, "reply_lexicon")
         for transform in transforms:
             if isinstance(transform, ScoreReward):
                 transform.scorers = {k: _timed(fn, timer, "scorers_env") for k, fn in transform.scorers.items()}
@@ -139,8 +141,11 @@ class ChatStep:
         guide.rollout = timed
 
     def _generate_section(self) -> str:
-        """The section of a ``generate`` call: the turn it serves, or ``guides_generate`` (a guide's own)."""
-        return f"{self.role}_turn{self.turn[self.role]}_generate" if self.role != "guide" else "guides_generate"
+        """The section of a ``generate`` call: the turn it serves, ``guides_generate`` (a guide's own), or
+        ``generate_elsewhere`` (neither: counted in ``collect_rest``)."""
+        if self.role == "guide":
+            return "guides_generate"
+        return f"{self.role}_turn{self.turn[self.role]}_generate" if self.role in self.turn else "generate_elsewhere"
 
     def step(self) -> dict:
         self.timer.seconds.clear()
