@@ -127,9 +127,11 @@ class Timer:
                 self._read_peak(self._open)
                 self._open.pop()
 
-    def wrap(self, name: str, fn: Callable) -> Callable:
+    def wrap(self, name: str | Callable[[], str], fn: Callable) -> Callable:
+        """``fn`` timed in section ``name`` (a callable ``name`` is asked at each call)."""
+
         def timed(*args, **kwargs):
-            with self.section(name):
+            with self.section(name() if callable(name) else name):
                 return fn(*args, **kwargs)
 
         return timed

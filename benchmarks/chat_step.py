@@ -62,13 +62,24 @@ class ChatStep:
         self._instrument()
 
     def _wrap(self, owner, name: str, section) -> None:
+        setattr(owner, name, self.timer.wrap(section, getattr(owner, name)))
+
+    def _in_role(self, owner, name: str, role: str, section) -> None:
+        """``owner.name`` timed in ``section`` with ``self.role`` set to ``role`` for its duration (a tester or
+        target call also counts its turn first), so the ``generate`` calls inside know whose they are."""
         original = getattr(owner, name)
 
-        def timed(*a, **kw):
-            with self.timer.section(section() if callable(section) else section):
-                return original(*a, **kw)
+        def call(*a, **kw):
+            if role in self.turn:
+                self.turn[role] += 1
+            self.role = role
+            try:
+                with self.timer.section(section()):
+                    return original(*a, **kw)
+            finally:
+                self.role = None
 
-        setattr(owner, name, timed)
+        setattr(owner, name, call)
 
     def _instrument(self) -> None:
         trainer, timer = self.trainer, self.timer
@@ -77,31 +88,8 @@ class ChatStep:
         target_turn = next(t for t in transforms if isinstance(t, TargetTurn))
         self.role = None
 
-        def tester_call(forward):
-            def call(*a, **kw):
-                self.turn["tester"] += 1
-                self.role = "tester"
-                try:
-                    with timer.section(f"tester_turn{self.turn['tester']}"):
-                        return forward(*a, **kw)
-                finally:
-                    self.role = None
-
-            return call
-
-        trainer.policy.forward = tester_call(trainer.policy.forward)
-        step = target_turn._step
-
-        def target_step(*a, **kw):
-            self.turn["target"] += 1
-            self.role = "target"
-            try:
-                with timer.section(f"target_turn{self.turn['target']}"):
-                    return step(*a, **kw)
-            finally:
-                self.role = None
-
-        target_turn._step = target_step
+        self._in_role(trainer.policy, "forward", "tester", lambda: f"tester_turn{self.turn['tester']}")
+        self._in_role(target_turn, "_step", "target", lambda: f"target_turn{self.turn['target']}")
         self._wrap(target_turn, "_answer", lambda: f"target_turn{self.turn['target']}_policy")
         for model in {id(m): m for m in (trainer.models.tester.model, trainer.models.target.model)}.values():
             hook = turn_cache_of(model)  # timed inside the cache hook, which the trainer finds and clears
@@ -120,25 +108,12 @@ class ChatStep:
                 self._wrap(transform, "compute", "reward_transform")
         self._wrap(algorithm, "collect", "collect")
         for guide in getattr(algorithm, "guides", []):  # their own env: its turns are not the step's turns
-            self._wrap_guide(guide)
+            self._in_role(guide, "rollout", "guide", lambda: "guides")
         self._wrap(algorithm, "training_batch", "reference_logprobs")
         if hasattr(algorithm, "_read_behaviour"):
             self._wrap(algorithm, "_read_behaviour", "behaviour_logprobs")
         self._wrap(algorithm, "loss", "loss_forward")
         self._wrap(trainer, "_optimizer_step", "optimizer")
-
-    def _wrap_guide(self, guide) -> None:
-        rollout = guide.rollout
-
-        def timed(*a, **kw):
-            self.role = "guide"
-            try:
-                with self.timer.section("guides"):
-                    return rollout(*a, **kw)
-            finally:
-                self.role = None
-
-        guide.rollout = timed
 
     def _generate_section(self) -> str:
         """The section of a ``generate`` call: the turn it serves, ``guides_generate`` (a guide's own), or
@@ -153,11 +128,10 @@ class ChatStep:
         self.turn = {"tester": 0, "target": 0}
         likelihood = astprompter.probe_logprobs
 
-        def timed_likelihood(*a, **kw):
-            with self.timer.section("guides_likelihood_term" if self.role == "guide" else "likelihood_term"):
-                return likelihood(*a, **kw)
+        def section() -> str:
+            return "guides_likelihood_term" if self.role == "guide" else "likelihood_term"
 
-        astprompter.probe_logprobs = timed_likelihood
+        astprompter.probe_logprobs = self.timer.wrap(section, likelihood)
         backward = torch.Tensor.backward
         torch.Tensor.backward = self.timer.wrap("backward", backward)
         try:
