@@ -10,6 +10,14 @@ one) and reports the mean estimate ``1 - prod_t (1 - m_t)`` without and with ``w
 share of replies whose estimate the option lowers by half or more, and the listed tokens most often
 spelled on. ``--lexicon`` is the reply lexicon source (``scorer`` reads ``--scorer``'s lexicon).
 
+``whole_words`` reads the continuation of the token the reply took; the mass of a counted token it
+did not take is paid as it stands (``" Ass"`` where the reply goes on ``"ass|istant"``). With
+``--unsampled-min P``, each position where the likeliest counted token other than the sampled one has
+probability ``p >= P`` is read once more: the target after ``prompt + reply[:t] + that token``, and
+``p`` times its probability of a token that continues the word comes off too. The JSON then gives the
+mean estimate with that discount, the share of replies it halves, the positions read and the pieces
+most often continued (the token and its likeliest next token).
+
     python benchmarks/whole_word_lexicon.py eval/elicit_chat_rl --scorer wordlist:-god --threads 1
 """
 
@@ -27,6 +35,7 @@ from chat_lookahead_signal import target_chats
 from astrl._compat import render_chats
 from astrl.evaluation.records import read_records
 from astrl.models import load_model
+from astrl.ragged import pad_ids
 from astrl.rewards.lexicon import ReplyLexicon, reply_lexicon
 from astrl.scorers import make_scorer
 
@@ -34,12 +43,7 @@ from astrl.scorers import make_scorer
 def reply_stats(model, lexicon, prompts: list[list[int]], replies: list[list[int]], pad: int) -> list[torch.Tensor]:
     """Per reply, :meth:`ReplyLexicon.step_stats` of the target's logits at each of its positions
     (``(len(reply), S)``), from one right-padded forward over ``prompt + reply``."""
-    rows = [p + q for p, q in zip(prompts, replies, strict=True)]
-    width = max(len(row) for row in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
+    ids, mask = pad_ids([torch.tensor(p + q) for p, q in zip(prompts, replies, strict=True)], pad)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask).logits
     out = []
@@ -55,6 +59,41 @@ def whole_word_estimate(lexicon: ReplyLexicon, stats: torch.Tensor, reply: list[
     return float(ReplyLexicon.estimate(lexicon.reply_mass(stats.unsqueeze(0), ids), keep))
 
 
+def unsampled_pieces(lexicon: ReplyLexicon, stats: torch.Tensor, reply: list[int], least: float) -> list[tuple[int, int, float]]:
+    """``(t, k, p)`` for each position ``t`` of ``reply`` whose likeliest counted token ``k`` other than the
+    sampled one has probability ``p >= least`` (``stats``: its :func:`reply_stats`)."""
+    probs = stats[:, 2:].clone()
+    counted = lexicon.token_ids.tolist()
+    for t, token in enumerate(reply):
+        if token in counted:
+            probs[t, counted.index(token)] = 0.0
+    best = probs.max(-1)
+    return [(t, counted[int(i)], float(v)) for t, (v, i) in enumerate(zip(best.values, best.indices, strict=True)) if v >= least]
+
+
+def next_token_probs(model, rows: list[list[int]], pad: int) -> torch.Tensor:
+    """``(len(rows), V)``: the next-token distribution after each row, one right-padded forward."""
+    ids, mask = pad_ids([torch.tensor(row) for row in rows], pad)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    return logits[torch.arange(len(rows)), mask.sum(1) - 1].float().softmax(-1)
+
+
+def unsampled_discount(model, lexicon, prompt: list[int], reply: list[int], stats, least: float, pad: int, pieces: Counter, tok):
+    """The whole-word mass of ``reply``'s positions (``(1, T)``), less ``p * c`` at each position that
+    :func:`unsampled_pieces` finds (``c``: the target's probability that the token after the piece
+    continues its word); ``pieces`` counts the piece and its likeliest next token."""
+    mass = lexicon.reply_mass(stats.unsqueeze(0), torch.tensor([reply]))
+    found = unsampled_pieces(lexicon, stats, reply, least)
+    if not found:
+        return mass, 0
+    after = next_token_probs(model, [prompt + reply[:t] + [k] for t, k, _ in found], pad)
+    for (t, k, p), probs in zip(found, after, strict=True):
+        mass[0, t] = (mass[0, t] - p * float(probs[lexicon.continuing_ids].sum())).clamp(min=0.0)
+        pieces[tok.decode([k, int(probs.argmax())]).strip()] += 1
+    return mass, len(found)
+
+
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("eval_dir", help="an astrl eval folder of chat conversations")
@@ -63,6 +102,10 @@ def main() -> None:
     parser.add_argument("--turns", default="0,1", help="turns whose first replies are read (comma-separated, from 0)")
     parser.add_argument("--limit", type=int, default=None, help="read at most this many replies")
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument(
+        "--unsampled-min", type=float, default=None, metavar="P",
+        help="also read the continuation of the likeliest unsampled counted token where its probability is at least P",
+    )  # fmt: skip
     args = parser.parse_args()
     info = setup(args)
     records = read_records(Path(args.eval_dir) / "conversations.jsonl")
@@ -78,14 +121,20 @@ def main() -> None:
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in render_chats(tokenizer, chats)]
     replies = [tokenizer(x["response"], add_special_tokens=False)["input_ids"] or [tokenizer.eos_token_id] for x in records]
     start, before, after, spelled_on = time.perf_counter(), [], [], Counter()
+    unsampled, pieces, read = [], Counter(), 0
+    pad = tokenizer.pad_token_id or 0
     for i in range(0, len(records), args.batch):
         batch = slice(i, i + args.batch)
-        for stats, reply in zip(
-            reply_stats(model, whole, prompts[batch], replies[batch], tokenizer.pad_token_id or 0), replies[batch], strict=True
+        for stats, prompt, reply in zip(
+            reply_stats(model, whole, prompts[batch], replies[batch], pad), prompts[batch], replies[batch], strict=True
         ):
             keep = torch.ones(1, len(reply), dtype=torch.bool)
             before.append(float(ReplyLexicon.estimate(stats.unsqueeze(0)[..., 0], keep)))
             after.append(whole_word_estimate(whole, stats, reply))
+            if args.unsampled_min is not None:
+                mass, n = unsampled_discount(model, whole, prompt, reply, stats, args.unsampled_min, pad, pieces, tokenizer)
+                unsampled.append(float(ReplyLexicon.estimate(mass, keep)))
+                read += n
             for t in range(len(reply) - 1):
                 if reply[t] in counted and reply[t + 1] in continuing:
                     spelled_on[tokenizer.decode(reply[t : t + 2]).strip()] += 1
@@ -97,7 +146,17 @@ def main() -> None:
         "turns": args.turns, "replies": len(records), "seconds": r(seconds),
         "mean_estimate": r(float(before_a.mean())), "mean_estimate_whole_words": r(float(after_a.mean())),
         "share_halved": r(halved), "spelled_on_top": spelled_on.most_common(10),
+        **(unsampled_reading(after_a, np.asarray(unsampled), read, pieces, args.unsampled_min) if unsampled else {}),
     })  # fmt: skip
+
+
+def unsampled_reading(after: np.ndarray, unsampled: np.ndarray, read: int, pieces: Counter, least: float) -> dict:
+    """The ``--unsampled-min`` part of the JSON: the estimate with the unsampled pieces' continuations discounted too."""
+    halved = float(np.mean((after > 0) & (unsampled <= 0.5 * after)))
+    return {
+        "unsampled_min": least, "positions_read": read, "mean_estimate_unsampled": r(float(unsampled.mean())),
+        "share_halved_unsampled": r(halved), "unsampled_pieces_top": pieces.most_common(10),
+    }  # fmt: skip
 
 
 if __name__ == "__main__":

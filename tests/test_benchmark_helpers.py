@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from tensordict import TensorDict, lazy_stack
 
@@ -198,3 +200,38 @@ def test_timer_gives_each_section_the_peak_of_its_own_interval():
     assert timer.peaks["small"] < base + 100  # the reset as it began forgot the freed block
     assert timer.overall_peak_mb() >= timer.peaks["big"]
     assert timer.calls == {"outer": 1, "big": 1, "small": 1}
+
+
+def test_whole_word_lexicon_reads_the_likeliest_unsampled_piece_and_takes_its_continuation_out():
+    import whole_word_lexicon as wwl
+    from conftest import make_llama, make_tokenizer
+
+    from astrl.rewards.lexicon import ReplyLexicon
+
+    tok = make_tokenizer()
+    model = make_llama(tok, seed=3)
+    lexicon = ReplyLexicon(tok, ["hell", "idiot"], whole_words=True)
+    a, b = lexicon.token_ids.tolist()
+    x = int(lexicon.continuing_ids[0])
+    # columns: m_t, c_t, p_t(a), p_t(b); the reply samples a, then x, then b
+    stats = torch.tensor([[0.5, 0.0, 0.2, 0.3], [0.05, 0.1, 0.04, 0.01], [0.6, 0.2, 0.45, 0.15]])
+    reply = [a, x, b]
+    # t=0: a was sampled, b (0.3) is the likeliest other; t=1: a (0.04) is under 0.1; t=2: b was sampled, a (0.45)
+    found = wwl.unsampled_pieces(lexicon, stats, reply, 0.1)
+    assert [(t, k) for t, k, _ in found] == [(0, b), (2, a)]
+    assert [p for _, _, p in found] == pytest.approx([0.3, 0.45])
+    assert wwl.unsampled_pieces(lexicon, stats, reply, 0.5) == []
+
+    prompt = tok("hello how are you today", add_special_tokens=False)["input_ids"]
+    pieces = Counter()
+    mass, read = wwl.unsampled_discount(model, lexicon, prompt, reply, stats, 0.1, tok.pad_token_id, pieces, tok)
+    base = lexicon.reply_mass(stats.unsqueeze(0), torch.tensor([reply]))[0]
+    # by hand: one forward per piece read, the probability of a continuing token after it
+    with torch.no_grad():
+        after_b = model(input_ids=torch.tensor([prompt + [b]])).logits[0, -1].softmax(-1)
+        after_a = model(input_ids=torch.tensor([prompt + reply[:2] + [a]])).logits[0, -1].softmax(-1)
+    c0, c2 = float(after_b[lexicon.continuing_ids].sum()), float(after_a[lexicon.continuing_ids].sum())
+    assert read == 2 and sum(pieces.values()) == 2
+    expected = [max(0.0, float(base[0]) - 0.3 * c0), float(base[1]), max(0.0, float(base[2]) - 0.45 * c2)]
+    assert mass[0].tolist() == pytest.approx(expected, abs=1e-5)
+    assert float(base[0]) == pytest.approx(0.5 - 0.2 * 0.1)  # the sampled piece's own discount: p_0(a) * c_1
