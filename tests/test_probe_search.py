@@ -36,6 +36,25 @@ def test_prefix_cache_gives_the_logits_of_a_full_forward():
         torch.testing.assert_close(got[row], expected, atol=1e-4, rtol=1e-4)
 
 
+def test_prefix_cache_advances_rows_by_tails_of_their_own_lengths():
+    tok = make_tokenizer()
+    model = make_llama(tok)
+    prefixes = [torch.tensor(tok(o)["input_ids"]) for o in OPENERS[:2]]
+    tails = [torch.tensor(tok(t, add_special_tokens=False)["input_ids"]) for t in (" you idiot and", " a", " the cat")]
+    assert len({len(t) for t in tails}) == 3  # three lengths: the shorter rows carry padding in the cache
+    owners, step = torch.tensor([0, 1, 1]), torch.tensor([[5], [6], [7]])
+    with torch.no_grad():
+        grown = PrefixCache(model, prefixes, tok.pad_token_id).advance(owners, tails)
+        after = grown.advance(torch.arange(3), step)  # one more token each, read after the padded gap
+    for row, (owner, tail) in enumerate(zip(owners.tolist(), tails, strict=True)):
+        joined = prefixes[owner].tolist() + tail.tolist()
+        torch.testing.assert_close(grown.last[row], _last_logits(model, joined), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(after.last[row], _last_logits(model, joined + step[row].tolist()), atol=1e-4, rtol=1e-4)
+    assert after.lengths.tolist() == [len(prefixes[o]) + len(t) + 1 for o, t in zip(owners.tolist(), tails, strict=True)]
+    with pytest.raises(ValueError, match="at least one token"):
+        PrefixCache(model, prefixes, tok.pad_token_id).advance(torch.tensor([0, 1]), [tails[0], torch.zeros(0, dtype=torch.long)])
+
+
 def _mass(target, target_tok, lexicon, opener: str, probe: list[int], tester_tok) -> float:
     """The target's next-token lexicon mass after ``opener + probe``: the probe's own ids when the two
     tokenizers are one, else its decoded text encoded by the target's."""
@@ -502,6 +521,17 @@ def test_retest_estimates_read_each_probes_greedy_reply_after_each_opener(chat):
             else:
                 row = tok(opener)["input_ids"] + ids
             assert float(got[i, j]) == pytest.approx(_greedy_estimate(target, row, lexicon, 3, stops), abs=1e-5)
+
+
+def test_retest_estimates_refuse_an_empty_probe_where_the_frame_adds_nothing_after_it():
+    from astrl.sampling.search import probe_frame, retest_estimates
+
+    tok = make_tokenizer()
+    target, lexicon = make_llama(tok, seed=1), ReplyLexicon(tok, ["hell"])
+    with pytest.raises(ValueError, match="probe '' is empty"):
+        retest_estimates(target, tok, probe_frame(tok, tok, chat=False, lookahead=2), ["how", ""], OPENERS[:2], lexicon)
+    chat = retest_estimates(target, tok, probe_frame(tok, tok, chat=True, lookahead=2), ["how", ""], OPENERS[:2], lexicon)
+    assert chat.shape == (2, 2) and bool(((chat >= 0) & (chat <= 1)).all())  # in chat the template's suffix follows
 
 
 def test_lookahead_estimate_discounts_a_greedy_token_that_goes_on_into_a_longer_word():

@@ -102,12 +102,16 @@ class PrefixCache:
             out[part] = self._forward(owners[part], [tails[r] for r in part.tolist()])[0]
         return out
 
-    def advance(self, owners: torch.Tensor, tokens: torch.Tensor) -> PrefixCache:
-        """The rows ``rows[owners[r]] + tokens[r]`` (``tokens``: ``(R, n)``, ``n >= 1``) as a new cache."""
+    def advance(self, owners: torch.Tensor, tokens: torch.Tensor | Sequence[torch.Tensor]) -> PrefixCache:
+        """The rows ``rows[owners[r]] + tokens[r]`` as a new cache: ``tokens`` is ``(R, n)`` or ``R`` rows of
+        their own lengths, each of at least one token (a shorter row's padding stays masked in the cache)."""
         owners = owners.to(self.device)
-        logits, cache, mask = self._forward(owners, list(tokens.to(self.device)))
+        tails = [t.reshape(-1) for t in tokens]
+        if any(t.numel() == 0 for t in tails):
+            raise ValueError("every row advances by at least one token")
+        logits, cache, mask = self._forward(owners, tails)
         new = copy.copy(self)
-        new.cache, new.mask, new.lengths, new.last = cache, mask, self.lengths[owners] + tokens.shape[1], logits
+        new.cache, new.mask, new.lengths, new.last = cache, mask, mask.sum(1), logits
         return new
 
 
@@ -299,7 +303,12 @@ def spells_markers(rows: torch.Tensor, tokenizer, *others) -> torch.Tensor:
 
 @torch.no_grad()
 def lookahead_estimate(
-    cache: PrefixCache, owners: torch.Tensor, tails: torch.Tensor, lexicon: ReplyLexicon, lookahead: int, stops: set[int]
+    cache: PrefixCache,
+    owners: torch.Tensor,
+    tails: torch.Tensor | Sequence[torch.Tensor],
+    lexicon: ReplyLexicon,
+    lookahead: int,
+    stops: set[int],
 ) -> torch.Tensor:
     """``1 - prod_t (1 - m_t)`` over the first ``lookahead`` tokens of the greedy continuation of each row
     ``rows[owners[r]] + tails[r]`` (``m_t``: the lexicon mass of position t, :meth:`ReplyLexicon.reply_mass`,
@@ -335,20 +344,23 @@ def retest_estimates(
     """``(len(probes), len(openers))``: the :func:`lookahead_estimate` of the target's greedy reply of
     ``frame.lookahead`` tokens when each probe follows each opener, framed as the search frames its
     candidates (``frame``: :func:`probe_frame`). A probe is sent as its text (re-tokenized by the target,
-    as an env sends it), so it needs no shared vocabulary; ``rows_per_forward`` (probe, opener) rows share
-    a forward and their caches."""
-    _, prefixes = frame.prefixes(list(openers))
+    as an env sends it), so it needs no shared vocabulary. Each opener's framing is run once and its cache
+    read by every probe; ``rows_per_forward`` (probe, opener) rows share a forward."""
+    if not probes or not openers:
+        return torch.zeros(len(probes), len(openers))
     texts = target_tokenizer(list(probes), add_special_tokens=False)["input_ids"]
-    rows = [torch.cat([head, torch.tensor(ids, dtype=torch.long), frame.suffix]) for ids in texts for head in prefixes]
+    if not frame.suffix.numel() and (empty := [p for p, ids in zip(probes, texts, strict=True) if not ids]):
+        raise ValueError(f"probe {empty[0]!r} is empty and the frame adds nothing after it: the target reads no new token")
+    _, prefixes = frame.prefixes(list(openers))
     stops = {t for t in (target_tokenizer.eos_token_id, target_tokenizer.pad_token_id) if t is not None}
-    pad = target_tokenizer.pad_token_id or 0
+    heads = PrefixCache(target, prefixes, target_tokenizer.pad_token_id or 0)
+    tails = [torch.cat([torch.tensor(ids, dtype=torch.long), frame.suffix]) for ids in texts]
+    pairs = [(j, tail) for tail in tails for j in range(len(openers))]
     out = []
-    for start in range(0, len(rows), rows_per_forward):
-        part = rows[start : start + rows_per_forward]
-        cache = PrefixCache(target, [row[:-1] for row in part], pad)  # each row's last token is its tail
-        owners, tails = torch.arange(len(part)), torch.stack([row[-1:] for row in part])
-        out.append(lookahead_estimate(cache, owners, tails, lexicon, frame.lookahead, stops))
-    return torch.cat(out).view(len(probes), len(openers)) if out else torch.zeros(len(probes), len(openers))
+    for start in range(0, len(pairs), rows_per_forward):
+        owners, rows = zip(*pairs[start : start + rows_per_forward], strict=True)
+        out.append(lookahead_estimate(heads, torch.tensor(owners), list(rows), lexicon, frame.lookahead, stops))
+    return torch.cat(out).view(len(probes), len(openers))
 
 
 def probe_frame(
