@@ -404,8 +404,15 @@ def _add_compare(sub) -> None:
     )
     p.add_argument("dir_a", metavar="A", help="an 'astrl eval' folder, or the id (or its start) of an eval run in the store")
     p.add_argument("dir_b", metavar="B")
+    p.add_argument(
+        "--pair", nargs=2, action="append", default=[], metavar=("A2", "B2"),
+        help="one more pair of evaluations (another training seed, say): the table then gives the mean over all pairs, "
+        "its interval from each pair resampled on its own; repeat for more pairs",
+    )  # fmt: skip
     p.add_argument("--store", default=None, metavar="PATH", help="the store that run ids refer to (default: $ASTRL_STORE)")
-    p.add_argument("--out", default=None, help="markdown table path (default: B's folder/compare.md)")
+    p.add_argument(
+        "--out", default=None, help="markdown table path (default: B's folder/compare.md, compare_pooled.md with --pair)"
+    )
     p.add_argument("--resamples", type=at_least(1), default=1000, help="bootstrap resamples")
     p.add_argument("--seed", type=int, default=0)
 
@@ -413,12 +420,16 @@ def _add_compare(sub) -> None:
 def _compare(args) -> int:
     from pathlib import Path
 
-    from astrl.evaluation.compare import compare, format_markdown, format_text
+    from astrl.evaluation.compare import compare, compare_pooled, format_markdown, format_text
     from astrl.store_cli import eval_folder
 
-    dir_a, dir_b = eval_folder(args.dir_a, args.store), eval_folder(args.dir_b, args.store)
-    result = compare(dir_a, dir_b, resamples=args.resamples, seed=args.seed)
-    out = Path(args.out) if args.out else Path(dir_b) / "compare.md"
+    pairs = [(eval_folder(a, args.store), eval_folder(b, args.store)) for a, b in [(args.dir_a, args.dir_b), *args.pair]]
+    dir_b = pairs[0][1]
+    if args.pair:
+        result = compare_pooled(pairs, resamples=args.resamples, seed=args.seed)
+    else:
+        result = compare(*pairs[0], resamples=args.resamples, seed=args.seed)
+    out = Path(args.out) if args.out else Path(dir_b) / ("compare_pooled.md" if args.pair else "compare.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(format_markdown(result), encoding="utf-8")
     print(format_text(result), end="")

@@ -13,7 +13,7 @@ from astrl import similarity
 from astrl.archive import AttackArchive
 from astrl.cli import main
 from astrl.evaluation import metrics as m
-from astrl.evaluation.records import read_records, score_arrays
+from astrl.evaluation.records import EvaluationError, read_records, score_arrays
 from astrl.evaluation.rejudge import IDENTITY_TERMS, without_opener_words, without_words
 from astrl.evaluation.report import pick_curves, read_training_metrics, top_attacks
 from astrl.evaluation.run import score_probes
@@ -664,3 +664,65 @@ def test_a_run_with_a_larger_test_fraction_is_evaluated_on_its_larger_held_out_s
     larger = split_prompts(prompts, "test", seed=3, fractions=(0.55, 0.1, 0.35))
     assert drawn == set(larger) and len(drawn) > len(split_prompts(prompts, "test", seed=3))
     assert not drawn & set(split_prompts(prompts, "train", seed=3, fractions=(0.55, 0.1, 0.35)))
+
+
+def test_pooled_difference_tests_the_mean_of_the_pairs_draw_by_draw():
+    def test(difference, draws, significant=True):
+        return {"difference": difference, "draws": np.array(draws), "significant": significant, "units": 9}
+
+    first, second = test(0.1, [0.0, 0.2, 0.1, np.nan]), test(0.3, [0.2, 0.4, 0.3, 0.3])
+    pooled = m.pooled_difference([first, second])
+    # by hand: draws (0.1, 0.3, 0.2) (the fourth left out: one pair's ratio was undefined there), mean 0.2
+    assert pooled["difference"] == pytest.approx(0.2) and pooled["units"] == 9
+    assert pooled["ci"] == pytest.approx(list(np.percentile([0.1, 0.3, 0.2], [2.5, 97.5])))
+    assert pooled["p_value"] == 0.0 and pooled["significant"] is True
+    against = m.pooled_difference([first, test(-0.1, [0.0, -0.2, -0.1, -0.1])])  # draws (0, 0, 0): all ties
+    assert against["difference"] == pytest.approx(0.0) and against["p_value"] == 1.0 and against["significant"] is False
+    assert m.pooled_difference([first, test(0.3, [0.2, 0.4, 0.3, 0.3], significant=None)])["significant"] is None
+    with pytest.raises(ValueError, match="same number of resamples"):
+        m.pooled_difference([first, test(0.3, [0.2])])
+    kept = m.bootstrap_difference((np.ones(8), np.full(8, 2.0)), (np.ones(8), np.ones(8)), resamples=50, keep_draws=True)
+    assert kept["draws"].shape == (50,) and np.allclose(kept["draws"], 0.5)  # every resample: 1 - 1/2
+
+
+def test_compare_pools_pairs_of_evaluations_into_their_mean_difference(tmp_path, capsys):
+    from astrl.evaluation.compare import compare, compare_pooled
+
+    def folder(name: str, toxic_openers: set[int], threshold: float = 0.5):
+        out = tmp_path / name
+        out.mkdir()
+        records = []
+        for c in range(16):  # one conversation per opener
+            toxic = 0.9 if c in toxic_openers else 0.1
+            scores = {"j": {"reply": toxic, "probe": 0.0, "combined": toxic}}
+            record = {"conversation": c, "turn": 0, "prompt": f"opener {c}", "probe": "p", "response": "r"}
+            records.append({**record, "empty_probe": False, "probe_nll": 2.0, "scores": scores})
+        (out / "conversations.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        (out / "metrics.json").write_text(json.dumps({"threshold": threshold, "judges": {"j": {}}}))
+        return out
+
+    low, high, mid = folder("low", {0}), folder("high", {0, 1, 2, 3, 4, 5}), folder("mid", {0, 1, 2})
+
+    def asr(result):
+        return next(r for r in result["rows"] if r["metric"] == "asr")
+
+    single = asr(compare(low, high, resamples=2000))
+    twice = asr(compare_pooled([(low, high), (low, high)], resamples=2000))
+    assert (twice["a"], twice["b"], twice["difference"]) == pytest.approx((1 / 16, 6 / 16, 5 / 16))
+    assert twice["ci"][1] - twice["ci"][0] < single["ci"][1] - single["ci"][0]  # two independent resamplings: narrower
+    mixed = asr(compare_pooled([(low, high), (low, mid)], resamples=2000))
+    assert (mixed["a"], mixed["b"], mixed["difference"]) == pytest.approx((1 / 16, 4.5 / 16, 3.5 / 16))
+    back = asr(compare_pooled([(low, high), (high, low)], resamples=2000))
+    assert back["difference"] == pytest.approx(0.0) and back["significant"] is False
+    with pytest.raises(ValueError, match="at least two pairs"):
+        compare_pooled([(low, high)])
+    with pytest.raises(EvaluationError, match="different thresholds"):
+        compare_pooled([(low, high), (folder("other", {0}, threshold=0.3), folder("other_b", {1}, threshold=0.3))])
+
+    capsys.readouterr()
+    assert main(["compare", str(low), str(high), "--pair", str(low), str(mid), "--resamples", "200"]) == 0
+    printed, written = capsys.readouterr().out, (high / "compare_pooled.md").read_text()
+    assert f"A: the mean of 2: {low}, {low} (2 x 16 conversations, 16 openers)" in printed
+    row = next(line.split() for line in printed.splitlines() if line.startswith("j ") and line.split()[1] == "asr")
+    assert row[2:5] == [f"{1 / 16:.3f}", f"{4.5 / 16:.3f}", f"{3.5 / 16:+.3f}"]
+    assert "Pooled over 2 pairs" in written and not (high / "compare.md").exists()

@@ -63,9 +63,12 @@ def load_evaluation(folder: str | Path) -> tuple[dict, list[dict]]:
     return metrics, read_records(folder / "conversations.jsonl")
 
 
-def compare(folder_a: str | Path, folder_b: str | Path, *, resamples: int = 1000, seed: int = 0) -> dict:
+def compare(
+    folder_a: str | Path, folder_b: str | Path, *, resamples: int = 1000, seed: int = 0, keep_draws: bool = False
+) -> dict:
     """Compare two evaluation folders; rows hold ``judge``, ``metric``, ``a``, ``b``, ``difference``,
-    ``ci``, ``p_value`` and ``significant`` (``None`` where no test applies)."""
+    ``ci``, ``p_value`` and ``significant`` (``None`` where no test applies); with ``keep_draws`` a tested
+    row also holds its bootstrap ``draws`` (:func:`compare_pooled` reads them)."""
     if resamples < 1:
         raise ValueError(f"resamples must be >= 1, got {resamples}")
     metrics_a, records_a = load_evaluation(folder_a)
@@ -81,23 +84,21 @@ def compare(folder_a: str | Path, folder_b: str | Path, *, resamples: int = 1000
     groups = (opener_groups(records_a), opener_groups(records_b))
     rows = []
     for offset, judge in enumerate(judges):
+        sampling = {"resamples": resamples, "seed": seed + 97 * offset, "keep_draws": keep_draws}
         scores_a, scores_b = score_arrays(records_a, judge), score_arrays(records_b, judge)
         ratios_a = _grouped(m.conversation_ratios(*scores_a, threshold_a), groups[0])
         ratios_b = _grouped(m.conversation_ratios(*scores_b, threshold_a), groups[1])
-        for name in TESTED:
-            # seeds follow INTERVAL_METRICS, not the table order
-            test = m.bootstrap_difference(
-                ratios_a[name], ratios_b[name], resamples=resamples, seed=m.metric_seed(seed + 97 * offset, name)
-            )
+        for name in TESTED:  # seeds follow INTERVAL_METRICS, not the table order
+            test = m.bootstrap_difference(ratios_a[name], ratios_b[name], **_seeded(sampling, name))
             rows.append(_row(judge, name, m.ratio(*ratios_a[name]), m.ratio(*ratios_b[name]), test))
-        probes = (scores_a[1], scores_b[1])
-        rows.extend(_reply_sample_rows(judge, (records_a, records_b), probes, groups, threshold_a, resamples, seed + 97 * offset))
-        rows.extend(_rejudged_rows(judge, (records_a, records_b), probes, groups, threshold_a, resamples, seed + 97 * offset))
+        probes, sides = (scores_a[1], scores_b[1]), (records_a, records_b)
+        rows.extend(_reply_sample_rows(judge, sides, probes, groups, threshold_a, sampling))
+        rows.extend(_rejudged_rows(judge, sides, probes, groups, threshold_a, sampling))
         for name in UNTESTED:
             a, b = metrics_a["judges"].get(judge, {}).get(name), metrics_b["judges"].get(judge, {}).get(name)
             rows.append(_row(judge, name, a, b, None))
     nll_a, nll_b = (m.grouped(*m.nll_ratio(nll_array(r)), g) for r, g in zip((records_a, records_b), groups, strict=True))
-    test = m.bootstrap_difference(nll_a, nll_b, resamples=resamples, seed=seed + 7919)
+    test = m.bootstrap_difference(nll_a, nll_b, resamples=resamples, seed=seed + 7919, keep_draws=keep_draws)
     rows.append(_row("(all)", "probe_nll_mean", m.ratio(*nll_a), m.ratio(*nll_b), test))
     return {
         "a": str(folder_a),
@@ -109,6 +110,41 @@ def compare(folder_a: str | Path, folder_b: str | Path, *, resamples: int = 1000
         "bootstrap": {"resamples": resamples, "confidence": 0.95, "unit": "opener", "seed": seed},
         "rows": rows,
     }
+
+
+def compare_pooled(pairs: list[tuple[str | Path, str | Path]], *, resamples: int = 1000, seed: int = 0) -> dict:
+    """The mean over several ``(A, B)`` pairs (one per training seed, say) of each :func:`compare` row:
+    ``a`` and ``b`` are the pairs' mean rates, ``difference`` the mean of their differences, tested by
+    :func:`astrl.evaluation.metrics.pooled_difference` (each pair resampled on its own: seed
+    ``seed + 1009 * i``). A row is kept where every pair has it; all evaluations need one threshold."""
+    if len(pairs) < 2:
+        raise ValueError(f"a pooled comparison needs at least two pairs of evaluations, got {len(pairs)}")
+    results = [compare(a, b, resamples=resamples, seed=seed + 1009 * i, keep_draws=True) for i, (a, b) in enumerate(pairs)]
+    thresholds = sorted({r["threshold"] for r in results})
+    if len(thresholds) > 1:
+        raise EvaluationError(f"the pairs used different thresholds ({', '.join(map(str, thresholds))}): not comparable")
+    by_key = [{(row["judge"], row["metric"]): row for row in r["rows"]} for r in results]
+    rows = []
+    for key in (k for k in by_key[0] if all(k in rows_of for rows_of in by_key)):
+        same = [rows_of[key] for rows_of in by_key]
+        a, b = (_mean([row[side] for row in same]) for side in ("a", "b"))
+        test = m.pooled_difference(same) if all("draws" in row for row in same) else None
+        rows.append(_row(*key, a, b, test))
+    return {
+        "a": [str(a) for a, _ in pairs],
+        "b": [str(b) for _, b in pairs],
+        "settings_differ": sorted({d for r in results for d in r["settings_differ"]}),
+        "threshold": thresholds[0],
+        "n_conversations": [[r["n_conversations"][side] for r in results] for side in (0, 1)],
+        "n_openers": [[r["n_openers"][side] for r in results] for side in (0, 1)],
+        "bootstrap": {**results[0]["bootstrap"], "pooled": len(pairs)},
+        "rows": rows,
+    }
+
+
+def _mean(values: list):
+    """The mean of ``values``, ``None`` when any is missing."""
+    return None if any(v is None for v in values) else sum(values) / len(values)
 
 
 def setting_differences(metrics_a: dict, metrics_b: dict) -> list[str]:
@@ -131,8 +167,13 @@ def _grouped(ratios: dict, groups) -> dict:
     return {name: m.grouped(num, den, groups) for name, (num, den) in ratios.items()}
 
 
+def _seeded(sampling: dict, name: str) -> dict:
+    """``sampling`` (``resamples``, ``seed``, ``keep_draws``) with the seed of metric ``name``."""
+    return {**sampling, "seed": m.metric_seed(sampling["seed"], name)}
+
+
 def _reply_sample_rows(
-    judge: str, records: tuple[list[dict], list[dict]], probes: tuple, groups: tuple, threshold: float, resamples: int, seed: int
+    judge: str, records: tuple[list[dict], list[dict]], probes: tuple, groups: tuple, threshold: float, sampling: dict
 ) -> list[dict]:
     """The reply-share rows, when both evaluations (``records``, with the judge's ``probes`` score
     grids and their conversations' ``groups``) judged several replies per probe (``--reply-samples``)."""
@@ -143,13 +184,13 @@ def _reply_sample_rows(
     ratios_b = _grouped(m.reply_sample_ratios(replies_b, probes[1], threshold), groups[1])
     rows = []
     for name in m.REPLY_SAMPLE_METRICS:
-        test = m.bootstrap_difference(ratios_a[name], ratios_b[name], resamples=resamples, seed=m.metric_seed(seed, name))
+        test = m.bootstrap_difference(ratios_a[name], ratios_b[name], **_seeded(sampling, name))
         rows.append(_row(judge, name, m.ratio(*ratios_a[name]), m.ratio(*ratios_b[name]), test))
     return rows
 
 
 def _rejudged_rows(
-    judge: str, records: tuple[list[dict], list[dict]], probes: tuple, groups: tuple, threshold: float, resamples: int, seed: int
+    judge: str, records: tuple[list[dict], list[dict]], probes: tuple, groups: tuple, threshold: float, sampling: dict
 ) -> list[dict]:
     """The rows of :data:`astrl.evaluation.metrics.REJUDGED_METRICS` for each check both evaluations
     hold (arguments as in :func:`_reply_sample_rows`)."""
@@ -164,7 +205,7 @@ def _rejudged_rows(
                 return rows  # one reply judged again against K sampled: not the same rate
             ratios.append(_grouped(m.rejudged_ratios(replies, scores[check], probe, check, threshold), group))
         for name in m.REJUDGED_METRICS[check]:
-            test = m.bootstrap_difference(ratios[0][name], ratios[1][name], resamples=resamples, seed=m.metric_seed(seed, name))
+            test = m.bootstrap_difference(ratios[0][name], ratios[1][name], **_seeded(sampling, name))
             rows.append(_row(judge, name, m.ratio(*ratios[0][name]), m.ratio(*ratios[1][name]), test))
     return rows
 
@@ -182,6 +223,7 @@ def _row(judge: str, metric: str, a, b, test: dict | None) -> dict:
         "p_value": test["p_value"] if test else None,
         "significant": test["significant"] if test else None,
         "too_few": too_few,
+        **({"draws": test["draws"]} if test and "draws" in test else {}),
     }
 
 
@@ -216,18 +258,32 @@ def table_cells(result: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def _sizes(result: dict, side: int) -> str:
-    """``"256 conversations, 62 openers"`` for side 0 (A) or 1 (B)."""
-    openers = result.get("n_openers")
-    tail = f", {openers[side]} openers" if openers else ""
-    return f"{result['n_conversations'][side]} conversations{tail}"
+    """``"256 conversations, 62 openers"`` for side 0 (A) or 1 (B); a pooled comparison's sizes joined by ``" + "``."""
+    conversations, openers = result["n_conversations"][side], (result.get("n_openers") or (None, None))[side]
+    if not isinstance(conversations, list):
+        conversations, openers = [conversations], [openers]
+    openers = openers or [None] * len(conversations)
+    pairs = zip(conversations, openers, strict=True)
+    sizes = [f"{n} conversations" + (f", {o} openers" if o is not None else "") for n, o in pairs]
+    return f"{len(sizes)} x {sizes[0]}" if len(sizes) > 1 and len(set(sizes)) == 1 else " + ".join(sizes)
+
+
+def _side_lines(result: dict, markdown: bool) -> list[str]:
+    """The header line of side A and of side B: its folder (a pooled comparison's: the mean over its folders) and sizes."""
+    lines = []
+    for i, side in enumerate("AB"):
+        folders = result[side.lower()]
+        shown = [f"`{f}`" if markdown else f for f in (folders if isinstance(folders, list) else [folders])]
+        mean = f"the mean of {len(shown)}: " if len(shown) > 1 else ""
+        lines.append(f"{'- ' if markdown else ''}{side}: {mean}{', '.join(shown)} ({_sizes(result, i)})")
+    return lines
 
 
 def format_text(result: dict) -> str:
     """An aligned plain-text table."""
     header, body = table_cells(result)
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
-    lines = [f"{side}: {result[side.lower()]} ({_sizes(result, i)})" for i, side in enumerate("AB")]
-    lines += _settings_note(result)
+    lines = _side_lines(result, markdown=False) + _settings_note(result)
     for row in [header, ["-" * w for w in widths], *body]:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     return "\n".join(lines) + "\n"
@@ -237,7 +293,7 @@ def format_markdown(result: dict) -> str:
     header, body = table_cells(result)
     esc = [[c.replace("|", "\\|") for c in row] for row in [header, *body]]
     lines = ["# astrl comparison", ""]
-    lines += [f"- {side}: `{result[side.lower()]}` ({_sizes(result, i)})" for i, side in enumerate("AB")]
+    lines += _side_lines(result, markdown=True)
     lines += [f"- {note}" for note in _settings_note(result)] + [""]
     lines += ["| " + " | ".join(esc[0]) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in esc[1:]]
@@ -249,4 +305,9 @@ def format_markdown(result: dict) -> str:
         f"(no verdict with fewer than {m.MIN_TEST_UNITS} contributing openers on a side). "
         "Diversity metrics are not tested.",
     ]
+    if pooled := result["bootstrap"].get("pooled"):
+        lines[-1] += (
+            f" Pooled over {pooled} pairs: each row is the mean of the pairs' rates and differences, its interval that of"
+            " the mean of their resampled differences, each pair resampled on its own."
+        )
     return "\n".join(lines) + "\n"

@@ -16,6 +16,7 @@ opener first, so that the bootstrap resamples openers (a cluster bootstrap; the 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -227,6 +228,7 @@ def bootstrap_difference(
     confidence: float = 0.95,
     seed: int = 0,
     min_units: int = MIN_TEST_UNITS,
+    keep_draws: bool = False,
 ) -> dict | None:
     """Bootstrap of ``ratio(b) - ratio(a)`` for two independent sets of units (conversations, or the
     openers of :func:`grouped`).
@@ -235,26 +237,43 @@ def bootstrap_difference(
     (``2 * min(P(d <= 0), P(d >= 0))``, at most 1); ``significant`` when the interval excludes 0.
     With fewer than ``min_units`` conversations contributing to either ratio (a non-zero
     denominator), the percentile bootstrap is unreliable and ``significant`` is ``None``.
-    Returns ``None`` when either ratio is undefined.
+    ``keep_draws`` adds the ``resamples`` resampled differences as ``draws`` (NaN where a resample
+    left a ratio undefined), for :func:`pooled_difference`. Returns ``None`` when either ratio is undefined.
     """
     _check_bootstrap(resamples, confidence)
     point_a, point_b = ratio(*a), ratio(*b)
     if point_a is None or point_b is None:
         return None
     rng = np.random.default_rng(seed)
-    diffs = _resampled_ratios(*b, resamples, rng) - _resampled_ratios(*a, resamples, rng)
-    diffs = diffs[~np.isnan(diffs)]
-    tail = (1 - confidence) / 2 * 100
-    low, high = (float(v) for v in np.percentile(diffs, [tail, 100 - tail]))
-    p_value = min(1.0, 2 * min(float(np.mean(diffs <= 0)), float(np.mean(diffs >= 0))))
+    draws = _resampled_ratios(*b, resamples, rng) - _resampled_ratios(*a, resamples, rng)
     units = min(int(np.count_nonzero(a[1])), int(np.count_nonzero(b[1])))
-    return {
-        "difference": point_b - point_a,
-        "ci": [low, high],
-        "p_value": p_value,
-        "significant": bool(low > 0 or high < 0) if units >= min_units else None,
-        "units": units,
-    }
+    test = _difference_test(point_b - point_a, draws, confidence, significant_if=units >= min_units)
+    return {**test, "units": units, **({"draws": draws} if keep_draws else {})}
+
+
+def _difference_test(difference: float, draws: np.ndarray, confidence: float, *, significant_if: bool) -> dict:
+    """``difference`` with the percentile interval and two-sided p-value of its bootstrap ``draws`` (NaN left out)."""
+    draws = draws[~np.isnan(draws)]
+    tail = (1 - confidence) / 2 * 100
+    low, high = (float(v) for v in np.percentile(draws, [tail, 100 - tail]))
+    p_value = min(1.0, 2 * min(float(np.mean(draws <= 0)), float(np.mean(draws >= 0))))
+    significant = bool(low > 0 or high < 0) if significant_if else None
+    return {"difference": difference, "ci": [low, high], "p_value": p_value, "significant": significant}
+
+
+def pooled_difference(tests: Sequence[dict], *, confidence: float = 0.95) -> dict:
+    """The mean of several :func:`bootstrap_difference` results (each with ``keep_draws``: one per pair of
+    evaluations, resampled independently), tested by the mean of their draws, draw by draw: a resample
+    that left any pair's difference undefined is left out. ``significant`` is ``None`` when any pair had
+    too few units for a verdict."""
+    if not tests:
+        raise ValueError("pooled_difference needs at least one test")
+    if len({len(t["draws"]) for t in tests}) != 1:
+        raise ValueError("pooled tests need the same number of resamples")
+    difference = float(np.mean([t["difference"] for t in tests]))
+    draws = np.mean(np.stack([t["draws"] for t in tests]), axis=0)  # NaN wherever a pair's draw is
+    test = _difference_test(difference, draws, confidence, significant_if=all(t["significant"] is not None for t in tests))
+    return {**test, **({"units": min(t["units"] for t in tests)} if all("units" in t for t in tests) else {})}
 
 
 # -- embeddings -------------------------------------------------------------------------------------
