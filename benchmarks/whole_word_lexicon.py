@@ -18,6 +18,10 @@ probability ``p >= P`` is read once more: the target after ``prompt + reply[:t] 
 mean estimate with that discount, the share of replies it halves, the positions read and the pieces
 most often continued (the token and its likeliest next token).
 
+The JSON also counts the counted tokens that begin a longer word of better-profanity's list that
+``--scorer`` calls toxic (``" dick"`` -> "dickhead"): the whole-word reading discounts such a word
+as a token spelled on.
+
     python benchmarks/whole_word_lexicon.py eval/elicit_chat_rl --scorer wordlist:-god --threads 1
 """
 
@@ -35,6 +39,7 @@ from chat_lookahead_signal import target_chats
 from astrl._compat import render_chats
 from astrl.evaluation.records import read_records
 from astrl.models import load_model
+from astrl.names import wordlist_words
 from astrl.ragged import pad_ids
 from astrl.rewards.lexicon import ReplyLexicon, reply_lexicon
 from astrl.scorers import make_scorer
@@ -94,6 +99,21 @@ def unsampled_discount(model, lexicon, prompt: list[int], reply: list[int], stat
     return mass, len(found)
 
 
+def listed_words_split(lexicon: ReplyLexicon, tokenizer, listed: list[str]) -> dict[str, list[str]]:
+    """For each counted token, the longer ``listed`` words whose word-initial spelling (``" word"`` or
+    ``" Word"``) the tokenizer begins with that token: a reply that says one is read by the whole-word
+    reading as the token spelled on into another word (``" ass"`` + ``"hole"``)."""
+    found: dict[str, list[str]] = {}
+    for token in lexicon.token_ids.tolist():
+        text = tokenizer.decode([token]).strip().lower()  # " ass" and " Ass" share one entry
+        for word in listed:
+            if word != text and word.startswith(text) and word not in found.get(text, []):
+                spellings = (tokenizer(s, add_special_tokens=False)["input_ids"] for s in (f" {word}", f" {word.capitalize()}"))
+                if any(len(ids) > 1 and ids[0] == token for ids in spellings):
+                    found.setdefault(text, []).append(word)
+    return found
+
+
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("eval_dir", help="an astrl eval folder of chat conversations")
@@ -117,6 +137,8 @@ def main() -> None:
     model, tokenizer = lm.model, lm.tokenizer
     scorer = make_scorer(args.scorer)
     whole = reply_lexicon(args.lexicon, tokenizer, scorer=scorer, whole_words=True)  # stats[..., 0] is the plain m_t
+    listed = sorted({w.lower() for w in wordlist_words() or [] if w.isalpha()})
+    split = listed_words_split(whole, tokenizer, [w for w, x in zip(listed, scorer(listed).tolist(), strict=True) if x > 0.5])
     counted, continuing = set(whole.token_ids.tolist()), set(whole.continuing_ids.tolist())
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in render_chats(tokenizer, chats)]
     replies = [tokenizer(x["response"], add_special_tokens=False)["input_ids"] or [tokenizer.eos_token_id] for x in records]
@@ -146,6 +168,9 @@ def main() -> None:
         "turns": args.turns, "replies": len(records), "seconds": r(seconds),
         "mean_estimate": r(float(before_a.mean())), "mean_estimate_whole_words": r(float(after_a.mean())),
         "share_halved": r(halved), "spelled_on_top": spelled_on.most_common(10),
+        "counted_tokens": len(whole), "counted_tokens_opening_listed_words": len(split),
+        "listed_words_split": sum(len(v) for v in split.values()),
+        "listed_words_split_examples": {k: v[:3] for k, v in split.items()},
         **(unsampled_reading(after_a, np.asarray(unsampled), read, pieces, args.unsampled_min) if unsampled else {}),
     })  # fmt: skip
 

@@ -235,3 +235,18 @@ def test_whole_word_lexicon_reads_the_likeliest_unsampled_piece_and_takes_its_co
     expected = [max(0.0, float(base[0]) - 0.3 * c0), float(base[1]), max(0.0, float(base[2]) - 0.45 * c2)]
     assert mass[0].tolist() == pytest.approx(expected, abs=1e-5)
     assert float(base[0]) == pytest.approx(0.5 - 0.2 * 0.1)  # the sampled piece's own discount: p_0(a) * c_1
+
+
+def test_whole_word_lexicon_finds_the_listed_words_a_counted_token_begins():
+    import whole_word_lexicon as wwl
+    from conftest import make_tokenizer
+
+    from astrl.rewards.lexicon import ReplyLexicon
+
+    tok = make_tokenizer()
+    lexicon = ReplyLexicon(tok, ["hell", "idiot"])
+    assert tok(" hellish", add_special_tokens=False)["input_ids"][0] == tok(" hell", add_special_tokens=False)["input_ids"][0]
+    assert len(tok(" hello", add_special_tokens=False)["input_ids"]) == 1  # its own token: not read as " hell" spelled on
+    found = wwl.listed_words_split(lexicon, tok, ["hell", "hello", "hellish", "helmet", "idiot", "idiotic"])
+    # by hand: "hellish" is " hell" + "ish", "idiotic" is " idiot" + "ic"; " helmet" does not begin with " hell"
+    assert found == {"hell": ["hellish"], "idiot": ["idiotic"]}
