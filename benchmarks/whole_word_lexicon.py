@@ -103,14 +103,18 @@ def listed_words_split(lexicon: ReplyLexicon, tokenizer, listed: list[str]) -> d
     """For each counted token, the longer ``listed`` words whose word-initial spelling (``" word"`` or
     ``" Word"``) the tokenizer begins with that token: a reply that says one is read by the whole-word
     reading as the token spelled on into another word (``" ass"`` + ``"hole"``)."""
+    split: dict[str, set[int]] = {}  # each listed word: the first tokens of its spellings in pieces, tokenized once
+    for word in listed:
+        for spelling in (f" {word}", f" {word.capitalize()}"):
+            ids = tokenizer(spelling, add_special_tokens=False)["input_ids"]
+            if len(ids) > 1:
+                split.setdefault(word, set()).add(ids[0])
     found: dict[str, list[str]] = {}
     for token in lexicon.token_ids.tolist():
         text = tokenizer.decode([token]).strip().lower()  # " ass" and " Ass" share one entry
-        for word in listed:
-            if word != text and word.startswith(text) and word not in found.get(text, []):
-                spellings = (tokenizer(s, add_special_tokens=False)["input_ids"] for s in (f" {word}", f" {word.capitalize()}"))
-                if any(len(ids) > 1 and ids[0] == token for ids in spellings):
-                    found.setdefault(text, []).append(word)
+        for word, firsts in split.items():
+            if token in firsts and word != text and word.startswith(text) and word not in found.get(text, []):
+                found.setdefault(text, []).append(word)
     return found
 
 
