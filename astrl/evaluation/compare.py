@@ -257,12 +257,17 @@ def table_cells(result: dict) -> tuple[list[str], list[list[str]]]:
     return header, body
 
 
+def _per_pair(value) -> list:
+    """A side's field as one entry per pair: a single comparison's scalar is a list of one."""
+    return value if isinstance(value, list) else [value]
+
+
 def _sizes(result: dict, side: int) -> str:
     """``"256 conversations, 62 openers"`` for side 0 (A) or 1 (B); a pooled comparison's sizes joined by ``" + "``."""
-    conversations, openers = result["n_conversations"][side], (result.get("n_openers") or (None, None))[side]
-    if not isinstance(conversations, list):
-        conversations, openers = [conversations], [openers]
-    openers = openers or [None] * len(conversations)
+    conversations = _per_pair(result["n_conversations"][side])
+    openers = _per_pair((result.get("n_openers") or (None, None))[side])
+    if openers == [None]:  # written before openers were counted
+        openers = [None] * len(conversations)
     pairs = zip(conversations, openers, strict=True)
     sizes = [f"{n} conversations" + (f", {o} openers" if o is not None else "") for n, o in pairs]
     return f"{len(sizes)} x {sizes[0]}" if len(sizes) > 1 and len(set(sizes)) == 1 else " + ".join(sizes)
@@ -273,7 +278,7 @@ def _side_lines(result: dict, markdown: bool) -> list[str]:
     lines = []
     for i, side in enumerate("AB"):
         folders = result[side.lower()]
-        shown = [f"`{f}`" if markdown else f for f in (folders if isinstance(folders, list) else [folders])]
+        shown = [f"`{f}`" if markdown else f for f in _per_pair(folders)]
         mean = f"the mean of {len(shown)}: " if len(shown) > 1 else ""
         lines.append(f"{'- ' if markdown else ''}{side}: {mean}{', '.join(shown)} ({_sizes(result, i)})")
     return lines
