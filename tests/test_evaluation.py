@@ -685,8 +685,21 @@ def test_pooled_difference_tests_the_mean_of_the_pairs_draw_by_draw():
     assert kept["draws"].shape == (50,) and np.allclose(kept["draws"], 0.5)  # every resample: 1 - 1/2
 
 
+def test_between_pairs_is_a_student_t_interval_over_the_pairs():
+    three = m.between_pairs([1.0, 2.0, 3.0])
+    # by hand: mean 2, sd 1 (n - 1 = 2), t(2) at 97.5% = 4.302653, half width 4.302653 / sqrt(3) = 2.484138
+    assert (three["mean"], three["sd"], three["n"]) == pytest.approx((2.0, 1.0, 3))
+    assert three["ci"] == pytest.approx([2.0 - 2.484138, 2.0 + 2.484138], abs=1e-6)
+    narrower = m.between_pairs([1.0, 2.0, 3.0], confidence=0.5)["ci"]  # t(2) at 75% = 0.816497
+    assert narrower == pytest.approx([2.0 - 0.816497 / 3**0.5, 2.0 + 0.816497 / 3**0.5], abs=1e-6)
+    assert m.between_pairs([0.4])["ci"] is None and m.between_pairs([0.4, 0.4])["ci"] == pytest.approx([0.4, 0.4])
+    for bad in ([], [0.1, float("nan")]):
+        with pytest.raises(ValueError, match="one finite value per pair"):
+            m.between_pairs(bad)
+
+
 def test_compare_pools_pairs_of_evaluations_into_their_mean_difference(tmp_path, capsys):
-    from astrl.evaluation.compare import compare, compare_pooled
+    from astrl.evaluation.compare import compare, compare_pooled, format_text
 
     def folder(name: str, toxic_openers: set[int], threshold: float = 0.5):
         out = tmp_path / name
@@ -712,6 +725,12 @@ def test_compare_pools_pairs_of_evaluations_into_their_mean_difference(tmp_path,
     assert twice["ci"][1] - twice["ci"][0] < single["ci"][1] - single["ci"][0]  # two independent resamplings: narrower
     mixed = asr(compare_pooled([(low, high), (low, mid)], resamples=2000))
     assert (mixed["a"], mixed["b"], mixed["difference"]) == pytest.approx((1 / 16, 4.5 / 16, 3.5 / 16))
+    # over the two pairs: B is 6/16 and 3/16, sd (3/16) / sqrt(2), t(1) at 97.5% = 12.706205, so the half
+    # width is 12.706205 * (3/16) / 2; B - A is 5/16 and 2/16: the same spread around 3.5/16
+    half = 12.706205 * 3 / 16 / 2
+    assert mixed["over_pairs"]["b"]["ci"] == pytest.approx([4.5 / 16 - half, 4.5 / 16 + half], abs=1e-6)
+    assert mixed["over_pairs"]["difference"]["ci"] == pytest.approx([3.5 / 16 - half, 3.5 / 16 + half], abs=1e-6)
+    assert twice["over_pairs"]["difference"]["ci"] == pytest.approx([5 / 16, 5 / 16])  # the same pair twice: no spread
     back = asr(compare_pooled([(low, high), (high, low)], resamples=2000))
     assert back["difference"] == pytest.approx(0.0) and back["significant"] is False
     with pytest.raises(ValueError, match="at least two pairs"):
@@ -725,4 +744,9 @@ def test_compare_pools_pairs_of_evaluations_into_their_mean_difference(tmp_path,
     assert f"A: the mean of 2: {low}, {low} (2 x 16 conversations, 16 openers)" in printed
     row = next(line.split() for line in printed.splitlines() if line.startswith("j ") and line.split()[1] == "asr")
     assert row[2:5] == [f"{1 / 16:.3f}", f"{4.5 / 16:.3f}", f"{3.5 / 16:+.3f}"]
+    assert "B over pairs (t, 95%)" in printed and "Student-t intervals over the pairs" in written
+    level, gain = f"[{4.5 / 16 - half:.3f}, {4.5 / 16 + half:.3f}]", f"[{3.5 / 16 - half:+.3f}, {3.5 / 16 + half:+.3f}]"
+    assert " ".join(row[-4:]) == f"{level} {gain}"
+    single_printed = format_text(compare(low, high, resamples=50))
+    assert "over pairs" not in single_printed
     assert "Pooled over 2 pairs" in written and not (high / "compare.md").exists()

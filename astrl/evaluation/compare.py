@@ -129,7 +129,7 @@ def compare_pooled(pairs: list[tuple[str | Path, str | Path]], *, resamples: int
         same = [rows_of[key] for rows_of in by_key]
         a, b = (_mean([row[side] for row in same]) for side in ("a", "b"))
         test = m.pooled_difference(same) if all("draws" in row for row in same) else None
-        rows.append(_row(*key, a, b, test))
+        rows.append({**_row(*key, a, b, test), **_over_pairs(same)})
     return {
         "a": [str(a) for a, _ in pairs],
         "b": [str(b) for _, b in pairs],
@@ -140,6 +140,15 @@ def compare_pooled(pairs: list[tuple[str | Path, str | Path]], *, resamples: int
         "bootstrap": {**results[0]["bootstrap"], "pooled": len(pairs)},
         "rows": rows,
     }
+
+
+def _over_pairs(rows: list[dict]) -> dict:
+    """``over_pairs``: B's rate and B - A, each as :func:`astrl.evaluation.metrics.between_pairs` over the
+    pairs' rows; empty where a pair lacks a value (diversity without one side, say)."""
+    b, difference = [r["b"] for r in rows], [r["difference"] for r in rows]
+    if any(v is None for v in (*b, *difference)):
+        return {}
+    return {"over_pairs": {"b": m.between_pairs(b), "difference": m.between_pairs(difference)}}
 
 
 def _mean(values: list):
@@ -233,8 +242,16 @@ def _num(value) -> str:
     return str(value) if isinstance(value, int) else f"{value:.3f}"
 
 
+def _interval(value: dict | None, sign: str = "+") -> str:
+    """``value["ci"]`` as ``[lo, hi]`` (signed: a difference's), ``-`` where there is none."""
+    return f"[{value['ci'][0]:{sign}.3f}, {value['ci'][1]:{sign}.3f}]" if value and value["ci"] else "-"
+
+
 def table_cells(result: dict) -> tuple[list[str], list[list[str]]]:
     header = ["judge", "metric", "A", "B", "B - A", "95% CI of B - A", "p", "significant"]
+    pooled = bool(result["bootstrap"].get("pooled"))
+    if pooled:
+        header += ["B over pairs (t, 95%)", "B - A over pairs (t, 95%)"]
     body = []
     for r in result["rows"]:
         diff = (
@@ -244,7 +261,7 @@ def table_cells(result: dict) -> tuple[list[str], list[list[str]]]:
             if isinstance(r["difference"], int)
             else f"{r['difference']:+.3f}"
         )
-        ci = f"[{r['ci'][0]:+.3f}, {r['ci'][1]:+.3f}]" if r["ci"] else "-"
+        ci = _interval(r)
         p = "-" if r["p_value"] is None else f"{r['p_value']:.3f}"
         sig = (
             f"n<{m.MIN_TEST_UNITS}"
@@ -254,6 +271,9 @@ def table_cells(result: dict) -> tuple[list[str], list[list[str]]]:
             else ("yes" if r["significant"] else "no")
         )
         body.append([r["judge"], r["metric"], _num(r["a"]), _num(r["b"]), diff, ci, p, sig])
+        if pooled:
+            spread = r.get("over_pairs") or {}
+            body[-1] += [_interval(spread.get("b"), sign=""), _interval(spread.get("difference"))]
     return header, body
 
 
@@ -313,6 +333,7 @@ def format_markdown(result: dict) -> str:
     if pooled := result["bootstrap"].get("pooled"):
         lines[-1] += (
             f" Pooled over {pooled} pairs: each row is the mean of the pairs' rates and differences, its interval that of"
-            " the mean of their resampled differences, each pair resampled on its own."
+            " the mean of their resampled differences, each pair resampled on its own. The last two columns are"
+            " Student-t intervals over the pairs, one value per pair: the spread between seeds is in them."
         )
     return "\n".join(lines) + "\n"

@@ -276,6 +276,24 @@ def pooled_difference(tests: Sequence[dict], *, confidence: float = 0.95) -> dic
     return {**test, **({"units": min(t["units"] for t in tests)} if all("units" in t for t in tests) else {})}
 
 
+def between_pairs(values: Sequence[float], *, confidence: float = 0.95) -> dict:
+    """The mean of one value per pair of evaluations (one training seed each) and its Student-t interval
+    over the pairs, ``mean ± t(n - 1) * sd / sqrt(n)`` with ``sd`` over ``n - 1``. The unit is the seed:
+    the spread between seeds is in it, the openers' sampling only as far as it moves each seed's value.
+    ``ci`` is ``None`` with fewer than two values."""
+    from scipy.stats import t as student_t
+
+    x = np.asarray(values, dtype=np.float64)
+    if x.ndim != 1 or not x.size or not np.all(np.isfinite(x)):
+        raise ValueError(f"between_pairs needs one finite value per pair, got {list(values)}")
+    mean, n = float(x.mean()), int(x.size)
+    if n < 2:
+        return {"mean": mean, "sd": None, "ci": None, "n": n}
+    sd = float(x.std(ddof=1))
+    half = float(student_t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n)
+    return {"mean": mean, "sd": sd, "ci": [mean - half, mean + half], "n": n}
+
+
 # -- embeddings -------------------------------------------------------------------------------------
 
 
