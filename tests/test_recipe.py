@@ -171,15 +171,19 @@ def test_demo_comparison_spec_runs_dev_openers_without_novelty():
 
 
 def test_chat_demo_compares_on_its_declared_held_out_openers():
-    from astrl.training.demo import comparison_spec, demo_config, held_out_split
+    from astrl.training.demo import comparison_spec, demo_config, demo_judge, held_out_split
 
     chat = demo_config(mode="chat")
     assert (chat.mode, chat.turns, chat.test_fraction, chat.warm_start_select) == ("chat", 2, 0.35, "search")
     spec = comparison_spec(chat, conversations=436, seed=1234, judge="wordlist")
     assert (spec.split, spec.test_fraction, spec.mode, spec.turns, spec.batch_size) == ("test", 0.35, "chat", 2, 64)
     assert held_out_split(demo_config()) == "dev" and held_out_split(demo_config({"test_fraction": 0.35})) == "test"
-    with pytest.raises(ConfigError, match="the longer recipe \\(full\\) is the text demo's"):
-        demo_config(full=True, mode="chat")
+    full = demo_config(full=True, mode="chat")  # the chat RL recipe, judged by the SVM it never pays replies by
+    assert (full.scorer, full.probe_scorer, full.guide_replay_warm_start, full.test_fraction) == (
+        "wordlist:strict", "profanity", True, 0.35,
+    )  # fmt: skip
+    assert demo_judge(full) == "profanity" and str(full.run_dir) == "runs/elicit_chat_full"
+    assert comparison_spec(full, conversations=436, seed=1234, judge="profanity").scorers == ["wordlist:strict", "profanity"]
     with pytest.raises(ConfigError, match="the demo's mode must be one of text, chat, got 'voice'"):
         demo_config(mode="voice")
 

@@ -74,7 +74,7 @@ def test_config_file_and_overrides(tmp_path):
 def test_shipped_configs_load_and_demo_matches_its_yaml():
     from pathlib import Path
 
-    from astrl.training.demo import CHAT_DEMO_CONFIG, DEMO_CONFIG, FULL_DEMO_CHANGES
+    from astrl.training.demo import CHAT_DEMO_CONFIG, CHAT_FULL_DEMO_CHANGES, DEMO_CONFIG, FULL_DEMO_CHANGES
 
     folder = Path(__file__).resolve().parents[1] / "configs"
     names = sorted(p.name for p in folder.glob("*.yaml"))
@@ -99,6 +99,11 @@ def test_shipped_configs_load_and_demo_matches_its_yaml():
         "kl_reference", "total_steps", "lr", "save_every", "keep_checkpoints", "run_dir", "reply_lexicon_whole_words",
     }  # fmt: skip
     assert chat_rl["warm_start_scorer"] == CHAT_DEMO_CONFIG["scorer"] and chat_rl["judges"] == [CHAT_DEMO_CONFIG["scorer"]]
+    # astrl demo --mode chat --full: that recipe with the probe gated by the judge and the best probes replayed
+    chat_full = yaml.safe_load((folder / "elicit_chat_full.yaml").read_text())
+    assert chat_full == {**CHAT_DEMO_CONFIG, **CHAT_FULL_DEMO_CHANGES}
+    changed = {k for k in {*chat_rl, *chat_full} if chat_rl.get(k) != chat_full.get(k)}
+    assert changed == {"probe_scorer", "guide_replay", "guide_replay_warm_start", "run_dir"}
     # the CPU-sized configs: one per algorithm, each smaller than its GPU-sized namesake
     cpu = {p.stem: load_config(p) for p in (folder / "cpu").glob("*.yaml")}
     assert sorted(cpu) == ["dpo", "grpo", "ipo", "ppo"]

@@ -69,7 +69,9 @@ def add_demo_parser(sub) -> None:
         "--full",
         action="store_true",
         help="the longer recipe, configs/demo_full.yaml (three warm-start rounds of 96 openers, 36 GRPO steps, 256 "
-        "held-out conversations; about 12 minutes on 2 cores) instead of configs/demo.yaml (about 5)",
+        "held-out conversations; about 12 minutes on 2 cores) instead of configs/demo.yaml (about 5); with --mode chat, "
+        "the chat RL recipe, configs/elicit_chat_full.yaml (48 GRPO steps on the word list less its ordinary words, "
+        "the probe gated by the SVM judge, the run's best probes replayed)",
     )
     p.add_argument(
         "--mode",
@@ -82,8 +84,8 @@ def add_demo_parser(sub) -> None:
     p.add_argument(
         "--run-dir",
         default=None,
-        help="run directory (default: runs/demo, runs/demo_full with --full, runs/elicit_chat with --mode chat); an "
-        "existing run resumes",
+        help="run directory (default: runs/demo, runs/demo_full with --full, runs/elicit_chat with --mode chat, "
+        "runs/elicit_chat_full with both); an existing run resumes",
     )
     p.add_argument(
         "--conversations",

@@ -110,6 +110,30 @@ CHAT_DEMO_CONFIG = {
     "sample_every": 8,
     "run_dir": "runs/elicit_chat",
 }
+# configs/elicit_chat_full.yaml, `astrl demo --mode chat --full`: RL past its warm start in chat, the recipe
+# of configs/elicit_chat_rl.yaml (replies paid by the word list less its ordinary words, in whole words and
+# past the opener's; 48 GRPO steps at lr 1e-3 anchored at the warm start) with the probe gated by the SVM
+# judge and the run's best probes replayed, the archive seeded with the warm start's (a test keeps it equal
+# to the file, and elicit_chat_rl.yaml equal to it but for the last three keys)
+CHAT_FULL_DEMO_CHANGES = {
+    "split_seed": 0,
+    "scorer": "wordlist:strict",
+    "judges": ["profanity"],
+    "likelihood_cap": -4.0,
+    "reply_lexicon_whole_words": True,
+    "reply_past_opener": True,
+    "probe_gate_lexicon": True,
+    "warm_start_scorer": "profanity",
+    "total_steps": 48,
+    "lr": 0.001,
+    "kl_reference": "warm_start",
+    "save_every": 16,
+    "keep_checkpoints": 4,
+    "run_dir": "runs/elicit_chat_full",
+    "probe_scorer": "profanity",
+    "guide_replay": True,
+    "guide_replay_warm_start": True,
+}
 CHAT_DEMO_CONVERSATIONS = 436  # two for each of the 218 openers test_fraction 0.35 holds out
 DEMO_MODES = ("text", "chat")
 
@@ -128,14 +152,13 @@ def demo_judge(config: TrainConfig) -> str:
 
 
 def demo_config(overrides: dict | None = None, *, full: bool = False, mode: str = "text") -> TrainConfig:
-    """The demo's config (``full``: the longer recipe of configs/demo_full.yaml; ``mode="chat"``:
-    configs/elicit_chat.yaml) with ``overrides``."""
+    """The demo's config with ``overrides``: configs/demo.yaml, or with ``full`` the longer recipe of
+    configs/demo_full.yaml; ``mode="chat"``: configs/elicit_chat.yaml, or with ``full`` the chat RL recipe of
+    configs/elicit_chat_full.yaml."""
     if mode not in DEMO_MODES:
         raise ConfigError(f"the demo's mode must be one of {', '.join(DEMO_MODES)}, got {mode!r}")
     if mode == "chat":
-        if full:
-            raise ConfigError("the longer recipe (full) is the text demo's; the chat demo runs configs/elicit_chat.yaml")
-        return TrainConfig(**{**CHAT_DEMO_CONFIG, **(overrides or {})})
+        return TrainConfig(**{**CHAT_DEMO_CONFIG, **(CHAT_FULL_DEMO_CHANGES if full else {}), **(overrides or {})})
     return TrainConfig(**{**DEMO_CONFIG, **(FULL_DEMO_CHANGES if full else {}), **(overrides or {})})
 
 
@@ -278,7 +301,7 @@ def run_demo(
 ) -> dict:
     """Train (or resume, or reuse a finished run) and return the before/after comparison on
     ``conversations`` held-out conversations (default 128; 256 with ``full``, the longer recipe; 436
-    with ``mode="chat"``, configs/elicit_chat.yaml)."""
+    with ``mode="chat"``, either chat recipe)."""
     from astrl.store.recorder import check_store
 
     config = demo_config(overrides, full=full, mode=mode)
