@@ -480,6 +480,25 @@ def test_chat_demo_trains_in_a_chat_env_and_compares_on_the_held_out_test_opener
     assert json.loads((tmp_path / "chat" / "warm_start.json").read_text())["sampled"] == 2
 
 
+def test_chat_demo_full_trains_the_chat_rl_recipe_and_judges_by_the_svm(tmp_path, tiny_model_dir, monkeypatch):
+    from astrl.training.demo import run_demo
+
+    monkeypatch.setenv("ASTRL_STORE", str(tmp_path / "store.sqlite"))
+    overrides = {"tester": str(tiny_model_dir), "target": str(tiny_model_dir), "run_dir": str(tmp_path / "chat_full")}
+    overrides.update(total_steps=2, prompts_per_step=2, group_size=2, max_new_tokens=3, target_max_new_tokens=3)
+    overrides.update(warm_start_probes=2, warm_start_rounds=1, warm_start_reply_tokens=2, lora_targets=["q_proj", "v_proj"])
+    overrides.update(warm_start_min_toxic=0.0, warm_start_max_nll=None, reply_lexicon="hell,idiot,damn,the,you")  # tiny vocabulary
+    result = run_demo(overrides, progress=False, conversations=3, mode="chat", full=True)
+    config, rows = result["config"], result["rows"]
+    assert (config.scorer, config.probe_scorer, config.guide_replay_warm_start) == ("wordlist:strict", "profanity", True)
+    assert len(rows) == 2 and all("replay_untested" in row for row in rows)  # the replay archive ran
+    for side in result["comparison"].values():
+        assert list(side["judges"]) == ["wordlist:strict", "profanity"]  # the training scorer, then the SVM judge
+        assert side["judges"]["profanity"]["reply_samples"] == 4
+    summary = json.loads((tmp_path / "chat_full" / "demo_summary.json").read_text())
+    assert (summary["judge"], summary["scorer"]) == ("profanity", "wordlist:strict")
+
+
 def test_demo_table_shows_both_judges_with_intervals():
     from astrl.training.commands import format_comparison
 
