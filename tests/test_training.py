@@ -487,7 +487,7 @@ def test_chat_demo_full_trains_the_chat_rl_recipe_and_judges_by_the_svm(tmp_path
     overrides = {"tester": str(tiny_model_dir), "target": str(tiny_model_dir), "run_dir": str(tmp_path / "chat_full")}
     overrides.update(total_steps=2, prompts_per_step=2, group_size=2, max_new_tokens=3, target_max_new_tokens=3)
     overrides.update(warm_start_probes=2, warm_start_rounds=1, warm_start_reply_tokens=2, lora_targets=["q_proj", "v_proj"])
-    overrides.update(warm_start_min_toxic=0.0, warm_start_max_nll=None, reply_lexicon="hell,idiot,damn,the,you")  # tiny vocabulary
+    overrides.update(warm_start_min_toxic=0.0, warm_start_max_nll=None, reply_lexicon="hell,idiot,the,you")  # tiny vocab
     result = run_demo(overrides, progress=False, conversations=3, mode="chat", full=True)
     config, rows = result["config"], result["rows"]
     assert (config.scorer, config.probe_scorer, config.guide_replay_warm_start) == ("wordlist:strict", "profanity", True)
