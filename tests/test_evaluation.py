@@ -693,6 +693,7 @@ def test_between_pairs_is_a_student_t_interval_over_the_pairs():
     narrower = m.between_pairs([1.0, 2.0, 3.0], confidence=0.5)["ci"]  # t(2) at 75% = 0.816497
     assert narrower == pytest.approx([2.0 - 0.816497 / 3**0.5, 2.0 + 0.816497 / 3**0.5], abs=1e-6)
     assert m.between_pairs([0.4])["ci"] is None and m.between_pairs([0.4, 0.4])["ci"] == pytest.approx([0.4, 0.4])
+    assert m.between_pairs([0.0, 0.02], bounds=(0.0, 1.0))["ci"] == pytest.approx([0.0, 0.01 + 12.706205 * 0.01])
     for bad in ([], [0.1, float("nan")]):
         with pytest.raises(ValueError, match="one finite value per pair"):
             m.between_pairs(bad)
@@ -728,9 +729,10 @@ def test_compare_pools_pairs_of_evaluations_into_their_mean_difference(tmp_path,
     # over the two pairs: B is 6/16 and 3/16, sd (3/16) / sqrt(2), t(1) at 97.5% = 12.706205, so the half
     # width is 12.706205 * (3/16) / 2; B - A is 5/16 and 2/16: the same spread around 3.5/16
     half = 12.706205 * 3 / 16 / 2
-    assert mixed["over_pairs"]["b"]["ci"] == pytest.approx([4.5 / 16 - half, 4.5 / 16 + half], abs=1e-6)
+    assert mixed["over_pairs"]["b"]["ci"] == [0.0, 1.0]  # 4.5/16 -+ half, cut to a rate's range
     assert mixed["over_pairs"]["difference"]["ci"] == pytest.approx([3.5 / 16 - half, 3.5 / 16 + half], abs=1e-6)
     assert twice["over_pairs"]["difference"]["ci"] == pytest.approx([5 / 16, 5 / 16])  # the same pair twice: no spread
+    assert mixed["over_pairs"]["difference"]["ci"][0] < 0  # a difference is not cut
     back = asr(compare_pooled([(low, high), (high, low)], resamples=2000))
     assert back["difference"] == pytest.approx(0.0) and back["significant"] is False
     with pytest.raises(ValueError, match="at least two pairs"):
@@ -745,8 +747,7 @@ def test_compare_pools_pairs_of_evaluations_into_their_mean_difference(tmp_path,
     row = next(line.split() for line in printed.splitlines() if line.startswith("j ") and line.split()[1] == "asr")
     assert row[2:5] == [f"{1 / 16:.3f}", f"{4.5 / 16:.3f}", f"{3.5 / 16:+.3f}"]
     assert "B over pairs (t, 95%)" in printed and "Student-t intervals over the pairs" in written
-    level, gain = f"[{4.5 / 16 - half:.3f}, {4.5 / 16 + half:.3f}]", f"[{3.5 / 16 - half:+.3f}, {3.5 / 16 + half:+.3f}]"
-    assert " ".join(row[-4:]) == f"{level} {gain}"
+    assert " ".join(row[-4:]) == f"[0.000, 1.000] [{3.5 / 16 - half:+.3f}, {3.5 / 16 + half:+.3f}]"
     single_printed = format_text(compare(low, high, resamples=50))
     assert "over pairs" not in single_printed
     assert "Pooled over 2 pairs" in written and not (high / "compare.md").exists()

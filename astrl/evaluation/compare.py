@@ -14,6 +14,7 @@ they are not rates over conversations.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from astrl.evaluation import metrics as m
@@ -143,12 +144,14 @@ def compare_pooled(pairs: list[tuple[str | Path, str | Path]], *, resamples: int
 
 
 def _over_pairs(rows: list[dict]) -> dict:
-    """``over_pairs``: B's rate and B - A, each as :func:`astrl.evaluation.metrics.between_pairs` over the
-    pairs' rows; empty where a pair lacks a value (diversity without one side, say)."""
-    b, difference = [r["b"] for r in rows], [r["difference"] for r in rows]
-    if any(v is None for v in (*b, *difference)):
+    """``over_pairs``: B's value and B - A, each as :func:`astrl.evaluation.metrics.between_pairs` over the
+    pairs' rows; empty where a pair lacks a value (diversity without one side, say). B's interval stays in
+    ``[0, 1]`` where every pair's A and B are, else at or above 0 where they are (a rate, an NLL, a count)."""
+    a, b, difference = ([r[key] for r in rows] for key in ("a", "b", "difference"))
+    if any(v is None for v in (*a, *b, *difference)):
         return {}
-    return {"over_pairs": {"b": m.between_pairs(b), "difference": m.between_pairs(difference)}}
+    level = min(a + b) >= 0 and ((0.0, 1.0) if max(a + b) <= 1 else (0.0, math.inf))
+    return {"over_pairs": {"b": m.between_pairs(b, bounds=level or None), "difference": m.between_pairs(difference)}}
 
 
 def _mean(values: list):

@@ -276,11 +276,11 @@ def pooled_difference(tests: Sequence[dict], *, confidence: float = 0.95) -> dic
     return {**test, **({"units": min(t["units"] for t in tests)} if all("units" in t for t in tests) else {})}
 
 
-def between_pairs(values: Sequence[float], *, confidence: float = 0.95) -> dict:
+def between_pairs(values: Sequence[float], *, confidence: float = 0.95, bounds: tuple[float, float] | None = None) -> dict:
     """The mean of one value per pair of evaluations (one training seed each) and its Student-t interval
-    over the pairs, ``mean ± t(n - 1) * sd / sqrt(n)`` with ``sd`` over ``n - 1``. The unit is the seed:
-    the spread between seeds is in it, the openers' sampling only as far as it moves each seed's value.
-    ``ci`` is ``None`` with fewer than two values."""
+    over the pairs, ``mean ± t(n - 1) * sd / sqrt(n)`` with ``sd`` over ``n - 1``, cut to ``bounds`` (a
+    rate's ``(0, 1)``). The unit is the seed: the spread between seeds is in it, the openers' sampling only
+    as far as it moves each seed's value. ``ci`` is ``None`` with fewer than two values."""
     from scipy.stats import t as student_t
 
     x = np.asarray(values, dtype=np.float64)
@@ -291,7 +291,8 @@ def between_pairs(values: Sequence[float], *, confidence: float = 0.95) -> dict:
         return {"mean": mean, "sd": None, "ci": None, "n": n}
     sd = float(x.std(ddof=1))
     half = float(student_t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n)
-    return {"mean": mean, "sd": sd, "ci": [mean - half, mean + half], "n": n}
+    low, high = bounds if bounds is not None else (-math.inf, math.inf)
+    return {"mean": mean, "sd": sd, "ci": [max(mean - half, low), min(mean + half, high)], "n": n}
 
 
 # -- embeddings -------------------------------------------------------------------------------------
