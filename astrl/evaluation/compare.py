@@ -150,8 +150,9 @@ def _over_pairs(rows: list[dict]) -> dict:
     a, b, difference = ([r[key] for r in rows] for key in ("a", "b", "difference"))
     if any(v is None for v in (*a, *b, *difference)):
         return {}
-    level = min(a + b) >= 0 and ((0.0, 1.0) if max(a + b) <= 1 else (0.0, math.inf))
-    return {"over_pairs": {"b": m.between_pairs(b, bounds=level or None), "difference": m.between_pairs(difference)}}
+    both = [*a, *b]
+    bounds = None if min(both) < 0 else (0.0, 1.0) if max(both) <= 1 else (0.0, math.inf)
+    return {"over_pairs": {"b": m.between_pairs(b, bounds=bounds), "difference": m.between_pairs(difference)}}
 
 
 def _mean(values: list):
