@@ -681,6 +681,8 @@ def test_pooled_difference_tests_the_mean_of_the_pairs_draw_by_draw():
     assert m.pooled_difference([first, test(0.3, [0.2, 0.4, 0.3, 0.3], significant=None)])["significant"] is None
     with pytest.raises(ValueError, match="same number of resamples"):
         m.pooled_difference([first, test(0.3, [0.2])])
+    with pytest.raises(ValueError, match=r"confidence must be in \(0, 1\), got 1.0"):
+        m.pooled_difference([first, second], confidence=1.0)
     kept = m.bootstrap_difference((np.ones(8), np.full(8, 2.0)), (np.ones(8), np.ones(8)), resamples=50, keep_draws=True)
     assert kept["draws"].shape == (50,) and np.allclose(kept["draws"], 0.5)  # every resample: 1 - 1/2
 
@@ -697,6 +699,8 @@ def test_between_pairs_is_a_student_t_interval_over_the_pairs():
     for bad in ([], [0.1, float("nan")]):
         with pytest.raises(ValueError, match="one finite value per pair"):
             m.between_pairs(bad)
+    with pytest.raises(ValueError, match=r"confidence must be in \(0, 1\), got 95"):
+        m.between_pairs([1.0, 2.0], confidence=95)
 
 
 def test_compare_pools_pairs_of_evaluations_into_their_mean_difference(tmp_path, capsys):

@@ -196,11 +196,15 @@ def _resampled_ratios(num: np.ndarray, den: np.ndarray, resamples: int, rng: np.
         return np.where(dens > 0, nums / np.where(dens > 0, dens, 1.0), np.nan)
 
 
+def _check_confidence(confidence: float) -> None:
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+
+
 def _check_bootstrap(resamples: int, confidence: float) -> None:
     if resamples < 1:
         raise ValueError(f"resamples must be >= 1, got {resamples}")
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    _check_confidence(confidence)
 
 
 def bootstrap_ratio(
@@ -266,6 +270,7 @@ def pooled_difference(tests: Sequence[dict], *, confidence: float = 0.95) -> dic
     evaluations, resampled independently), tested by the mean of their draws, draw by draw: a resample
     that left any pair's difference undefined is left out. ``significant`` is ``None`` when any pair had
     too few units for a verdict."""
+    _check_confidence(confidence)
     if not tests:
         raise ValueError("pooled_difference needs at least one test")
     if len({len(t["draws"]) for t in tests}) != 1:
@@ -283,6 +288,7 @@ def between_pairs(values: Sequence[float], *, confidence: float = 0.95, bounds: 
     as far as it moves each seed's value. ``ci`` is ``None`` with fewer than two values."""
     from scipy.stats import t as student_t
 
+    _check_confidence(confidence)
     x = np.asarray(values, dtype=np.float64)
     if x.ndim != 1 or not x.size or not np.all(np.isfinite(x)):
         raise ValueError(f"between_pairs needs one finite value per pair, got {list(values)}")
