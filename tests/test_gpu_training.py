@@ -17,9 +17,18 @@ KEYWORDS = "keywords:the,you,hello,how,are"
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+# the gated reward alone, and the full recipe (configs/elicit_chat_full.yaml): the SVM probe gate and the replay
+# archive seeded with the warm start's kept probes, whose re-tested probes join every group
+RECIPES = {
+    "plain": {"probe_gate_lexicon": False},
+    "gated": {"probe_gate_lexicon": True},
+    "full": {"probe_gate_lexicon": True, "probe_scorer": "profanity", "guide_replay": True, "guide_replay_warm_start": True},
+}
+
+
 @needs_gpu
-@pytest.mark.parametrize("gate", [False, True])
-def test_the_chat_recipe_trains_and_compares_on_the_gpu(tmp_path, tiny_model_dir, monkeypatch, gate):
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_the_chat_recipe_trains_and_compares_on_the_gpu(tmp_path, tiny_model_dir, monkeypatch, recipe):
     from astrl.training.demo import run_demo
 
     monkeypatch.setenv("ASTRL_STORE", str(tmp_path / "store.sqlite"))
@@ -29,7 +38,7 @@ def test_the_chat_recipe_trains_and_compares_on_the_gpu(tmp_path, tiny_model_dir
         "scorer": KEYWORDS,
         "device": "cuda",
         "run_dir": str(tmp_path / "chat"),
-        "probe_gate_lexicon": gate,
+        **RECIPES[recipe],
     }
     overrides.update(total_steps=2, prompts_per_step=2, group_size=2, max_new_tokens=3, target_max_new_tokens=3)
     overrides.update(warm_start_probes=2, warm_start_rounds=1, warm_start_reply_tokens=2, lora_targets=["q_proj", "v_proj"])
@@ -41,7 +50,11 @@ def test_the_chat_recipe_trains_and_compares_on_the_gpu(tmp_path, tiny_model_dir
     for row in rows:
         assert float(row["gpu_peak_gb"]) > 0  # the models and the step ran on the GPU
         assert torch.isfinite(torch.tensor([float(row["loss"]), float(row["grad_norm"])])).all()
-        assert 0.0 <= float(row["term_probe_listed"] if gate else 0.0) <= 1.0
+        assert 0.0 <= float(row["term_probe_listed"] if recipe != "plain" else 0.0) <= 1.0
+        if recipe == "full":
+            # the archive holds at least the 2 openers x 2 first probes sampled at step 1, and the replayed members
+            # were scored (a finite reward) beside the sampled ones on the GPU
+            assert float(row["replay_probes"]) >= 1 and torch.isfinite(torch.tensor(float(row["replay_reward"])))
     assert (tmp_path / "chat" / "final" / "tester" / "adapter_config.json").exists()
     for side in result["comparison"].values():
         assert side["judges"]["wordlist"]["n_conversations"] == 3
