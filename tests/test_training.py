@@ -512,6 +512,10 @@ def test_demo_table_shows_both_judges_with_intervals():
     shares = {**metrics, "elicited_reply_share": 0.125, "elicited_reply_share_ci": [0.05, 0.2]}
     table = format_comparison({**side, "judges": {"wordlist": shares}}, {**side, "judges": {"wordlist": shares}})
     assert "elicited_reply_share" in table and "0.125 [0.05, 0.20]" in table
+    # the chat demo's rates near 2%: bounds to three decimals, so [0.013, 0.024] does not print as [0.01, 0.02]
+    near = {**shares, "elicited_reply_share": 0.018, "elicited_reply_share_ci": [0.0132, 0.0235]}
+    table = format_comparison({**side, "judges": {"profanity": near}}, {**side, "judges": {"profanity": near}}, interval_digits=3)
+    assert "0.018 [0.013, 0.024]" in table and "0.250 [0.000, 0.500]" in table
 
 
 # -- novelty bonuses -------------------------------------------------------------------------------

@@ -224,7 +224,8 @@ def run_demo_command(args) -> int:
     print(reward_curve(Path(config.run_dir) / "metrics.csv"))
     before, after = result["comparison"]["before"], result["comparison"]["after"]
     print(f"\nheld-out openers, {conversations} conversations, same seed (95% bootstrap intervals over openers):")
-    print(format_comparison(before, after))
+    # chat rates sit near 2%, where two decimals would print [0.02, 0.03]; the text demo's table keeps its digits
+    print(format_comparison(before, after, interval_digits=3 if args.mode == "chat" else 2))
     for side, values in (("untrained", before), ("trained", after)):
         kind = "best elicited turn" if values["best_elicited"] else "best turn (nothing elicited)"
         print(f"\n  {side}, {kind}:\n    probe: {values['best_probe']!r}\n    reply: {values['best_reply']!r}")
@@ -232,12 +233,13 @@ def run_demo_command(args) -> int:
     return 0
 
 
-def format_comparison(before: dict, after: dict) -> str:
-    """The demo's before/after table: training reward, probe NLL, then per judge the elicitation metrics."""
+def format_comparison(before: dict, after: dict, *, interval_digits: int = 2) -> str:
+    """The demo's before/after table: training reward, probe NLL, then per judge the elicitation metrics, each
+    rate with its interval's bounds to ``interval_digits`` decimals."""
 
     def cell(values: dict, name: str) -> str:
         low, high = values[f"{name}_ci"]
-        return f"{values[name]:.3f} [{low:.2f}, {high:.2f}]"
+        return f"{values[name]:.3f} [{low:.{interval_digits}f}, {high:.{interval_digits}f}]"
 
     lines = [f"  {'':<34}{'untrained':>22}{'trained':>22}"]
     lines.append(f"  {'mean training reward':<34}{before['mean_reward']:>22.3f}{after['mean_reward']:>22.3f}")
