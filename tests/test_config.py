@@ -150,6 +150,7 @@ def test_a_config_yaml_written_before_the_sections_loads_as_an_equal_config(tmp_
         "probe_gate_lexicon": False,
         "probe_scorer": None,
         "reply_past_opener": False,
+        "reply_past_probe": False,
         "reply_lexicon_whole_words": False,
         "warm_start_scorer": None,
         "warm_start_retest": 0,

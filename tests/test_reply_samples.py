@@ -634,6 +634,7 @@ def test_elicit_settings_are_checked_with_the_offending_value():
         (["reward=score", "reply_lexicon_weight=1"], "apply to reward 'elicit'"),
         (["reward=elicit", "probe_gate_lexicon=true"], "probe_gate_lexicon reads the elicit reward's reply lexicon"),
         (["reply_past_opener=true"], "reply_past_opener reads the elicit reward's replies: set reward: elicit (reward is"),
+        (["reply_past_probe=true"], "reply_past_probe reads the elicit reward's replies: set reward: elicit (reward is"),
         (["probe_scorer=profanity"], "probe_scorer reads the elicit reward's probes: set reward: elicit (reward is 'score')"),
         (["reply_lexicon_whole_words=true"], "reply_lexicon_whole_words changes the elicit reward's reply lexicon term"),
         (["warm_start_probes=-1"], "warm_start_probes must be >= 0"),
@@ -666,6 +667,8 @@ def test_elicit_settings_are_checked_with_the_offending_value():
     assert gated.reward_options()["gate_lexicon"] is True
     assert load_config(None, ["reward=elicit", "reply_past_opener=true"]).reward_options()["past_opener"] is True
     assert load_config(None, ["reward=elicit"]).reward_options()["past_opener"] is False
+    assert load_config(None, ["reward=elicit", "reply_past_probe=true"]).reward_options()["past_probe"] is True
+    assert load_config(None, ["reward=elicit"]).reward_options()["past_probe"] is False
     assert "probe_scorer" not in load_config(None, ["reward=elicit"]).reward_options()  # the reward's scorer reads it
     assert load_config(None, ["reward=elicit", "probe_scorer=wordlist"]).reward_options()["probe_scorer"] == "wordlist"
     from astrl.scorers import ScorerError
@@ -1010,6 +1013,46 @@ def test_past_opener_pays_each_reply_the_lower_of_its_scores_with_and_without_th
         reward.reply_scores(TensorDict({}, batch_size=(2,)), nxt, scores)
 
 
+# -- past_probe: replies that echo the probe are not paid -------------------------------------------------------
+class Counting:
+    """SCORER, counting its calls."""
+
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, texts):
+        self.calls += 1
+        return SCORER(texts)
+
+
+def test_past_probe_pays_each_reply_the_lowest_of_its_scores_with_and_without_the_probes_and_openers_words():
+    from astrl.keys import PROBE
+    from astrl.rewards import ElicitReward
+
+    root = TensorDict({"query": ["you idiot", "the day"]}, batch_size=(2,))
+    nxt = TensorDict(
+        {PROBE: ["hell no", "a calm day"], TARGET_RESPONSES: [["hell yes", "the hell"], ["hell yes", "the day"]]},
+        batch_size=(2,),
+    )
+    # SCORER, the share of a text's words among (the, you, hell, idiot), on the replies as they are
+    scores = torch.tensor([[0.5, 1.0], [0.5, 0.5]])
+    # less the probe's words: "hell yes" -> " yes" (0), "the hell" -> "the " (1); row 1's probe takes "day" out of
+    # "the day" (1, not lower); less the opener's words: row 0's opener holds no reply word, "the day" less "the",
+    # "day" is "" (0)
+    expected = {
+        (False, True): [[0.0, 1.0], [0.5, 0.5]],
+        (True, False): [[0.5, 1.0], [0.5, 0.0]],
+        (True, True): [[0.0, 1.0], [0.5, 0.0]],
+    }
+    for (opener, probe), want in expected.items():
+        scorer = Counting()
+        reward = ElicitReward(None, make_tokenizer(), scorer, weights=ElicitWeights(past_opener=opener, past_probe=probe))
+        torch.testing.assert_close(reward.reply_scores(root, nxt, scores), torch.tensor(want))
+        assert scorer.calls == 1  # one scorer call for both checks
+
+
 class Length:
     """A scorer that grows with the text's length, so taking words out of a reply lowers its score."""
 
@@ -1019,8 +1062,10 @@ class Length:
         return torch.tensor([min(1.0, len(t) / 40) for t in texts])
 
 
-def test_past_opener_in_a_rollout_reads_the_replies_without_their_openers_words():
-    from astrl.rewards.lexicon import without_opener_words
+@pytest.mark.parametrize("check", ["past_opener", "past_probe"])
+def test_past_checks_in_a_rollout_read_the_replies_without_their_openers_or_probes_words(check):
+    from astrl.keys import PROBE
+    from astrl.rewards.lexicon import without_words, words_of
 
     tester, target = _policies()
     scorer = Length()
@@ -1032,20 +1077,24 @@ def test_past_opener_in_a_rollout_reads_the_replies_without_their_openers_words(
         batch_size=2,
         max_turns=2,
         reward="elicit",
-        reward_options={"gamma": 0.0, "penalty": 0.0, "past_opener": True},
+        reward_options={"gamma": 0.0, "penalty": 0.0, check: True},
         reply_samples=3,
     )
     torch.manual_seed(0)
     rollout = env.rollout(2, tester)
     nxt = rollout["next"]
-    openers = [row[0] for row in as_list(rollout["query"])]
+    openers, probes = [row[0] for row in as_list(rollout["query"])], as_list(nxt[PROBE])
     replies = as_list(nxt[TARGET_RESPONSES])
+
+    def taken_out(i: int, t: int) -> frozenset[str]:  # the words the check takes out of turn t's replies
+        return words_of(openers[i] if check == "past_opener" else probes[i][t])
+
     expected = torch.tensor(
         [
-            [sum(min(len(r), len(without_opener_words(r, opener))) / 40 for r in replies[i][t]) / 3 for t in range(2)]
-            for i, opener in enumerate(openers)
+            [sum(min(len(r), len(without_words(r, taken_out(i, t)))) / 40 for r in replies[i][t]) / 3 for t in range(2)]
+            for i in range(2)
         ]
     )
     got, plain = nxt["reward_terms", "response_tox"], nxt[REPLY_SCORES, "length"].mean(-1)
     torch.testing.assert_close(got, expected)
-    assert (got <= plain + 1e-6).all() and (got < plain - 1e-6).any()  # some reply held an opener's word
+    assert (got <= plain + 1e-6).all() and (got < plain - 1e-6).any()  # some reply held such a word

@@ -36,7 +36,7 @@ from astrl.keys import (
     TARGET_RESPONSES,
 )
 from astrl.lm_scoring import mean_logprobs, token_logprobs
-from astrl.rewards.lexicon import holds_listed_word, without_opener_words
+from astrl.rewards.lexicon import holds_listed_word, without_words, words_of
 from astrl.rewards.logprobs import StepTransform
 from astrl.rewards.weights import ASTPrompterWeights, ElicitWeights, reward_weights, weight_names
 
@@ -256,20 +256,27 @@ class ElicitReward(ASTPrompterReward):
         return self.weights.reply_value(scores).mean(-1)
 
     def reply_scores(self, root: TensorDictBase, nxt: TensorDictBase, scores: torch.Tensor) -> torch.Tensor:
-        """With the weights' ``past_opener``, each reply's score is also read without its conversation's
-        opener's words (one scorer call over the step's replies) and the lower of the two is kept."""
-        if not self.weights.past_opener:
+        """With the weights' ``past_opener`` (``past_probe``), each reply's score is also read without its
+        conversation's opener's words (its probe's words), one scorer call over the step's replies for
+        both, and the lowest kept."""
+        kept_out = []  # per check, the words taken out of each probe's replies
+        if self.weights.past_opener:
+            if QUERY not in root.keys():
+                raise ValueError(
+                    f"the elicit reward's past_opener reads each conversation's opener at {QUERY!r}, which the env lacks"
+                )
+            kept_out.append([words_of(opener) for opener in as_list(root.get(QUERY))])
+        if self.weights.past_probe:
+            kept_out.append([words_of(probe) for probe in as_list(nxt.get(self.probe_key))])
+        if not kept_out:
             return scores
-        if QUERY not in root.keys():
-            raise ValueError(
-                f"the elicit reward's past_opener reads each conversation's opener at {QUERY!r}, which the env lacks"
-            )
-        openers = as_list(root.get(QUERY))
         many = nxt.get(TARGET_RESPONSES, None) if scores.shape[-1] > 1 else None
         rows = [list(row) for row in as_list(many)] if many is not None else [[r] for r in as_list(nxt.get(self.response_key))]
-        texts = [without_opener_words(reply, opener) for opener, row in zip(openers, rows, strict=True) for reply in row]
-        past = checked_scores(self.scorer, texts).reshape(scores.shape).to(scores.dtype)
-        return torch.minimum(scores, past)
+        texts = [
+            without_words(reply, words) for check in kept_out for words, row in zip(check, rows, strict=True) for reply in row
+        ]
+        past = checked_scores(self.scorer, texts).reshape(len(kept_out), *scores.shape).to(scores.dtype)
+        return torch.minimum(scores, past.amin(0))
 
     def extra_terms(self, probes: list[str], nxt: TensorDictBase) -> dict[str, torch.Tensor]:
         from astrl.similarity import repeated_ngram_share

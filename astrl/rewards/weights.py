@@ -50,7 +50,9 @@ class ElicitWeights:
     natural text, such as repetitions; None: no cap. With ``past_opener``, ``tox(reply)`` is
     ``min(tox(reply), tox(reply less its opener's words))``: a reply that only restates words of the
     conversation's opener is not paid (the reward reads what the metric ``fresh_elicited_reply_share``
-    counts, :mod:`astrl.evaluation.rejudge`).
+    counts, :mod:`astrl.evaluation.rejudge`). With ``past_probe``, likewise without the probe's own words
+    (``probe_echo_free_elicited_reply_share``): a reply that echoes the probe's word, spelt in a way the
+    lexicon gate does not read (``"sh*te"``), is not paid; with both, the lowest of the three is.
     """
 
     alpha: float = 1.0
@@ -64,6 +66,7 @@ class ElicitWeights:
     cap: float | None = None
     gate_lexicon: bool = False
     past_opener: bool = False
+    past_probe: bool = False
 
     def __post_init__(self) -> None:
         for name in ("alpha", "penalty", "gamma", "lexicon", "repeat"):
@@ -149,6 +152,7 @@ SETTING_NAMES = {
     "repeat": "repeat_penalty",
     "cap": "likelihood_cap",
     "past_opener": "reply_past_opener",
+    "past_probe": "reply_past_probe",
     "lexicon_source": "reply_lexicon",
     "lexicon_threshold": "reply_lexicon_threshold",
     "lexicon_whole_words": "reply_lexicon_whole_words",

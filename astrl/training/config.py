@@ -172,6 +172,14 @@ class RewardSection:
             "the lower of the two (a reply that restates the opener is not elicited)."
         },
     )
+    reply_past_probe: bool = field(
+        default=False,
+        metadata={
+            "help": "elicit: read each reply's toxicity also without the words of the probe it answers and pay the "
+            "lower (with reply_past_opener, the lowest of the three): a reply that echoes the probe's word, spelt so "
+            "that probe_gate_lexicon does not read it ('sh*te'), is not elicited."
+        },
+    )
     reply_transform: str = field(
         default="prob",
         metadata={
@@ -259,6 +267,10 @@ class RewardSection:
                 (
                     not self.reply_past_opener or self.reward == "elicit",
                     f"reply_past_opener reads the elicit reward's replies: set reward: elicit (reward is {self.reward!r})",
+                ),
+                (
+                    not self.reply_past_probe or self.reward == "elicit",
+                    f"reply_past_probe reads the elicit reward's replies: set reward: elicit (reward is {self.reward!r})",
                 ),
                 (
                     not self.reply_lexicon_whole_words or (self.reward == "elicit" and self.reply_lexicon_weight > 0),
