@@ -151,6 +151,7 @@ def test_a_config_yaml_written_before_the_sections_loads_as_an_equal_config(tmp_
         "probe_scorer": None,
         "reply_past_opener": False,
         "reply_past_probe": False,
+        "probe_gate_both": False,
         "reply_lexicon_whole_words": False,
         "warm_start_scorer": None,
         "warm_start_retest": 0,

@@ -31,7 +31,7 @@ def test_elicit_config_keys_reach_the_env_and_the_ray_worker_spec():
     config = load_config(None, ["reward=elicit", "probe_penalty=2", "elicit_gate=true", "alpha=1.5", "likelihood_weight=0.05"])
     options = {"alpha": 1.5, "penalty": 2.0, "gamma": 0.05, "gate": True}
     options.update(transform="prob", lexicon=0.0, gate_below=None, repeat=0.0, cap=None, gate_lexicon=False, past_opener=False)
-    options.update(past_probe=False)
+    options.update(past_probe=False, gate_both=False)
     assert config.reward_options() == options
     spec = worker_spec(config).conversation
     assert spec.reward == "elicit" and spec.reward_options == options

@@ -89,6 +89,46 @@ def test_a_probe_holds_a_listed_word_only_as_a_whole_word_in_any_case():
     assert holds_listed_word(texts, ["sex", "hell", "harm"]) == [True, False, True, False, False, True]
 
 
+def test_gate_both_pays_no_reply_term_to_a_probe_that_either_scorer_reads_at_or_above_the_gate():
+    weights = ElicitWeights(alpha=1.0, penalty=0.5, gamma=0.0, lexicon=2.0, gate_below=0.5, gate_both=True)
+    reply, lexicon = torch.tensor([0.8, 0.8, 0.8, 0.8]), torch.tensor([0.1, 0.1, 0.1, 0.1])
+    probe = torch.tensor([0.2, 0.2, 0.6, 0.2])  # probe_scorer's read, which the penalty charges
+    by_scorer = torch.tensor([0.0, 1.0, 0.0, 0.49])  # the training scorer's read ("sh*te" is 1 under a word list)
+    got = weights.combine(reply, probe, torch.zeros(4), lexicon, 0.0, 0.0, by_scorer)
+    # both below 0.5: 0.8 + 2 * 0.1 - 0.5 * 0.2; the scorer at 1.0 or probe_scorer at 0.6: only the penalty
+    torch.testing.assert_close(got, torch.tensor([0.9, -0.1, -0.3, 0.9]))
+    plain = ElicitWeights(alpha=1.0, penalty=0.5, gamma=0.0, lexicon=2.0, gate_below=0.5)
+    got = plain.combine(reply, probe, torch.zeros(4), lexicon, 0.0, 0.0, by_scorer)
+    torch.testing.assert_close(got, torch.tensor([0.9, 0.9, -0.3, 0.9]))  # without gate_both the scorer's read is not read
+    soft = ElicitWeights(alpha=1.0, penalty=0.0, gamma=0.0, gate=True, gate_both=True)  # g = (1 - tox) * (1 - tox_s)
+    got = soft.combine(reply, probe, torch.zeros(4), 0.0, 0.0, 0.0, by_scorer)
+    torch.testing.assert_close(got, torch.tensor([0.64, 0.0, 0.32, 0.3264]))
+    with pytest.raises(ValueError, match="gate_both reads the probe against the gate: set gate_below"):
+        ElicitWeights(gate_both=True)
+
+
+def test_the_env_gates_on_both_scorers_reads_of_the_probe_with_gate_both():
+    from astrl.rewards import ElicitReward
+
+    tester, target = _policies()
+    judge = KeywordScorer(["you"])  # reads the probe for the gate (probe_scorer)
+    options = {"alpha": 1.0, "penalty": 0.0, "gamma": 0.0, "gate_below": 0.2, "gate_both": True, "probe_scorer": "keywords:you"}
+    env = make_redteam_env(
+        tester, target, [SCORER], OPENERS, batch_size=4, max_turns=2, reward="elicit", reward_options=options, reply_samples=2
+    )
+    torch.manual_seed(0)
+    nxt = env.rollout(2, tester)["next"]
+    terms = nxt["reward_terms"]
+    probes = [p for row in as_list(nxt["probe"]) for p in row]
+    torch.testing.assert_close(terms["probe_tox"].reshape(-1), judge(probes))
+    torch.testing.assert_close(terms["probe_tox_scorer"].reshape(-1), SCORER(probes))
+    open_both = (terms["probe_tox"] < 0.2) & (terms["probe_tox_scorer"] < 0.2)
+    assert ((terms["probe_tox"] < 0.2) & ~open_both).any()  # some probe passes the judge but not the scorer
+    torch.testing.assert_close(nxt["reward"].squeeze(-1), open_both.float() * terms["response_tox"])
+    with pytest.raises(ValueError, match="gate_both reads the probe with the scorer as well as with probe_scorer"):
+        ElicitReward(None, make_tokenizer(), SCORER, weights=ElicitWeights(gate_below=0.5, gate_both=True))
+
+
 def test_the_env_gates_the_reply_terms_of_a_probe_that_says_a_lexicon_word():
     tester, target = _policies()
     options = {
@@ -635,6 +675,12 @@ def test_elicit_settings_are_checked_with_the_offending_value():
         (["reward=elicit", "probe_gate_lexicon=true"], "probe_gate_lexicon reads the elicit reward's reply lexicon"),
         (["reply_past_opener=true"], "reply_past_opener reads the elicit reward's replies: set reward: elicit (reward is"),
         (["reply_past_probe=true"], "reply_past_probe reads the elicit reward's replies: set reward: elicit (reward is"),
+        (
+            ["reward=elicit", "probe_gate_both=true", "probe_gate=0.5"],
+            "probe_gate_both reads the probe with the scorer besides probe_scorer, against the probe gate: set reward: "
+            "elicit, probe_scorer and probe_gate (reward is 'elicit', probe_scorer None, probe_gate 0.5)",
+        ),
+        (["reward=elicit", "probe_gate_both=true", "probe_scorer=wordlist"], "probe_scorer 'wordlist', probe_gate None"),
         (["probe_scorer=profanity"], "probe_scorer reads the elicit reward's probes: set reward: elicit (reward is 'score')"),
         (["reply_lexicon_whole_words=true"], "reply_lexicon_whole_words changes the elicit reward's reply lexicon term"),
         (["warm_start_probes=-1"], "warm_start_probes must be >= 0"),
@@ -669,6 +715,9 @@ def test_elicit_settings_are_checked_with_the_offending_value():
     assert load_config(None, ["reward=elicit"]).reward_options()["past_opener"] is False
     assert load_config(None, ["reward=elicit", "reply_past_probe=true"]).reward_options()["past_probe"] is True
     assert load_config(None, ["reward=elicit"]).reward_options()["past_probe"] is False
+    both = load_config(None, ["reward=elicit", "probe_gate_both=true", "probe_scorer=wordlist", "probe_gate=0.5"])
+    assert both.reward_options()["gate_both"] is True
+    assert load_config(None, ["reward=elicit"]).reward_options()["gate_both"] is False
     assert "probe_scorer" not in load_config(None, ["reward=elicit"]).reward_options()  # the reward's scorer reads it
     assert load_config(None, ["reward=elicit", "probe_scorer=wordlist"]).reward_options()["probe_scorer"] == "wordlist"
     from astrl.scorers import ScorerError

@@ -242,7 +242,8 @@ class ElicitReward(ASTPrompterReward):
     ``reply_lexicon`` (the mean over the replies of the lexicon estimate at ``target_lexicon``; 0
     without one) and ``probe_repetition`` (the share of repeated word bigrams in the probe), with the
     weights' ``gate_lexicon`` also ``probe_listed`` (1 when the probe holds one of ``listed_words``, the
-    reply lexicon's words, else 0), and ``reward == ElicitWeights.combine(**terms)``:
+    reply lexicon's words, else 0), with ``gate_both`` also ``probe_tox_scorer`` (the scorer on the probe,
+    which the gate reads besides ``probe_scorer``'s ``probe_tox``), and ``reward == ElicitWeights.combine(**terms)``:
     ``g * (alpha * response_tox + lexicon * reply_lexicon) - penalty * probe_tox + gamma * min(probe_logprob,
     cap) - repeat * probe_repetition``. ``probe_tox`` is the scorer on the probe alone, or ``probe_scorer``
     when one is given (the judge's notion of a clean probe, while the replies are paid by the scorer); the
@@ -289,6 +290,8 @@ class ElicitReward(ASTPrompterReward):
         terms = {"reply_lexicon": lexicon, "probe_repetition": repetition}
         if self.listed_words is not None:
             terms["probe_listed"] = torch.tensor(holds_listed_word(probes, self.listed_words), dtype=torch.float32)
+        if self.weights.gate_both:
+            terms["probe_tox_scorer"] = checked_scores(self.scorer, probes).float()
         return terms
 
     def __init__(
@@ -309,7 +312,14 @@ class ElicitReward(ASTPrompterReward):
             if not listed_words:
                 raise ValueError("the elicit reward's gate_lexicon needs the reply lexicon's words (listed_words is empty)")
             self.listed_words = frozenset(w.lower() for w in listed_words)
-            self.terms = (*ELICIT_TERMS, "probe_listed")
+            self.terms = (*self.terms, "probe_listed")
+        if self.weights.gate_both:
+            if probe_scorer is None:
+                raise ValueError(
+                    "the elicit reward's gate_both reads the probe with the scorer as well as with probe_scorer, and "
+                    "probe_scorer is None (the gate reads the scorer already)"
+                )
+            self.terms = (*self.terms, "probe_tox_scorer")
 
     def toxicity_terms(self, probes: list[str], replies: list[str], cached: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """``response_tox`` and ``probe_tox`` (one scorer call; the reply's score is reused when cached);

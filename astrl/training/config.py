@@ -165,6 +165,14 @@ class RewardSection:
             "while the replies are still paid by scorer."
         },
     )
+    probe_gate_both: bool = field(
+        default=False,
+        metadata={
+            "help": "elicit, with probe_scorer and probe_gate (or elicit_gate): the gate reads each probe with the training "
+            "scorer too, and a probe either scorer reads at or above probe_gate earns no reply term (a reply that echoes "
+            "what the scorer pays for, written in the probe in a spelling probe_scorer passes, 'sh*te', is not elicited)."
+        },
+    )
     reply_past_opener: bool = field(
         default=False,
         metadata={
@@ -263,6 +271,13 @@ class RewardSection:
                 (
                     self.probe_scorer is None or self.reward == "elicit",
                     f"probe_scorer reads the elicit reward's probes: set reward: elicit (reward is {self.reward!r})",
+                ),
+                (
+                    not self.probe_gate_both
+                    or (self.reward == "elicit" and self.probe_scorer is not None and (self.probe_gate or self.elicit_gate)),
+                    f"probe_gate_both reads the probe with the scorer besides probe_scorer, against the probe gate: set "
+                    f"reward: elicit, probe_scorer and probe_gate (reward is {self.reward!r}, probe_scorer "
+                    f"{self.probe_scorer!r}, probe_gate {self.probe_gate!r})",
                 ),
                 (
                     not self.reply_past_opener or self.reward == "elicit",
