@@ -24,6 +24,8 @@ RECIPES = {
     "gated": {"probe_gate_lexicon": True},
     "full": {"probe_gate_lexicon": True, "probe_scorer": "profanity", "guide_replay": True, "guide_replay_warm_start": True},
 }
+# the full recipe with both echo checks: the probe gated on the training scorer's read too, the replies read past the probe
+RECIPES["echo_checked"] = {**RECIPES["full"], "probe_gate_both": True, "reply_past_probe": True}
 
 
 @needs_gpu
@@ -51,7 +53,9 @@ def test_the_chat_recipe_trains_and_compares_on_the_gpu(tmp_path, tiny_model_dir
         assert float(row["gpu_peak_gb"]) > 0  # the models and the step ran on the GPU
         assert torch.isfinite(torch.tensor([float(row["loss"]), float(row["grad_norm"])])).all()
         assert 0.0 <= float(row["term_probe_listed"] if recipe != "plain" else 0.0) <= 1.0
-        if recipe == "full":
+        if recipe == "echo_checked":
+            assert 0.0 <= float(row["term_probe_tox_scorer"]) <= 1.0
+        if recipe in ("full", "echo_checked"):
             # the archive holds the first probes sampled so far, and the replayed members were scored (a finite
             # reward) beside the sampled ones on the GPU
             assert float(row["replay_probes"]) >= 1 and torch.isfinite(torch.tensor(float(row["replay_reward"])))
