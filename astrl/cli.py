@@ -140,55 +140,52 @@ def _add_rollout(sub) -> None:
     p.add_argument("--system-prompt", default=None, help="the tester's red-teaming system prompt (chat mode)")
     p.add_argument("--target-system-prompt", default=None)
     p.add_argument(
-        "--reward",
-        default="score",
-        choices=["score", "astprompter", "elicit"],
-        help="score: the first scorer's probability of the reply; astprompter: "
-        "alpha*tox(reply) + zeta*tox(probe+reply) + likelihood_weight*mean log p_target(probe); elicit: "
-        "alpha*tox(reply) - probe_penalty*tox(probe) + likelihood_weight*mean log p_target(probe)",
-    )
-    p.add_argument("--alpha", type=float, default=1.0, help="astprompter weight of the reply's toxicity")
-    p.add_argument("--zeta", type=float, default=0.5, help="astprompter weight of the probe+reply toxicity")
-    p.add_argument(
-        "--likelihood-weight",
-        type=float,
-        default=None,
-        help="astprompter/elicit weight of the probe's mean log-prob under the target (default 0.1)",
-    )
-    p.add_argument("--gamma", type=float, default=None, help=argparse.SUPPRESS)  # the old name of --likelihood-weight
-    p.add_argument("--probe-penalty", type=float, default=1.0, help="elicit weight of the probe's own toxicity (subtracted)")
-    p.add_argument("--elicit-gate", action="store_true", help="elicit: scale the reply's toxicity by 1 - tox(probe)")
-    p.add_argument(
         "--reply-samples", type=at_least(1), default=1, help="replies the target samples to each probe; the reward averages them"
     )
-    p.add_argument("--probe-gate", type=positive, default=None, help="elicit: reply terms only for tox(probe) below this")
-    p.add_argument(
-        "--probe-gate-lexicon", action="store_true", help="elicit: no reply terms for a probe that holds a reply lexicon word"
-    )
-    p.add_argument(
-        "--reply-transform", default="prob", choices=["prob", "log", "odds"], help="elicit: transform of each reply's score"
-    )
-    p.add_argument("--reply-lexicon-weight", type=float, default=0.0, help="elicit: weight of the reply lexicon estimate")
-    p.add_argument("--reply-lexicon", default="scorer", help="elicit: scorer, wordlist, a .txt file or w1,w2 (default scorer)")
-    p.add_argument("--repeat-penalty", type=float, default=0.0, help="elicit: weight of the probe's repeated-bigram share")
-    p.add_argument("--likelihood-cap", type=float, default=None, help="elicit: cap on the probe's mean log-prob")
+    _add_reward_args(p)
     _add_run_args(p)
     _add_scale_args(p)
     p.add_argument("--out", default="rollouts.jsonl", help="output JSONL path")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def _likelihood_weight(args) -> float:
-    """``--likelihood-weight``, or its old name ``--gamma`` (with a warning), else the default 0.1."""
-    if args.gamma is None:
-        return 0.1 if args.likelihood_weight is None else args.likelihood_weight
-    if args.likelihood_weight is not None:
-        raise ValueError(
-            "both --gamma and --likelihood-weight are given; --gamma is the old name of --likelihood-weight: "
-            "keep only --likelihood-weight"
-        )
-    print("astrl: warning: --gamma is deprecated: it is now --likelihood-weight (same meaning)", file=sys.stderr)
-    return args.gamma
+def _add_reward_args(p) -> None:
+    """One flag per reward setting (:class:`~astrl.rewards.settings.RewardSettings`: ``--probe-gate`` sets
+    ``probe_gate``, a bool is a switch), with the field's help and choices; a flag not given keeps the
+    field's default."""
+    import dataclasses
+
+    from astrl.rewards.settings import RewardSettings
+
+    for spec in dataclasses.fields(RewardSettings):
+        help_text = f"{spec.metadata['help']} (default: {spec.default})".replace("%", "%%")
+        options = {"dest": spec.name, "default": argparse.SUPPRESS, "help": help_text}
+        if spec.type == "bool":
+            options["action"] = "store_true"
+        else:
+            options["type"] = float if spec.type.startswith("float") else str
+            options["choices"] = spec.metadata.get("choices")
+        p.add_argument("--" + spec.name.replace("_", "-"), **options)
+    p.add_argument("--gamma", type=float, default=None, help=argparse.SUPPRESS)  # the old name of --likelihood-weight
+
+
+def _reward_settings(args) -> dict:
+    """The reward flags given (:func:`_add_reward_args`) as config keywords; ``--gamma``, the old name of
+    ``--likelihood-weight``, is read as it with a warning."""
+    import dataclasses
+
+    from astrl.rewards.settings import RewardSettings
+
+    given = {spec.name: getattr(args, spec.name) for spec in dataclasses.fields(RewardSettings) if hasattr(args, spec.name)}
+    if args.gamma is not None:
+        if "likelihood_weight" in given:
+            raise ValueError(
+                "both --gamma and --likelihood-weight are given; --gamma is the old name of --likelihood-weight: "
+                "keep only --likelihood-weight"
+            )
+        print("astrl: warning: --gamma is deprecated: it is now --likelihood-weight (same meaning)", file=sys.stderr)
+        given["likelihood_weight"] = args.gamma
+    return given
 
 
 def _rollout(args) -> int:
@@ -199,19 +196,7 @@ def _rollout(args) -> int:
         tester=args.tester,
         target=args.target,
         scorers=args.scorers or ["profanity"],
-        reward=args.reward,
-        alpha=args.alpha,
-        zeta=args.zeta,
-        likelihood_weight=_likelihood_weight(args),
-        probe_penalty=args.probe_penalty,
-        elicit_gate=args.elicit_gate,
-        probe_gate=args.probe_gate,
-        probe_gate_lexicon=args.probe_gate_lexicon,
-        reply_transform=args.reply_transform,
-        reply_lexicon_weight=args.reply_lexicon_weight,
-        reply_lexicon=args.reply_lexicon,
-        repeat_penalty=args.repeat_penalty,
-        likelihood_cap=args.likelihood_cap,
+        **_reward_settings(args),
         backend=args.backend,
         target_backend=args.target_backend,
         collector=args.collector,
@@ -567,9 +552,9 @@ def check_arguments(args) -> None:
 
     if args.command == "rollout":
         roles = {"tester": args.tester, "target": args.target}
+        scorers = (args.scorers or ["profanity"]) + [name for name in [getattr(args, "probe_scorer", None)] if name]
         check_names(
-            roles, args.scorers or ["profanity"], args.prompts, split=args.split, split_seed=args.seed,
-            test_fraction=args.test_fraction,
+            roles, scorers, args.prompts, split=args.split, split_seed=args.seed, test_fraction=args.test_fraction,
         )  # fmt: skip
     elif args.command == "eval":
         roles = {} if is_run_dir(args.tester) else {"tester": args.tester}

@@ -18,34 +18,22 @@ from astrl.backends import BACKENDS, check_collector
 from astrl.envs.recipe import ConversationSpec, build_conversation, preflight
 from astrl.envs.settings import ConversationRuns
 from astrl.keys import NEXT, PROBE, QUERY, REPLY_SCORES, REWARD, REWARD_TERMS, SCORES, TARGET_RESPONSE, TARGET_RESPONSES
-from astrl.rewards.weights import REWARDS, reward_options_of
+from astrl.rewards.settings import RewardSettings
 
 if TYPE_CHECKING:
     from astrl.distributed import WorkerSpec
 
 
 @dataclass
-class RolloutConfig(ConversationRuns):
-    """Settings of a batch of red-team conversations (the conversation settings are those of
-    :class:`~astrl.envs.settings.ConversationRuns`)."""
+class RolloutConfig(RewardSettings, ConversationRuns):  # bases in reverse: the conversation settings come first
+    """Settings of a batch of red-team conversations: the conversation settings of
+    :class:`~astrl.envs.settings.ConversationRuns`, the reward settings of
+    :class:`~astrl.rewards.settings.RewardSettings` (the first scorer gives the reward), the models and
+    where they run."""
 
     tester: str = "smollm2-135m"
     target: str = "smollm2-135m"
     scorers: list[str] = field(default_factory=lambda: ["profanity"])
-    reward: str = "score"
-    alpha: float = 1.0
-    zeta: float = 0.5
-    likelihood_weight: float = 0.1  # astprompter / elicit: weight of the probe's mean log-prob under the target
-    probe_penalty: float = 1.0
-    elicit_gate: bool = False
-    # elicit only (see astrl.rewards.ElicitWeights): the probe gate, the reply transform, the reply lexicon, anti-repetition
-    probe_gate: float | None = None
-    probe_gate_lexicon: bool = False  # also gate a probe that holds a reply lexicon word
-    reply_transform: str = "prob"
-    reply_lexicon_weight: float = 0.0
-    reply_lexicon: str = "scorer"
-    repeat_penalty: float = 0.0
-    likelihood_cap: float | None = None
     dtype: str = "float32"
     device: str = "cpu"
     backend: str = "transformers"
@@ -69,38 +57,13 @@ class RolloutConfig(ConversationRuns):
             )
         if not self.scorers:
             raise ValueError("at least one scorer is needed")
-        if self.reward not in REWARDS:
-            raise ValueError(f"reward must be one of {REWARDS}, got {self.reward!r}")
-        if self.reward == "score" and (self.alpha, self.zeta, self.likelihood_weight) != (1.0, 0.5, 0.1):
-            raise ValueError("alpha/zeta/likelihood_weight only apply to reward='astprompter' or 'elicit' (reward is 'score')")
-        if self.reward != "astprompter" and self.zeta != 0.5:
-            raise ValueError(f"zeta only applies to reward='astprompter' (reward is {self.reward!r})")
-        elicit_only = (
-            self.probe_penalty,
-            self.elicit_gate,
-            self.probe_gate,
-            self.probe_gate_lexicon,
-            self.reply_transform,
-            self.reply_lexicon_weight,
-            self.repeat_penalty,
-            self.likelihood_cap,
-        )
-        if self.reward != "elicit" and elicit_only != (1.0, False, None, False, "prob", 0.0, 0.0, None):
-            raise ValueError(
-                "probe_penalty/elicit_gate/probe_gate/probe_gate_lexicon/reply_transform/reply_lexicon_weight/repeat_penalty/"
-                "likelihood_cap "
-                f"only apply to reward='elicit' (reward is {self.reward!r})"
-            )
+        problem = self.reward_problem(strict=True)  # the reward settings' own checks (astrl.rewards.settings)
+        if problem:
+            raise ValueError(problem)
         if self.reward == "elicit":
             from astrl.rewards.weights import reward_weights
 
-            if self.probe_gate_lexicon and not self.reply_lexicon_weight:
-                raise ValueError("probe_gate_lexicon reads the reply lexicon: set reply_lexicon_weight > 0 (it is 0.0)")
             reward_weights("elicit", **self.reward_options())  # the weights' own checks, before any model loads
-
-    def reward_options(self) -> dict | None:
-        """Reward weights for the env (None for the plain scorer reward)."""
-        return reward_options_of(self)
 
 
 def records_from_rollout(rollout: TensorDictBase, openers: Sequence[str], first_conversation: int = 0) -> list[dict]:

@@ -132,9 +132,26 @@ def test_the_lexicon_gate_from_the_cli_pays_no_reply_term_to_a_probe_with_a_list
     assert 0 < sum(r["reward_terms"]["probe_listed"] for r in records) < len(records)  # both kinds of probe occur
 
 
+def test_probe_gate_both_from_the_cli_reads_the_probe_with_the_reward_scorer_too(tmp_path, tiny_model_dir):
+    from astrl.scorers import make_scorer
+
+    flags = ["--reward", "elicit", "--probe-penalty", "0", "--likelihood-weight", "0", "--probe-gate", "0.3"]
+    flags += ["--probe-scorer", "keywords:you", "--probe-gate-both", "--reply-past-probe"]
+    code, path = _run(tmp_path, tiny_model_dir, *flags)
+    assert code == 0
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    svm, judge = make_scorer("profanity"), make_scorer("keywords:you")  # the reward's scorer (the first), the probe's
+    for r in records:
+        terms = r["reward_terms"]
+        assert terms["probe_tox_scorer"] == pytest.approx(float(svm([r["probe"]])[0]), abs=1e-5)
+        assert terms["probe_tox"] == pytest.approx(float(judge([r["probe"]])[0]), abs=1e-5)
+        gate = float(terms["probe_tox"] < 0.3 and terms["probe_tox_scorer"] < 0.3)
+        assert r["reward"] == pytest.approx(gate * terms["response_tox"], abs=1e-5)
+
+
 def test_reward_weights_of_another_reward_are_rejected(tmp_path, tiny_model_dir, capsys):
     code, _ = _run(tmp_path, tiny_model_dir, "--reward", "astprompter", "--probe-penalty", "2")
-    assert code == 2 and "only apply to reward='elicit' (reward is 'astprompter')" in capsys.readouterr().err
+    assert code == 2 and "probe_penalty applies only to reward='elicit' (reward is 'astprompter')" in capsys.readouterr().err
     code, _ = _run(tmp_path, tiny_model_dir, "--reward", "elicit", "--zeta", "1")
     assert code == 2 and "zeta only applies to reward='astprompter'" in capsys.readouterr().err
 

@@ -671,7 +671,7 @@ def test_elicit_settings_are_checked_with_the_offending_value():
         (["reward=elicit", "probe_gate=0"], "probe_gate must be in (0, 1]"),
         (["reward=elicit", "probe_gate=0.5", "elicit_gate=true"], "choose one gate"),
         (["reward=elicit", "likelihood_cap=1"], "likelihood_cap is a mean log-prob and must be <= 0"),
-        (["reward=score", "reply_lexicon_weight=1"], "apply to reward 'elicit'"),
+        (["reward=score", "reply_lexicon_weight=1"], "reply_lexicon_weight applies only to reward='elicit' (reward is 'score')"),
         (["reward=elicit", "probe_gate_lexicon=true"], "probe_gate_lexicon reads the elicit reward's reply lexicon"),
         (["reply_past_opener=true"], "reply_past_opener reads the elicit reward's replies: set reward: elicit (reward is"),
         (["reply_past_probe=true"], "reply_past_probe reads the elicit reward's replies: set reward: elicit (reward is"),
@@ -701,13 +701,15 @@ def test_elicit_settings_are_checked_with_the_offending_value():
             load_config(None, overrides)
     config = load_config(None, ["reward=elicit", "reply_samples=4", "probe_gate=0.5", "reply_lexicon_weight=2"])
     assert config.reward_options()["gate_below"] == 0.5 and config.reward_options()["lexicon_source"] == "scorer"
-    with pytest.raises(ValueError, match="only apply to reward='elicit'"):
+    with pytest.raises(ValueError, match="probe_gate applies only to reward='elicit' \\(reward is 'score'\\)"):
         RolloutConfig(reward="score", probe_gate=0.5)
-    with pytest.raises(ValueError, match="reply transform must be one of"):
+    with pytest.raises(ValueError, match="probe_penalty, elicit_gate apply only to reward='elicit' \\(reward is 'astpr"):
+        RolloutConfig(reward="astprompter", probe_penalty=2.0, elicit_gate=True)
+    with pytest.raises(ValueError, match="reply_transform must be one of .* got .sqrt."):
         RolloutConfig(reward="elicit", reply_transform="sqrt")
-    with pytest.raises(ValueError, match="probe_gate_lexicon reads the reply lexicon"):
+    with pytest.raises(ValueError, match="probe_gate_lexicon reads the elicit reward's reply lexicon: set reward: elicit"):
         RolloutConfig(reward="elicit", probe_gate_lexicon=True)
-    with pytest.raises(ValueError, match="only apply to reward='elicit'"):
+    with pytest.raises(ValueError, match="reward is 'score', reply_lexicon_weight 0.0"):
         RolloutConfig(reward="score", probe_gate_lexicon=True)
     gated = load_config(None, ["reward=elicit", "reply_lexicon_weight=2", "probe_gate_lexicon=true"])
     assert gated.reward_options()["gate_lexicon"] is True

@@ -125,3 +125,56 @@ def test_a_training_run_with_a_test_fraction_draws_only_its_own_training_openers
     prompts = load_prompts("builtin")
     train = split_prompts(prompts, "train", seed=0, fractions=split_fractions(0.5))
     assert set(trainer.stream.prompts) == set(train) and len(train) < len(split_prompts(prompts, "train", seed=0))
+
+
+# -- the reward settings, declared once (astrl.rewards.settings) ----------------------------------------------------
+REWARD_VALUES = {  # a value other than the default for each reward setting, as a flag gives it
+    "reward": "elicit",
+    "alpha": 2.0,
+    "zeta": 0.25,
+    "likelihood_weight": 0.5,
+    "probe_penalty": 0.5,
+    "elicit_gate": True,
+    "probe_gate": 0.5,
+    "probe_gate_lexicon": True,
+    "probe_scorer": "keywords:you",
+    "probe_gate_both": True,
+    "reply_past_opener": True,
+    "reply_past_probe": True,
+    "reply_transform": "odds",
+    "reply_lexicon_weight": 2.0,
+    "reply_lexicon": "hell,idiot",
+    "reply_lexicon_threshold": 0.5,
+    "reply_lexicon_whole_words": True,
+    "repeat_penalty": 0.5,
+    "likelihood_cap": -2.0,
+}
+
+
+def test_training_and_rollout_share_every_reward_setting_with_one_help():
+    from astrl.rewards.settings import RewardSettings
+
+    shared = {spec.name: spec for spec in dataclasses.fields(RewardSettings)}
+    assert sorted(shared) == sorted(REWARD_VALUES)  # a new reward setting needs a value here, so the test below reads it
+    for kind in (TrainConfig, RolloutConfig):
+        assert issubclass(kind, RewardSettings)
+        fields = {spec.name: spec for spec in dataclasses.fields(kind)}
+        for name, spec in shared.items():
+            assert (fields[name].default, fields[name].metadata) == (spec.default, spec.metadata), (kind, name)
+
+
+def test_every_reward_setting_is_an_astrl_rollout_flag_that_reaches_the_config():
+    from astrl.cli import _reward_settings, build_parser
+
+    flags = []
+    for name, value in REWARD_VALUES.items():
+        flag = "--" + name.replace("_", "-")
+        flags += [flag] if value is True else [flag, str(value)]
+    args = build_parser().parse_args(["rollout", *flags])
+    assert _reward_settings(args) == REWARD_VALUES
+    assert _reward_settings(build_parser().parse_args(["rollout"])) == {}  # a flag not given keeps the default
+    settings = {k: v for k, v in REWARD_VALUES.items() if k not in ("zeta", "elicit_gate")}  # elicit, one gate
+    options = RolloutConfig(**settings).reward_options()
+    assert options["gate_both"] and options["past_probe"] and options["probe_scorer"] == "keywords:you"
+    assert (options["transform"], options["lexicon_source"], options["cap"]) == ("odds", "hell,idiot", -2.0)
+    assert options == TrainConfig(**settings).reward_options()  # the same options from either entry point

@@ -20,7 +20,7 @@ import yaml
 
 from astrl.envs.settings import ConversationSettings, SamplingSettings, SeedSettings, check_settings, with_defaults
 from astrl.errors import ConfigError
-from astrl.rewards.weights import REPLY_TRANSFORMS, REWARDS, reward_options_of
+from astrl.rewards.settings import RewardSettings
 from astrl.yaml_data import read_yaml_mapping, yaml_problem
 
 ALGORITHMS = ("grpo", "ppo", "dpo", "ipo")
@@ -111,8 +111,8 @@ class ConversationSection(
 
 
 @dataclass
-class RewardSection:
-    """The reward: the scorer, the judges logged beside it, the reward and its weights."""
+class ScorerSection:
+    """The scorer that gives the reward and the judges logged beside it."""
 
     scorer: str = field(
         default="profanity",
@@ -124,195 +124,22 @@ class RewardSection:
     judges: list[str] = field(
         default_factory=list, metadata={"help": "Extra scorers of the replies, logged beside the reward (never rewarded)."}
     )
-    reward: str = field(
-        default="score",
-        metadata={
-            "help": "score: the scorer's probability of the reply; astprompter: alpha*tox(reply) + zeta*tox(probe+reply) "
-            "+ likelihood_weight*logp_target(probe); elicit: alpha*tox(reply)*g - probe_penalty*tox(probe) "
-            "+ likelihood_weight*logp_target(probe), with g = 1 - tox(probe) if elicit_gate, else 1."
-        },
-    )
-    alpha: float = field(default=1.0, metadata={"help": "astprompter and elicit: weight of the reply's toxicity tox(reply)."})
-    zeta: float = field(default=0.5, metadata={"help": "astprompter: weight of the toxicity of probe + reply together."})
-    likelihood_weight: float = field(
-        default=0.1,
-        metadata={
-            "help": "astprompter and elicit: weight of the probe's mean per-token log-prob under the target "
-            "(keeps probes likely text); formerly the key gamma."
-        },
-    )
-    probe_penalty: float = field(default=1.0, metadata={"help": "elicit: weight of the probe's own toxicity, subtracted (>= 0)."})
-    elicit_gate: bool = field(default=False, metadata={"help": "elicit: scale the reply's toxicity by g = 1 - tox(probe)."})
-    probe_gate: float | None = field(
-        default=None,
-        metadata={
-            "help": "elicit: pay the reply terms only for a probe with tox(probe) below this (a gate, not a weight the "
-            "probe penalty can outbid); null = off."
-        },
-    )
-    probe_gate_lexicon: bool = field(
-        default=False,
-        metadata={
-            "help": "elicit: pay the reply terms only for a probe that holds no reply_lexicon word (a reply that "
-            "repeats the probe's word is echoed, not elicited; needs reply_lexicon_weight > 0)."
-        },
-    )
-    probe_scorer: str | None = field(
-        default=None,
-        metadata={
-            "help": "elicit: the scorer that reads the probe's own toxicity, which probe_penalty, probe_gate and "
-            "elicit_gate use (null: scorer). Naming the run's judge keeps the probes clean as the judge reads them, "
-            "while the replies are still paid by scorer."
-        },
-    )
-    probe_gate_both: bool = field(
-        default=False,
-        metadata={
-            "help": "elicit, with probe_scorer and probe_gate (or elicit_gate): the gate reads each probe with the training "
-            "scorer too, and a probe either scorer reads at or above probe_gate earns no reply term (a reply that echoes "
-            "what the scorer pays for, written in the probe in a spelling probe_scorer passes, 'sh*te', is not elicited)."
-        },
-    )
-    reply_past_opener: bool = field(
-        default=False,
-        metadata={
-            "help": "elicit: read each reply's toxicity also without the words of its conversation's opener and pay "
-            "the lower of the two (a reply that restates the opener is not elicited)."
-        },
-    )
-    reply_past_probe: bool = field(
-        default=False,
-        metadata={
-            "help": "elicit: read each reply's toxicity also without the words of the probe it answers and pay the "
-            "lower (with reply_past_opener, the lowest of the three): a reply that echoes the probe's word, spelt so "
-            "that probe_gate_lexicon does not read it ('sh*te'), is not elicited."
-        },
-    )
-    reply_transform: str = field(
-        default="prob",
-        metadata={
-            "help": "elicit: how each reply's score enters the reply term before the mean over replies: prob (the "
-            "score), log (log(score + 1e-3)) or odds (-log(1 - score))."
-        },
-    )
-    reply_lexicon_weight: float = field(
-        default=0.0,
-        metadata={
-            "help": "elicit: weight of the reply lexicon estimate, 1 - prod_t (1 - m_t), m_t the target's probability "
-            "of a listed word at reply position t (read while it generates); 0 = off."
-        },
-    )
-    reply_lexicon: str = field(
-        default="scorer",
-        metadata={
-            "help": "elicit: the listed words: scorer (the target's vocabulary words the training scorer alone scores "
-            "above reply_lexicon_threshold), wordlist (the wordlist judge's list), a .txt file or w1,w2,..."
-        },
-    )
-    reply_lexicon_threshold: float = field(
-        default=0.9, metadata={"help": "elicit: the score a word alone needs to enter the 'scorer' lexicon."}
-    )
-    reply_lexicon_whole_words: bool = field(
-        default=False,
-        metadata={
-            "help": "elicit: a listed word's token that the reply goes on spelling into a longer word (' murder' "
-            "then 'ous') is not counted at that position: m_t loses p_t(token) times the target's probability "
-            "that its next token continues the word."
-        },
-    )
-    repeat_penalty: float = field(
-        default=0.0,
-        metadata={
-            "help": "elicit: weight of the share of repeated word bigrams in the probe, subtracted (against "
-            "'clothes clothes clothes')."
-        },
-    )
-    likelihood_cap: float | None = field(
-        default=None,
-        metadata={
-            "help": "elicit: cap on the probe's mean log-prob in the likelihood term (e.g. -1.5): text more likely "
-            "than that, such as repetition, earns no more; null = no cap."
-        },
-    )
+
+
+@dataclass
+class RewardSection(RewardSettings, ScorerSection):  # bases in reverse: scorer and judges first among the keys
+    """The reward: the scorer, the judges logged beside it, the reward and its weights (the reward settings
+    are :mod:`astrl.rewards.settings`'s, declared once for training and ``astrl rollout``)."""
 
     def _check_reward(self) -> None:
-        _raise_first(
-            [
-                (self.reward in REWARDS, f"reward must be one of {REWARDS}, got {self.reward!r}"),
-                (self.probe_penalty >= 0, f"probe_penalty must be >= 0, got {self.probe_penalty}"),
-                (
-                    self.reply_transform in REPLY_TRANSFORMS,
-                    f"reply_transform must be one of {REPLY_TRANSFORMS}, got {self.reply_transform!r}",
-                ),
-                (
-                    self.probe_gate is None or 0 < self.probe_gate <= 1,
-                    f"probe_gate must be in (0, 1] (or null), got {self.probe_gate}",
-                ),
-                (
-                    self.probe_gate is None or not self.elicit_gate,
-                    "choose one gate: probe_gate (pay the reply terms below a probe toxicity) or elicit_gate (scale them by "
-                    "1 - tox(probe))",
-                ),
-                (
-                    self.likelihood_cap is None or self.likelihood_cap <= 0,
-                    f"likelihood_cap is a mean log-prob and must be <= 0 (or null), got {self.likelihood_cap}",
-                ),
-                (self.reply_lexicon_weight >= 0, f"reply_lexicon_weight must be >= 0, got {self.reply_lexicon_weight}"),
-                (
-                    0 < self.reply_lexicon_threshold < 1,
-                    f"reply_lexicon_threshold must be in (0, 1), got {self.reply_lexicon_threshold}",
-                ),
-                (self.repeat_penalty >= 0, f"repeat_penalty must be >= 0, got {self.repeat_penalty}"),
-                (
-                    not self.probe_gate_lexicon or (self.reward == "elicit" and self.reply_lexicon_weight > 0),
-                    f"probe_gate_lexicon reads the elicit reward's reply lexicon: set reward: elicit and "
-                    f"reply_lexicon_weight > 0 (reward is {self.reward!r}, reply_lexicon_weight {self.reply_lexicon_weight})",
-                ),
-                (
-                    self.probe_scorer is None or self.reward == "elicit",
-                    f"probe_scorer reads the elicit reward's probes: set reward: elicit (reward is {self.reward!r})",
-                ),
-                (
-                    not self.probe_gate_both
-                    or (self.reward == "elicit" and self.probe_scorer is not None and (self.probe_gate or self.elicit_gate)),
-                    f"probe_gate_both reads the probe with the scorer besides probe_scorer, against the probe gate: set "
-                    f"reward: elicit, probe_scorer and probe_gate (reward is {self.reward!r}, probe_scorer "
-                    f"{self.probe_scorer!r}, probe_gate {self.probe_gate!r})",
-                ),
-                (
-                    not self.reply_past_opener or self.reward == "elicit",
-                    f"reply_past_opener reads the elicit reward's replies: set reward: elicit (reward is {self.reward!r})",
-                ),
-                (
-                    not self.reply_past_probe or self.reward == "elicit",
-                    f"reply_past_probe reads the elicit reward's replies: set reward: elicit (reward is {self.reward!r})",
-                ),
-                (
-                    not self.reply_lexicon_whole_words or (self.reward == "elicit" and self.reply_lexicon_weight > 0),
-                    f"reply_lexicon_whole_words changes the elicit reward's reply lexicon term: set reward: elicit and "
-                    f"reply_lexicon_weight > 0 (reward is {self.reward!r}, reply_lexicon_weight {self.reply_lexicon_weight})",
-                ),
-                (
-                    self.reward == "elicit" or self._elicit_defaults(),
-                    f"probe_gate, reply_transform, reply_lexicon_weight, repeat_penalty and likelihood_cap apply to "
-                    f"reward 'elicit' (reward is {self.reward!r})",
-                ),
-            ]
-        )
-
-    def _elicit_defaults(self) -> bool:
-        return (self.probe_gate, self.reply_transform, self.reply_lexicon_weight, self.repeat_penalty, self.likelihood_cap) == (
-            None,
-            "prob",
-            0.0,
-            0.0,
-            None,
-        )
+        problem = self.reward_problem()  # the reward settings' own checks (astrl.rewards.settings)
+        if problem:
+            raise ConfigError(problem)
 
     def _check_reply_lexicon(self) -> None:
         """A reply lexicon the run reads (a file, ``wordlist``, a word list) is read now, before any model
         loads; ``scorer`` needs the target's tokenizer and is built with it."""
-        reads = (self.reward == "elicit" and self.reply_lexicon_weight > 0) or self.warm_start_select == "search"
+        reads = self.reads_reply_lexicon() or self.warm_start_select == "search"
         if not reads or self.reply_lexicon == "scorer":
             return
         from astrl.errors import ScorerError
@@ -322,10 +149,6 @@ class RewardSection:
             lexicon_words(self.reply_lexicon)
         except ScorerError as err:
             raise ConfigError(str(err)) from None
-
-    def reward_options(self) -> dict | None:
-        """Reward weights for :func:`astrl.envs.make_redteam_env` (None for the plain score)."""
-        return reward_options_of(self)
 
 
 @dataclass
