@@ -1,9 +1,11 @@
 """Argument types of the command line that check their range as they parse, so that a number out of
-range ends the command at once, before anything is imported or loaded."""
+range ends the command at once, before anything is imported or loaded; and the flags made from a
+settings dataclass, one per field."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 
 
@@ -49,3 +51,24 @@ def threshold(text: str) -> float:
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
     return value
+
+
+def add_setting_flags(parser: argparse.ArgumentParser, kind: type, *, default=argparse.SUPPRESS) -> None:
+    """One flag per field of the settings dataclass ``kind`` (``--probe-gate`` sets ``probe_gate``; a bool
+    is a switch), with the field's help and choices. A flag not given is ``default`` (by default absent
+    from the parsed arguments, so the field keeps its own default; :func:`given_settings` reads them back)."""
+    for spec in dataclasses.fields(kind):
+        help_text = f"{spec.metadata['help']} (default: {spec.default})".replace("%", "%%")
+        options = {"dest": spec.name, "default": default, "help": help_text}
+        if spec.type == "bool":
+            options["action"] = "store_true"
+        else:
+            options["type"] = {"float": float, "int": int}.get(spec.type.split(" ")[0], str)
+            options["choices"] = spec.metadata.get("choices")
+        parser.add_argument("--" + spec.name.replace("_", "-"), **options)
+
+
+def given_settings(args: argparse.Namespace, kind: type, *, unset=argparse.SUPPRESS) -> dict:
+    """The flags of :func:`add_setting_flags` that were given (not ``unset``), as keywords of ``kind``."""
+    values = {spec.name: getattr(args, spec.name, unset) for spec in dataclasses.fields(kind)}
+    return {name: value for name, value in values.items() if value is not unset}

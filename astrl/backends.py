@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from dataclasses import dataclass, field
 
 BACKENDS = ("transformers", "vllm")
 COLLECTORS = ("local", "ray")
@@ -90,3 +91,32 @@ def check_collector(collector: str, num_collectors: int, cpus: float, gpus: floa
         raise ValueError(f"collector_cpus must be > 0, got {cpus}")
     if gpus < 0:
         raise ValueError(f"collector_gpus must be >= 0, got {gpus}")
+
+
+@dataclass
+class CollectionSettings:
+    """Where the conversations are generated, declared once: the generation backends and the collector.
+    :class:`~astrl.training.TrainConfig` (its scale-out section) and :class:`~astrl.rollout.RolloutConfig`
+    inherit these fields, and ``astrl rollout`` makes one flag per field."""
+
+    backend: str = field(
+        default="transformers", metadata={"help": "Tester generation backend: transformers or vllm.", "choices": BACKENDS}
+    )
+    target_backend: str = field(
+        default="transformers", metadata={"help": "Target generation backend: transformers or vllm.", "choices": BACKENDS}
+    )
+    collector: str = field(
+        default="local",
+        metadata={"help": "Collect in this process (local) or over Ray workers (ray).", "choices": COLLECTORS},
+    )
+    num_collectors: int = field(default=1, metadata={"help": "Ray workers; each runs whole groups."})
+    collector_cpus: float = field(default=1.0, metadata={"help": "CPUs per Ray worker."})
+    collector_gpus: float = field(default=0.0, metadata={"help": "GPUs per Ray worker."})
+    ray_address: str | None = field(default=None, metadata={"help": "An existing Ray cluster (e.g. auto); null: start Ray here."})
+
+    def check_collection(self) -> None:
+        """Refuse an unknown backend or collector, or collector settings that do not fit together (``ValueError``)."""
+        for key in ("backend", "target_backend"):
+            if getattr(self, key) not in BACKENDS:
+                raise ValueError(f"{key} must be one of {BACKENDS}, got {getattr(self, key)!r}")
+        check_collector(self.collector, self.num_collectors, self.collector_cpus, self.collector_gpus, self.ray_address)

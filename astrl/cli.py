@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from astrl.argtypes import at_least, fraction, positive, threshold
+from astrl.argtypes import add_setting_flags, at_least, fraction, given_settings, positive, threshold
 from astrl.errors import one_line
 
 LATER: dict[str, str] = {}
@@ -52,16 +52,6 @@ def _add_report_args(p, *, unit: str, tables: str) -> None:
 def _add_output_args(p, folder: str) -> None:
     p.add_argument("--out", default=folder, help=f"output folder (default: ./{folder})")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
-def _add_scale_args(p) -> None:
-    p.add_argument("--backend", default="transformers", choices=["transformers", "vllm"], help="tester generation backend")
-    p.add_argument("--target-backend", default="transformers", choices=["transformers", "vllm"], help="target generation backend")
-    p.add_argument("--collector", default="local", choices=["local", "ray"], help="collect in this process or over Ray workers")
-    p.add_argument("--num-collectors", type=at_least(1), default=1, help="Ray workers (collector ray); each runs an equal share")
-    p.add_argument("--collector-cpus", type=float, default=1.0, help="CPUs per Ray worker")
-    p.add_argument("--collector-gpus", type=float, default=0.0, help="GPUs per Ray worker")
-    p.add_argument("--ray-address", default=None, help="existing Ray cluster (e.g. auto); default: start Ray here")
 
 
 def _add_conversation_args(p, *, num_conversations: int, from_run: bool = False) -> None:
@@ -144,39 +134,27 @@ def _add_rollout(sub) -> None:
     )
     _add_reward_args(p)
     _add_run_args(p)
-    _add_scale_args(p)
+    from astrl.backends import CollectionSettings
+
+    add_setting_flags(p, CollectionSettings)
     p.add_argument("--out", default="rollouts.jsonl", help="output JSONL path")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def _add_reward_args(p) -> None:
-    """One flag per reward setting (:class:`~astrl.rewards.settings.RewardSettings`: ``--probe-gate`` sets
-    ``probe_gate``, a bool is a switch), with the field's help and choices; a flag not given keeps the
-    field's default."""
-    import dataclasses
-
+    """The reward flags: one per :class:`~astrl.rewards.settings.RewardSettings` field."""
     from astrl.rewards.settings import RewardSettings
 
-    for spec in dataclasses.fields(RewardSettings):
-        help_text = f"{spec.metadata['help']} (default: {spec.default})".replace("%", "%%")
-        options = {"dest": spec.name, "default": argparse.SUPPRESS, "help": help_text}
-        if spec.type == "bool":
-            options["action"] = "store_true"
-        else:
-            options["type"] = float if spec.type.startswith("float") else str
-            options["choices"] = spec.metadata.get("choices")
-        p.add_argument("--" + spec.name.replace("_", "-"), **options)
+    add_setting_flags(p, RewardSettings)
     p.add_argument("--gamma", type=float, default=None, help=argparse.SUPPRESS)  # the old name of --likelihood-weight
 
 
 def _reward_settings(args) -> dict:
     """The reward flags given (:func:`_add_reward_args`) as config keywords; ``--gamma``, the old name of
     ``--likelihood-weight``, is read as it with a warning."""
-    import dataclasses
-
     from astrl.rewards.settings import RewardSettings
 
-    given = {spec.name: getattr(args, spec.name) for spec in dataclasses.fields(RewardSettings) if hasattr(args, spec.name)}
+    given = given_settings(args, RewardSettings)
     if args.gamma is not None:
         if "likelihood_weight" in given:
             raise ValueError(
@@ -189,6 +167,7 @@ def _reward_settings(args) -> dict:
 
 
 def _rollout(args) -> int:
+    from astrl.backends import CollectionSettings
     from astrl.rollout import RolloutConfig, run_rollout
 
     config = RolloutConfig(
@@ -197,13 +176,7 @@ def _rollout(args) -> int:
         target=args.target,
         scorers=args.scorers or ["profanity"],
         **_reward_settings(args),
-        backend=args.backend,
-        target_backend=args.target_backend,
-        collector=args.collector,
-        num_collectors=args.num_collectors,
-        collector_cpus=args.collector_cpus,
-        collector_gpus=args.collector_gpus,
-        ray_address=args.ray_address,
+        **given_settings(args, CollectionSettings),
     )
     summary = run_rollout(config, args.out, progress=not args.quiet)
     width = max(len(k) for k in summary)

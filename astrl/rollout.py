@@ -14,7 +14,7 @@ import torch
 from tensordict import TensorDictBase, lazy_stack
 
 from astrl._compat import as_list
-from astrl.backends import BACKENDS, check_collector
+from astrl.backends import CollectionSettings
 from astrl.envs.recipe import ConversationSpec, build_conversation, preflight
 from astrl.envs.settings import ConversationRuns
 from astrl.keys import NEXT, PROBE, QUERY, REPLY_SCORES, REWARD, REWARD_TERMS, SCORES, TARGET_RESPONSE, TARGET_RESPONSES
@@ -25,31 +25,21 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class RolloutConfig(RewardSettings, ConversationRuns):  # bases in reverse: the conversation settings come first
+class RolloutConfig(CollectionSettings, RewardSettings, ConversationRuns):  # bases in reverse: conversation first
     """Settings of a batch of red-team conversations: the conversation settings of
     :class:`~astrl.envs.settings.ConversationRuns`, the reward settings of
-    :class:`~astrl.rewards.settings.RewardSettings` (the first scorer gives the reward), the models and
-    where they run."""
+    :class:`~astrl.rewards.settings.RewardSettings` (the first scorer gives the reward), the backends and
+    collector of :class:`~astrl.backends.CollectionSettings`, the models, dtype and device."""
 
     tester: str = "smollm2-135m"
     target: str = "smollm2-135m"
     scorers: list[str] = field(default_factory=lambda: ["profanity"])
     dtype: str = "float32"
     device: str = "cpu"
-    backend: str = "transformers"
-    target_backend: str = "transformers"
-    collector: str = "local"
-    num_collectors: int = 1
-    collector_cpus: float = 1.0
-    collector_gpus: float = 0.0
-    ray_address: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key in ("backend", "target_backend"):
-            if getattr(self, key) not in BACKENDS:
-                raise ValueError(f"{key} must be one of {BACKENDS}, got {getattr(self, key)!r}")
-        check_collector(self.collector, self.num_collectors, self.collector_cpus, self.collector_gpus, self.ray_address)
+        self.check_collection()
         if self.collector == "ray" and self.batch % self.num_collectors:
             raise ValueError(
                 f"batch_size {self.batch} must be a multiple of "

@@ -178,3 +178,36 @@ def test_every_reward_setting_is_an_astrl_rollout_flag_that_reaches_the_config()
     assert options["gate_both"] and options["past_probe"] and options["probe_scorer"] == "keywords:you"
     assert (options["transform"], options["lexicon_source"], options["cap"]) == ("odds", "hell,idiot", -2.0)
     assert options == TrainConfig(**settings).reward_options()  # the same options from either entry point
+
+
+COLLECTION_VALUES = {  # a value other than the default for each collection setting, as a flag gives it
+    "backend": "vllm",
+    "target_backend": "vllm",
+    "collector": "ray",
+    "num_collectors": 2,
+    "collector_cpus": 0.5,
+    "collector_gpus": 1.0,
+    "ray_address": "auto",
+}
+
+
+def test_the_collection_settings_are_declared_once_and_are_astrl_rollout_flags():
+    from astrl.argtypes import given_settings
+    from astrl.backends import CollectionSettings
+    from astrl.cli import build_parser
+    from astrl.training.commands import train_overrides
+
+    shared = {spec.name: spec for spec in dataclasses.fields(CollectionSettings)}
+    assert sorted(shared) == sorted(COLLECTION_VALUES)
+    for kind in (TrainConfig, RolloutConfig):
+        fields = {spec.name: spec for spec in dataclasses.fields(kind)}
+        assert all((fields[n].default, fields[n].metadata) == (s.default, s.metadata) for n, s in shared.items()), kind
+    flags = [item for name, value in COLLECTION_VALUES.items() for item in ("--" + name.replace("_", "-"), str(value))]
+    assert given_settings(build_parser().parse_args(["rollout", *flags]), CollectionSettings) == COLLECTION_VALUES
+    train = train_overrides(build_parser().parse_args(["train", *flags]))  # the same flags on `astrl train`
+    assert train == [f"{name}={value}" for name, value in COLLECTION_VALUES.items()]
+    for kind in (TrainConfig, RolloutConfig):  # one check for both (a ConfigError is a ValueError)
+        with pytest.raises(ValueError, match="num_collectors=2 needs collector 'ray'"):
+            kind(num_collectors=2)
+        with pytest.raises(ValueError, match="backend must be one of \\('transformers', 'vllm'\\), got 'tgi'"):
+            kind(backend="tgi")

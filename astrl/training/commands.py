@@ -6,7 +6,8 @@ import csv
 import sys
 from pathlib import Path
 
-from astrl.argtypes import at_least
+from astrl.argtypes import add_setting_flags, at_least, given_settings
+from astrl.backends import CollectionSettings
 
 
 def add_train_parser(sub) -> None:
@@ -40,26 +41,14 @@ def add_train_parser(sub) -> None:
         "still runs over total_steps, and --resume goes on from it",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar or sample tables")
-    for flag, key, kind, text in _SCALE_FLAGS:
-        p.add_argument(flag, dest=key, type=kind, default=None, help=f"{text} (the config key {key})")
+    add_setting_flags(p, CollectionSettings, default=None)  # shorthands for the config keys, as on `astrl rollout`
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. total_steps=50 lr=1e-4")
 
 
-# scale-out flags of `astrl train`, shorthands for config overrides (as on `astrl rollout`)
-_SCALE_FLAGS = (
-    ("--collector", "collector", str, "local | ray"),
-    ("--num-collectors", "num_collectors", int, "Ray workers"),
-    ("--collector-cpus", "collector_cpus", float, "CPUs per Ray worker"),
-    ("--collector-gpus", "collector_gpus", float, "GPUs per Ray worker"),
-    ("--ray-address", "ray_address", str, "an existing Ray cluster"),
-    ("--backend", "backend", str, "tester generation: transformers | vllm"),
-    ("--target-backend", "target_backend", str, "target generation: transformers | vllm"),
-)
-
-
 def train_overrides(args) -> list[str]:
-    """The ``key=value`` overrides, with the scale-out flags first (explicit overrides win)."""
-    flags = [f"{key}={getattr(args, key)}" for _, key, _, _ in _SCALE_FLAGS if getattr(args, key, None) is not None]
+    """The ``key=value`` overrides, with the scale-out flags (:class:`~astrl.backends.CollectionSettings`)
+    first (explicit overrides win)."""
+    flags = [f"{key}={value}" for key, value in given_settings(args, CollectionSettings, unset=None).items()]
     return flags + list(args.overrides)
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from astrl.backends import CollectionSettings
 from astrl.envs.settings import ConversationSettings, SamplingSettings, SeedSettings, check_settings, with_defaults
 from astrl.errors import ConfigError
 from astrl.rewards.settings import RewardSettings
@@ -701,11 +702,10 @@ class HardeningSection:
 
 
 @dataclass
-class ScaleSection:
-    """Scale-out: generation backends and collection (docs/scaling.md)."""
+class ScaleSection(CollectionSettings):
+    """Scale-out: generation backends and collection (:class:`astrl.backends.CollectionSettings`, declared
+    once for training and ``astrl rollout``), prefill sharing and the KV cache, vLLM's memory (docs/scaling.md)."""
 
-    backend: str = field(default="transformers", metadata={"help": "Tester generation backend: transformers or vllm."})
-    target_backend: str = field(default="transformers", metadata={"help": "Target generation backend: transformers or vllm."})
     share_prefill: bool = field(
         default=False,
         metadata={
@@ -720,20 +720,10 @@ class ScaleSection:
         },
     )
     vllm_memory: float = field(default=0.5, metadata={"help": "Share of GPU memory for vLLM engines, in (0, 1]."})
-    collector: str = field(default="local", metadata={"help": "Collect in this process (local) or over Ray workers (ray)."})
-    num_collectors: int = field(default=1, metadata={"help": "Ray workers; each runs whole groups."})
-    collector_cpus: float = field(default=1.0, metadata={"help": "CPUs per Ray worker."})
-    collector_gpus: float = field(default=0.0, metadata={"help": "GPUs per Ray worker."})
-    ray_address: str | None = field(default=None, metadata={"help": "An existing Ray cluster (e.g. auto); null: start Ray here."})
 
     def _check_scale(self) -> None:
-        from astrl.backends import BACKENDS, check_collector
-
-        for key in ("backend", "target_backend"):
-            if getattr(self, key) not in BACKENDS:
-                raise ConfigError(f"{key} must be one of {BACKENDS}, got {getattr(self, key)!r}")
         try:
-            check_collector(self.collector, self.num_collectors, self.collector_cpus, self.collector_gpus, self.ray_address)
+            self.check_collection()  # the collection settings' own checks (astrl.backends)
         except ValueError as err:
             raise ConfigError(str(err)) from None
         scaled = self.collector == "ray" or "vllm" in (self.backend, self.target_backend)
