@@ -4,7 +4,8 @@
 (:mod:`astrl.rewards.weights`), each field with its help, and checks them together
 (:meth:`RewardSettings.reward_problem`). :class:`~astrl.training.TrainConfig` (its reward section)
 and :class:`~astrl.rollout.RolloutConfig` inherit them, and ``astrl rollout`` makes its reward flags
-from these fields, so a new reward setting is one field here, its check and the code that reads it.
+from these fields, so a new reward setting is one field here, its check, its reward option's name in
+:data:`astrl.rewards.weights.SETTING_NAMES` and the code that reads it.
 """
 
 from __future__ import annotations
