@@ -84,36 +84,52 @@ def next_token_probs(model, rows: list[list[int]], pad: int) -> torch.Tensor:
     return logits[torch.arange(len(rows)), mask.sum(1) - 1].float().softmax(-1)
 
 
-def unsampled_discount(model, lexicon, prompt: list[int], reply: list[int], stats, least: float, pad: int, pieces: Counter, tok):
-    """The whole-word mass of ``reply``'s positions (``(1, T)``), less ``p * c`` at each position that
-    :func:`unsampled_pieces` finds (``c``: the target's probability that the token after the piece
-    continues its word); ``pieces`` counts the piece and its likeliest next token."""
-    mass = lexicon.reply_mass(stats.unsqueeze(0), torch.tensor([reply]))
-    found = unsampled_pieces(lexicon, stats, reply, least)
-    if not found:
-        return mass, 0
-    after = next_token_probs(model, [prompt + reply[:t] + [k] for t, k, _ in found], pad)
-    for (t, k, p), probs in zip(found, after, strict=True):
-        mass[0, t] = (mass[0, t] - p * float(probs[lexicon.continuing_ids].sum())).clamp(min=0.0)
-        pieces[tok.decode([k, int(probs.argmax())]).strip()] += 1
-    return mass, len(found)
+def unsampled_discounts(
+    model,
+    lexicon,
+    prompts: list[list[int]],
+    replies: list[list[int]],
+    stats: list[torch.Tensor],
+    least: float,
+    pad: int,
+    pieces: Counter,
+    tok,
+) -> list[tuple[torch.Tensor, int]]:
+    """Per reply, the whole-word mass of its positions (``(1, T)``), less ``p * c`` at each position that
+    :func:`unsampled_pieces` finds (``c``: the target's probability that the token after the piece continues
+    its word), and the count of such positions; one forward reads every piece of the batch. ``pieces``
+    counts each piece and its likeliest next token."""
+    masses = [lexicon.reply_mass(s.unsqueeze(0), torch.tensor([q])) for s, q in zip(stats, replies, strict=True)]
+    found = [
+        (i, t, k, p)
+        for i, (s, q) in enumerate(zip(stats, replies, strict=True))
+        for t, k, p in unsampled_pieces(lexicon, s, q, least)
+    ]
+    if found:
+        after = next_token_probs(model, [prompts[i] + replies[i][:t] + [k] for i, t, k, _ in found], pad)
+        go_on = after[:, lexicon.continuing_ids].sum(-1)
+        for (i, t, k, p), c, probs in zip(found, go_on.tolist(), after, strict=True):
+            masses[i][0, t] = (masses[i][0, t] - p * c).clamp(min=0.0)
+            pieces[tok.decode([k, int(probs.argmax())]).strip()] += 1
+    counts = Counter(i for i, *_ in found)
+    return [(mass, counts[i]) for i, mass in enumerate(masses)]
 
 
 def listed_words_split(lexicon: ReplyLexicon, tokenizer, listed: list[str]) -> dict[str, list[str]]:
     """For each counted token, the longer ``listed`` words whose word-initial spelling (``" word"`` or
     ``" Word"``) the tokenizer begins with that token: a reply that says one is read by the whole-word
     reading as the token spelled on into another word (``" ass"`` + ``"hole"``)."""
-    split: dict[str, set[int]] = {}  # each listed word: the first tokens of its spellings in pieces, tokenized once
+    by_first: dict[int, list[str]] = {}  # a token: the listed words a spelling of which it begins, tokenized once
     for word in listed:
         for spelling in (f" {word}", f" {word.capitalize()}"):
             ids = tokenizer(spelling, add_special_tokens=False)["input_ids"]
-            if len(ids) > 1:
-                split.setdefault(word, set()).add(ids[0])
+            if len(ids) > 1 and word not in by_first.get(ids[0], []):
+                by_first.setdefault(ids[0], []).append(word)
     found: dict[str, list[str]] = {}
     for token in lexicon.token_ids.tolist():
         text = tokenizer.decode([token]).strip().lower()  # " ass" and " Ass" share one entry
-        for word, firsts in split.items():
-            if token in firsts and word != text and word.startswith(text) and word not in found.get(text, []):
+        for word in by_first.get(token, []):
+            if word != text and word.startswith(text) and word not in found.get(text, []):
                 found.setdefault(text, []).append(word)
     return found
 
@@ -151,16 +167,17 @@ def main() -> None:
     pad = tokenizer.pad_token_id or 0
     for i in range(0, len(records), args.batch):
         batch = slice(i, i + args.batch)
-        for stats, prompt, reply in zip(
-            reply_stats(model, whole, prompts[batch], replies[batch], pad), prompts[batch], replies[batch], strict=True
-        ):
+        stats_batch = reply_stats(model, whole, prompts[batch], replies[batch], pad)
+        if args.unsampled_min is not None:
+            discounted = unsampled_discounts(
+                model, whole, prompts[batch], replies[batch], stats_batch, args.unsampled_min, pad, pieces, tokenizer
+            )
+            unsampled += [float(ReplyLexicon.estimate(mass, torch.ones_like(mass, dtype=torch.bool))) for mass, _ in discounted]
+            read += sum(n for _, n in discounted)
+        for stats, reply in zip(stats_batch, replies[batch], strict=True):
             keep = torch.ones(1, len(reply), dtype=torch.bool)
             before.append(float(ReplyLexicon.estimate(stats.unsqueeze(0)[..., 0], keep)))
             after.append(whole_word_estimate(whole, stats, reply))
-            if args.unsampled_min is not None:
-                mass, n = unsampled_discount(model, whole, prompt, reply, stats, args.unsampled_min, pad, pieces, tokenizer)
-                unsampled.append(float(ReplyLexicon.estimate(mass, keep)))
-                read += n
             for t in range(len(reply) - 1):
                 if reply[t] in counted and reply[t + 1] in continuing:
                     spelled_on[tokenizer.decode(reply[t : t + 2]).strip()] += 1

@@ -224,7 +224,12 @@ def test_whole_word_lexicon_reads_the_likeliest_unsampled_piece_and_takes_its_co
 
     prompt = tok("hello how are you today", add_special_tokens=False)["input_ids"]
     pieces = Counter()
-    mass, read = wwl.unsampled_discount(model, lexicon, prompt, reply, stats, 0.1, tok.pad_token_id, pieces, tok)
+    quiet = torch.tensor([[0.3, 0.0, 0.25, 0.05], [0.2, 0.0, 0.01, 0.02]])  # a second reply: nothing else >= 0.1
+    (mass, read), (quiet_mass, quiet_read) = wwl.unsampled_discounts(
+        model, lexicon, [prompt, prompt[:3]], [reply, [a, x]], [stats, quiet], 0.1, tok.pad_token_id, pieces, tok
+    )  # one forward for the batch's pieces
+    assert quiet_read == 0
+    assert quiet_mass.tolist() == lexicon.reply_mass(quiet.unsqueeze(0), torch.tensor([[a, x]])).tolist()
     base = lexicon.reply_mass(stats.unsqueeze(0), torch.tensor([reply]))[0]
     # by hand: one forward per piece read, the probability of a continuing token after it
     with torch.no_grad():
