@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 
 def _number(kind: type, text: str) -> int | float:
@@ -53,22 +54,93 @@ def threshold(text: str) -> float:
     return value
 
 
-def add_setting_flags(parser: argparse.ArgumentParser, kind: type, *, default=argparse.SUPPRESS) -> None:
-    """One flag per field of the settings dataclass ``kind`` (``--probe-gate`` sets ``probe_gate``; a bool
-    is a switch), with the field's help and choices. A flag not given is ``default`` (by default absent
-    from the parsed arguments, so the field keeps its own default; :func:`given_settings` reads them back)."""
+def value_problem(value: Any, metadata: dict) -> str | None:
+    """What is wrong with ``value`` under the checks in a field's ``metadata``
+    (:func:`astrl.envs.settings.setting`), as
+    "must be ..., got ..."; ``None``: nothing. The config checks and the command-line flags share it."""
+    if "choices" in metadata and value not in metadata["choices"]:
+        return f"must be one of {metadata['choices']}, got {value!r}"
+    if "above" in metadata and "at_most" in metadata and not metadata["above"] < value <= metadata["at_most"]:
+        return f"must be in ({metadata['above']}, {metadata['at_most']}], got {value}"
+    if "at_least" in metadata and value < metadata["at_least"]:
+        return f"must be >= {metadata['at_least']}, got {value}"
+    if "above" in metadata and value <= metadata["above"]:
+        return f"must be > {metadata['above']}, got {value}"
+    if "at_most" in metadata and value > metadata["at_most"]:
+        return f"must be <= {metadata['at_most']}, got {value}"
+    return None
+
+
+FIELD_DEFAULT = object()  # add_setting_flags: a flag not given is its field's default
+
+
+def _flag_type(spec: dataclasses.Field) -> Callable[[str], Any]:
+    """The parser of a field's flag: its number type, with the field's range checks (``at_least``,
+    ``above``, ``at_most`` of :func:`astrl.envs.settings.setting`) applied as it parses (:func:`value_problem`)."""
+    kind = {"float": float, "int": int}.get(spec.type.split(" ")[0], str)
+    if kind is str or not {"at_least", "above", "at_most"} & set(spec.metadata):
+        return kind
+
+    def parse(text: str):
+        value = _number(kind, text)
+        problem = value_problem(value, spec.metadata)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _default_text(kind: type, name: str, value: Any, unset: str | None) -> str:
+    """A field's default as its flag's help gives it (``None`` as in a config, null); ``unset`` names where a
+    ``None`` default is taken from ("the run's"), followed by the default that
+    :func:`~astrl.envs.settings.with_defaults` replaced (the field's help says what its null means)."""
+    if value is None and unset is not None:
+        replaced = getattr(kind, "base_defaults", {}).get(name)
+        return f"{unset}, else {_default_text(kind, name, replaced, None)}"
+    return "null" if value is None else str(value)
+
+
+def add_setting_flags(
+    parser: argparse.ArgumentParser,
+    kind: type,
+    *,
+    names: Iterable[str] | None = None,
+    flags: Mapping[str, str] | None = None,
+    default: Any = argparse.SUPPRESS,
+    shown: str = "{}",
+    unset: str | None = None,
+) -> None:
+    """One flag per field of the settings dataclass ``kind`` (``names``: those fields only, in field order):
+    ``--probe-gate`` sets ``probe_gate`` (``flags`` renames some), a bool is a switch, with the field's help,
+    choices and range checks. A flag not given is ``default``: by default absent from the parsed
+    arguments, so the field keeps its own default (:func:`given_settings` reads them back);
+    :data:`FIELD_DEFAULT`, the field's default. The help ends with ``(default: ...)``, the field's
+    default written into ``shown`` (``"the config's, else {}"``), with ``unset`` for a ``None`` default
+    (:func:`_default_text`)."""
+    wanted = None if names is None else set(names)
     for spec in dataclasses.fields(kind):
-        help_text = f"{spec.metadata['help']} (default: {spec.default})".replace("%", "%%")
-        options = {"dest": spec.name, "default": default, "help": help_text}
+        if wanted is not None and spec.name not in wanted:
+            continue
+        value = _default_text(kind, spec.name, spec.default, unset)
+        help_text = f"{spec.metadata['help']} (default: {shown.format(value)})".replace("%", "%%")
+        options = {"dest": spec.name, "default": spec.default if default is FIELD_DEFAULT else default, "help": help_text}
+        flag = (flags or {}).get(spec.name, "--" + spec.name.replace("_", "-"))
         if spec.type == "bool":
             options["action"] = "store_true"
         else:
-            options["type"] = {"float": float, "int": int}.get(spec.type.split(" ")[0], str)
+            options["type"] = _flag_type(spec)
             options["choices"] = spec.metadata.get("choices")
-        parser.add_argument("--" + spec.name.replace("_", "-"), **options)
+            options["metavar"] = None if options["choices"] else flag[2:].replace("-", "_").upper()
+        parser.add_argument(flag, **options)
 
 
-def given_settings(args: argparse.Namespace, kind: type, *, unset=argparse.SUPPRESS) -> dict:
-    """The flags of :func:`add_setting_flags` that were given (not ``unset``), as keywords of ``kind``."""
-    values = {spec.name: getattr(args, spec.name, unset) for spec in dataclasses.fields(kind)}
+def given_settings(args: argparse.Namespace, kind: type, *, names: Iterable[str] | None = None, unset=argparse.SUPPRESS) -> dict:
+    """The flags of :func:`add_setting_flags` that were given (not ``unset``), as keywords of ``kind``
+    (``names``: of those fields only)."""
+    wanted = None if names is None else set(names)
+    values = {
+        spec.name: getattr(args, spec.name, unset) for spec in dataclasses.fields(kind) if wanted is None or spec.name in wanted
+    }
     return {name: value for name, value in values.items() if value is not unset}

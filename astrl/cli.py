@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from astrl.argtypes import add_setting_flags, at_least, fraction, given_settings, positive, threshold
+from astrl.argtypes import FIELD_DEFAULT, add_setting_flags, at_least, fraction, given_settings, positive, threshold
 from astrl.errors import one_line
 
 LATER: dict[str, str] = {}
@@ -54,12 +54,25 @@ def _add_output_args(p, folder: str) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def _add_conversation_args(p, *, num_conversations: int, from_run: bool = False) -> None:
-    """The conversation flags; ``from_run``: the turns default to the tester's run (``astrl eval``)."""
-    p.add_argument("--num-conversations", type=at_least(1), default=num_conversations)
-    turns_help = "tester turns per conversation (default: the run's, else 3)" if from_run else "tester turns per conversation"
-    p.add_argument("--turns", type=at_least(1), default=None if from_run else 3, help=turns_help)
-    p.add_argument("--batch-size", type=at_least(1), default=8, help="conversations generated together")
+# the ConversationRuns fields that are flags of astrl rollout and astrl eval (the seed is a run flag, the
+# sampling has its own flags), and the flag of a field named otherwise
+CONVERSATION_FLAGS = (
+    "split_seed", "prompts", "split", "test_fraction", "turns", "mode", "tester_system_prompt", "target_system_prompt",
+    "reply_samples", "batch_size", "num_conversations",
+)  # fmt: skip
+CONVERSATION_FLAG_NAMES = {"tester_system_prompt": "--system-prompt"}
+
+
+def _add_conversation_args(p, *, from_run: bool = False) -> None:
+    """The conversation flags, one per :data:`CONVERSATION_FLAGS` field of
+    :class:`~astrl.envs.settings.ConversationRuns` with its help and checks; ``from_run``: ``astrl eval``'s
+    defaults (:data:`~astrl.envs.settings.EvalRuns`, where ``None`` is the tester's run's value)."""
+    from astrl.envs.settings import ConversationRuns, EvalRuns
+
+    kind, unset = (EvalRuns, "the run's") if from_run else (ConversationRuns, None)
+    add_setting_flags(
+        p, kind, names=CONVERSATION_FLAGS, flags=CONVERSATION_FLAG_NAMES, default=FIELD_DEFAULT, unset=unset
+    )  # fmt: skip
 
 
 def _generation(args, max_new: int | None):
@@ -76,29 +89,15 @@ def _run_settings(args) -> dict:
 
 def _conversation_settings(args) -> dict:
     """The :class:`~astrl.envs.settings.ConversationRuns` keywords of ``astrl rollout`` and ``astrl eval``
-    from their shared flags, with the run flags."""
+    from their conversation, sampling and run flags."""
+    from astrl.envs.settings import ConversationRuns
+
     return {
-        "prompts": args.prompts,
-        "split": args.split,
-        "split_seed": getattr(args, "split_seed", None),  # astrl eval only
-        "test_fraction": args.test_fraction,
-        "num_conversations": args.num_conversations,
-        "turns": args.turns,
-        "batch_size": args.batch_size,
-        "reply_samples": args.reply_samples,
-        "mode": args.mode,
+        **given_settings(args, ConversationRuns, names=CONVERSATION_FLAGS),
         "tester_generation": _generation(args, args.max_new_tokens),
         "target_generation": _generation(args, args.target_max_new_tokens or args.max_new_tokens),
-        "tester_system_prompt": args.system_prompt,
-        "target_system_prompt": args.target_system_prompt,
         **_run_settings(args),
     }
-
-
-def _add_test_fraction(p, default: str) -> None:
-    p.add_argument(
-        "--test-fraction", type=float, default=None, help=f"share of the openers in the test split ({default}; dev keeps 0.1)"
-    )
 
 
 def _report_settings(args) -> dict:
@@ -117,21 +116,8 @@ def _add_rollout(sub) -> None:
         metavar="NAME",
         help="scorer of the target's replies, repeatable; the first gives the reward (default: profanity)",
     )
-    p.add_argument(
-        "--prompts", default="builtin", help="builtin, rtp[:CATEGORY], harmbench, chatterbot, hf:ID or a .txt/.jsonl file"
-    )
-    p.add_argument("--split", default="all", choices=["train", "dev", "test", "all"], help="prompt split (seeded)")
-    _add_test_fraction(p, "default 0.1")
-    _add_conversation_args(p, num_conversations=8)
-    p.add_argument(
-        "--mode", default="chat", choices=["chat", "text"], help="chat templates (chat) or plain-text continuation (text)"
-    )
+    _add_conversation_args(p)
     _add_generation_args(p)
-    p.add_argument("--system-prompt", default=None, help="the tester's red-teaming system prompt (chat mode)")
-    p.add_argument("--target-system-prompt", default=None)
-    p.add_argument(
-        "--reply-samples", type=at_least(1), default=1, help="replies the target samples to each probe; the reward averages them"
-    )
     _add_reward_args(p)
     _add_run_args(p)
     from astrl.backends import CollectionSettings
@@ -202,22 +188,8 @@ def _add_eval(sub) -> None:
         "(default: the run's judges, else its training scorer, else profanity; plus wordlist when none differs "
         "from the training scorer)",
     )
-    p.add_argument("--prompts", default=None, help="prompt source (default: the run's prompts, else builtin)")
-    p.add_argument("--split", default="test", choices=["train", "dev", "test", "all"], help="prompt split (default: test)")
-    p.add_argument("--split-seed", type=int, default=None, help="seed of the prompt split (default: the run's seed, else --seed)")
-    _add_test_fraction(p, "default: the run's, else 0.1")
-    _add_conversation_args(p, num_conversations=32, from_run=True)
-    p.add_argument(
-        "--reply-samples",
-        type=at_least(1),
-        default=1,
-        help="replies the target samples to each probe, all judged (toxic_reply_share, elicited_reply_share); "
-        "the conversation goes on with the first",
-    )
-    p.add_argument("--mode", default=None, choices=["chat", "text"], help="default: the run's mode, else chat")
+    _add_conversation_args(p, from_run=True)
     _add_generation_args(p, from_run=True)
-    p.add_argument("--system-prompt", default=None, help="the tester's system prompt (default: the run's, else the built-in one)")
-    p.add_argument("--target-system-prompt", default=None)
     _add_report_args(p, unit="turn", tables="rows of the top-attacks table per judge")
     p.add_argument("--no-embeddings", action="store_true", help="skip the embedding-based diversity metrics")
     _add_run_args(p)
@@ -526,8 +498,9 @@ def check_arguments(args) -> None:
     if args.command == "rollout":
         roles = {"tester": args.tester, "target": args.target}
         scorers = (args.scorers or ["profanity"]) + [name for name in [getattr(args, "probe_scorer", None)] if name]
+        seed = args.seed if args.split_seed is None else args.split_seed
         check_names(
-            roles, scorers, args.prompts, split=args.split, split_seed=args.seed, test_fraction=args.test_fraction,
+            roles, scorers, args.prompts, split=args.split, split_seed=seed, test_fraction=args.test_fraction,
         )  # fmt: skip
     elif args.command == "eval":
         roles = {} if is_run_dir(args.tester) else {"tester": args.tester}

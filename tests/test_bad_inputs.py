@@ -153,7 +153,7 @@ CLI_CASES = [
         "reply_lexicon '{empty_txt}' holds no words",
     ),
     ("train-test-fraction-0.9", ["train", "test_fraction=0.9"], "test_fraction must be in (0.0, 0.8], got 0.9"),
-    ("eval-test-fraction-0", ["eval", "--tester", "{model}", "--test-fraction", "0"], "test_fraction must be in (0.0, 0.8]"),
+    ("eval-test-fraction-0", ["eval", "--tester", "{model}", "--test-fraction", "0"], "--test-fraction: must be in (0.0, 0.8]"),
     ("train-target-kl-0", ["train", "algorithm=ppo", "target_kl=0"], "target_kl must be > 0"),
     ("train-archive-threshold-1", ["train", "archive_threshold=1"], "got 1.0"),
     ("train-mode", ["train", "mode=voice"], "'voice'"),

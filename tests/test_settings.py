@@ -211,3 +211,77 @@ def test_the_collection_settings_are_declared_once_and_are_astrl_rollout_flags()
             kind(num_collectors=2)
         with pytest.raises(ValueError, match="backend must be one of \\('transformers', 'vllm'\\), got 'tgi'"):
             kind(backend="tgi")
+
+
+CONVERSATION_VALUES = {  # a value other than either entry point's default for each conversation flag
+    "split_seed": 7,
+    "prompts": "rtp",
+    "split": "dev",
+    "test_fraction": 0.35,
+    "turns": 2,
+    "mode": "text",
+    "tester_system_prompt": "Be brief.",
+    "target_system_prompt": "Be kind.",
+    "reply_samples": 4,
+    "batch_size": 16,
+    "num_conversations": 64,
+}
+
+
+def test_the_conversation_flags_are_the_conversation_fields_on_both_entry_points():
+    from astrl.cli import CONVERSATION_FLAG_NAMES, CONVERSATION_FLAGS, _conversation_settings, build_parser
+    from astrl.envs.settings import ConversationRuns, EvalRuns
+
+    assert sorted(CONVERSATION_FLAGS) == sorted(CONVERSATION_VALUES)
+    flags = [
+        item
+        for name, value in CONVERSATION_VALUES.items()
+        for item in (CONVERSATION_FLAG_NAMES.get(name, "--" + name.replace("_", "-")), str(value))
+    ]
+    for command in (["rollout"], ["eval", "--tester", "run"]):
+        settings = _conversation_settings(build_parser().parse_args([*command, *flags]))
+        assert {name: settings[name] for name in CONVERSATION_VALUES} == CONVERSATION_VALUES, command
+    rollout = _conversation_settings(build_parser().parse_args(["rollout"]))
+    assert RolloutConfig(**rollout).turns == ConversationRuns.turns == 3  # unset: the field's default
+    unset = _conversation_settings(build_parser().parse_args(["eval", "--tester", "run"]))
+    assert {name: unset[name] for name in CONVERSATION_FLAGS} == {name: getattr(EvalRuns, name) for name in CONVERSATION_FLAGS}
+    assert unset["turns"] is None and unset["split"] == "test"  # eval: the run's turns, the held-out split
+
+
+@pytest.mark.parametrize(
+    "command, flag, text",
+    [
+        (["eval", "--tester", "run"], "--turns", "Tester turns per conversation. (default: the run's, else 3)"),
+        (["eval", "--tester", "run"], "--split", "(default: test)"),
+        (["rollout"], "--turns", "Tester turns per conversation. (default: 3)"),
+        (["rollout"], "--test-fraction", "(null: 0.1; dev keeps 0.1, train the rest)"),
+        (["train"], "--num-collectors", "Ray workers; each runs whole groups. (default: the config's, else 1)"),
+    ],
+)
+def test_a_generated_flag_help_gives_its_field_help_and_the_entry_point_default(command, flag, text):
+    import argparse
+
+    from astrl.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[command[0]]
+    action = next(a for a in sub._actions if flag in a.option_strings)
+    assert text in " ".join(action.help.split()).replace("%%", "%")
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--test-fraction", "0.9", "--test-fraction: must be in (0.0, 0.8], got 0.9"),
+        ("--reply-samples", "0", "--reply-samples: must be >= 1, got 0"),
+        ("--num-conversations", "-1", "--num-conversations: must be >= 1, got -1"),
+        ("--split", "heldout", "--split: invalid choice: 'heldout'"),
+    ],
+)
+def test_a_conversation_flag_out_of_its_field_range_ends_the_command_while_parsing(capsys, flag, value, message):
+    from astrl.cli import main
+
+    for command in (["rollout"], ["eval", "--tester", "run"]):
+        with pytest.raises(SystemExit) as exit_:
+            main([*command, flag, value])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, (command, err)

@@ -18,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from astrl.argtypes import value_problem
 from astrl.prompts import SPLITS
 from astrl.rewards.weights import MODES
 
@@ -41,21 +42,6 @@ def setting(
     return dataclasses.field(default=default, metadata=metadata)
 
 
-def _problem(name: str, value: Any, metadata: dict) -> str | None:
-    """What is wrong with ``value`` under the checks in ``metadata`` (``None``: nothing)."""
-    if "choices" in metadata and value not in metadata["choices"]:
-        return f"{name} must be one of {metadata['choices']}, got {value!r}"
-    if "above" in metadata and "at_most" in metadata and not metadata["above"] < value <= metadata["at_most"]:
-        return f"{name} must be in ({metadata['above']}, {metadata['at_most']}], got {value}"
-    if "at_least" in metadata and value < metadata["at_least"]:
-        return f"{name} must be >= {metadata['at_least']}, got {value}"
-    if "above" in metadata and value <= metadata["above"]:
-        return f"{name} must be > {metadata['above']}, got {value}"
-    if "at_most" in metadata and value > metadata["at_most"]:
-        return f"{name} must be <= {metadata['at_most']}, got {value}"
-    return None
-
-
 def check_settings(obj: Any) -> None:
     """Check every field of the dataclass ``obj`` declared with :func:`setting` checks; ``None`` passes
     where it is the field's default (unset, filled in later). Raises ``ValueError`` naming the field."""
@@ -63,9 +49,9 @@ def check_settings(obj: Any) -> None:
         value = getattr(obj, spec.name)
         if value is None and spec.default is None:
             continue
-        problem = _problem(spec.name, value, spec.metadata)
+        problem = value_problem(value, spec.metadata)
         if problem:
-            raise ValueError(problem)
+            raise ValueError(f"{spec.name} {problem}")
 
 
 def with_defaults(base: type, **defaults: Any) -> type:
@@ -79,6 +65,7 @@ def with_defaults(base: type, **defaults: Any) -> type:
     namespace["__annotations__"] = {name: fields[name].type for name in defaults}
     namespace["__module__"] = base.__module__
     namespace["__doc__"] = base.__doc__
+    namespace["base_defaults"] = {name: fields[name].default for name in defaults}  # the defaults replaced
     return dataclass(type(base.__name__, (base,), namespace))
 
 
@@ -111,7 +98,9 @@ class ConversationSettings:
     prompts and the replies sampled per probe. The checks run in ``__post_init__``."""
 
     prompts: str = setting("builtin", "Openers: builtin, rtp[:CATEGORY], harmbench, chatterbot, hf:ID or a .txt/.jsonl file.")
-    split: str = setting("all", "Part of the openers, seeded by seed: train, dev, test (disjoint) or all.", choices=SPLITS)
+    split: str = setting(
+        "all", "Part of the openers, split by split_seed (null: seed): train, dev, test (disjoint) or all.", choices=SPLITS
+    )
     test_fraction: float | None = setting(
         None,
         "Share of the openers in the test split (null: 0.1; dev keeps 0.1, train the rest). A larger held-out "
@@ -129,7 +118,7 @@ class ConversationSettings:
     reply_samples: int = setting(
         1,
         "Replies the target samples to each probe, in one call (the rows share context + probe); the "
-        "reward's reply terms average over them; the conversation goes on with the first.",
+        "reward's reply terms average over them, astrl eval judges each; the conversation goes on with the first.",
         at_least=1,
     )
 
@@ -209,3 +198,8 @@ class ConversationRuns(ConversationBatch):
     def batch_settings(self, **changes: Any) -> dict:
         """The :class:`ConversationBatch` keywords of a spec of one batch (``changes`` replace some)."""
         return conversation_settings(self, ConversationBatch, batch_size=self.batch, **changes)
+
+
+# astrl eval's conversations: the held-out split, more conversations, and None (the tester's run's value,
+# else the default replaced) for what a training run sets; astrl.evaluation.run.EvalConfig inherits it
+EvalRuns = with_defaults(ConversationRuns, prompts=None, split="test", mode=None, num_conversations=32, turns=None)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from astrl.envs.settings import ConversationRuns, setting, with_defaults
+from astrl.envs.settings import ConversationRuns, EvalRuns, setting
 from astrl.evaluation.agreement import eval_agreement
 from astrl.evaluation.metrics import DEFAULT_THRESHOLD
 from astrl.evaluation.records import (
@@ -51,7 +51,7 @@ DEFAULT_TURNS: int = ConversationRuns.__dataclass_fields__["turns"].default  # w
 
 
 @dataclass
-class EvalConfig(with_defaults(ConversationRuns, prompts=None, split="test", mode=None, num_conversations=32, turns=None)):
+class EvalConfig(EvalRuns):
     """Settings of an evaluation (the conversation settings are those of
     :class:`~astrl.envs.settings.ConversationRuns`). ``None`` fields fall back to the training run's
     config (when the tester is a run directory or an export), then to the defaults noted: ``prompts``

@@ -41,7 +41,7 @@ def add_train_parser(sub) -> None:
         "still runs over total_steps, and --resume goes on from it",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar or sample tables")
-    add_setting_flags(p, CollectionSettings, default=None)  # shorthands for the config keys, as on `astrl rollout`
+    add_setting_flags(p, CollectionSettings, default=None, shown="the config's, else {}")  # shorthands for config keys
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. total_steps=50 lr=1e-4")
 
 
