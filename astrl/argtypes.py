@@ -30,14 +30,6 @@ def at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
-def positive(text: str) -> float:
-    """A float ``> 0``."""
-    value = _number(float, text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
 def fraction(text: str) -> float:
     """A float in ``(0, 1]`` (nucleus sampling's top-p)."""
     value = _number(float, text)
@@ -54,20 +46,21 @@ def threshold(text: str) -> float:
     return value
 
 
-def value_problem(value: Any, metadata: dict) -> str | None:
+def value_problem(value: Any, metadata: dict, given: str | None = None) -> str | None:
     """What is wrong with ``value`` under the checks in a field's ``metadata``
-    (:func:`astrl.envs.settings.setting`), as
-    "must be ..., got ..."; ``None``: nothing. The config checks and the command-line flags share it."""
+    (:func:`astrl.envs.settings.setting`), as "must be ..., got ..." (``given``: the value as typed);
+    ``None``: nothing. The config checks and the command-line flags share it."""
     if "choices" in metadata and value not in metadata["choices"]:
         return f"must be one of {metadata['choices']}, got {value!r}"
+    got = str(value) if given is None else given
     if "above" in metadata and "at_most" in metadata and not metadata["above"] < value <= metadata["at_most"]:
-        return f"must be in ({metadata['above']}, {metadata['at_most']}], got {value}"
+        return f"must be in ({metadata['above']}, {metadata['at_most']}], got {got}"
     if "at_least" in metadata and value < metadata["at_least"]:
-        return f"must be >= {metadata['at_least']}, got {value}"
+        return f"must be >= {metadata['at_least']}, got {got}"
     if "above" in metadata and value <= metadata["above"]:
-        return f"must be > {metadata['above']}, got {value}"
+        return f"must be > {metadata['above']}, got {got}"
     if "at_most" in metadata and value > metadata["at_most"]:
-        return f"must be <= {metadata['at_most']}, got {value}"
+        return f"must be <= {metadata['at_most']}, got {got}"
     return None
 
 
@@ -83,7 +76,7 @@ def _flag_type(spec: dataclasses.Field) -> Callable[[str], Any]:
 
     def parse(text: str):
         value = _number(kind, text)
-        problem = value_problem(value, spec.metadata)
+        problem = value_problem(value, spec.metadata, text)
         if problem:
             raise argparse.ArgumentTypeError(problem)
         return value

@@ -6,13 +6,18 @@ import argparse
 import os
 import sys
 
-from astrl.argtypes import FIELD_DEFAULT, add_setting_flags, at_least, fraction, given_settings, positive, threshold
+from astrl.argtypes import FIELD_DEFAULT, add_setting_flags, at_least, given_settings, threshold
 from astrl.errors import one_line
 
 LATER: dict[str, str] = {}
 
 
-TOP_K_HELP = "0: the backend's default (Transformers: the model's, else 50; vLLM: none); at least the vocabulary size: off"
+def _add_sampling_args(p) -> None:
+    """``--temperature``, ``--top-p`` and ``--top-k``: the :class:`~astrl.envs.settings.SamplingSettings` fields
+    that mean the same on every command (the lengths do not: a turn, a reply, the run's)."""
+    from astrl.envs.settings import SamplingSettings
+
+    add_setting_flags(p, SamplingSettings, names=("temperature", "top_p", "top_k"), default=FIELD_DEFAULT)
 
 
 def _add_generation_args(p, *, from_run: bool = False) -> None:
@@ -30,9 +35,7 @@ def _add_generation_args(p, *, from_run: bool = False) -> None:
         default=None,
         help=f"new tokens per target reply (default: --max-new-tokens{' if given, ' + reply if from_run else ''})",
     )
-    p.add_argument("--temperature", type=positive, default=1.0)
-    p.add_argument("--top-p", type=fraction, default=1.0)
-    p.add_argument("--top-k", type=at_least(0), default=0, help=TOP_K_HELP)
+    _add_sampling_args(p)
     p.add_argument("--greedy", action="store_true", help="greedy decoding for both models")
 
 
@@ -283,9 +286,7 @@ def _add_replay(sub) -> None:
     p.add_argument("--greedy", action="store_true", help="greedy decoding (one reply per attack and target)")
     p.add_argument("--mode", default=None, choices=["chat", "text"], help="default: the run's or eval's mode, else chat")
     p.add_argument("--max-new-tokens", type=at_least(1), default=None, help="reply length (default: the run's, else 32)")
-    p.add_argument("--temperature", type=positive, default=1.0)
-    p.add_argument("--top-p", type=fraction, default=1.0)
-    p.add_argument("--top-k", type=at_least(0), default=0, help=TOP_K_HELP)
+    _add_sampling_args(p)
     p.add_argument("--batch-size", type=at_least(1), default=16, help="replies generated together (attacks x samples)")
     _add_report_args(p, unit="reply", tables="rows of the report's attack and disagreement tables")
     _add_run_args(p)

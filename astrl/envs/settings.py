@@ -135,11 +135,11 @@ class SamplingSettings:
         32, "New tokens per tester turn (and per target turn unless target_max_new_tokens).", at_least=1
     )
     target_max_new_tokens: int | None = setting(None, "New tokens per target reply (null: max_new_tokens).")
-    temperature: float = setting(1.0, "Sampling temperature of tester and target.", above=0)
-    top_p: float = setting(1.0, "Nucleus sampling threshold of tester and target (1: off).", above=0, at_most=1)
+    temperature: float = setting(1.0, "Sampling temperature (tester and target alike).", above=0)
+    top_p: float = setting(1.0, "Nucleus sampling threshold, tester and target alike (1: off).", above=0, at_most=1)
     top_k: int = setting(
         0,
-        "Top-k filtering of tester and target (0: the backend's default: Transformers keeps the 50 most likely "
+        "Top-k filtering, tester and target alike (0: the backend's default: Transformers keeps the 50 most likely "
         "tokens unless the model's generation config says otherwise, vLLM none; a value at least the "
         "vocabulary size turns it off on both).",
         at_least=0,
