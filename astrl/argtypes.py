@@ -1,6 +1,7 @@
 """Argument types of the command line that check their range as they parse, so that a number out of
-range ends the command at once, before anything is imported or loaded; and the flags made from a
-settings dataclass, one per field."""
+range ends the command at once, before anything is imported or loaded; the range check of a settings
+field (:func:`value_problem`), which a config and its flag share; and the flags made from a settings
+dataclass, one per field (:func:`add_setting_flags`)."""
 
 from __future__ import annotations
 
