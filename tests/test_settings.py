@@ -69,6 +69,7 @@ def test_with_defaults_changes_defaults_only():
     Other = with_defaults(Base, b="y")
     assert [f.name for f in dataclasses.fields(Other)] == ["a", "b"] and Other().b == "y" and Base().b == "x"
     assert dataclasses.fields(Other)[1].metadata["help"] == "a b"
+    assert Other.base_defaults == {"b": "x"}  # the default it replaced, for a flag's help ("the run's, else x")
     with pytest.raises(ValueError, match=r"b must be one of \('x', 'y'\), got 'z'"):
         Other(b="z")
     with pytest.raises(TypeError, match=r"has no field\(s\) \['c'\]"):
