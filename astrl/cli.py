@@ -494,12 +494,13 @@ def check_arguments(args) -> None:
     names, prompt sources and splits. A typo ends the command in well under a second, before the heavy
     imports and any model load; the commands check the rest (run directories, archives, configs) before
     they load a model too."""
+    from astrl.envs.settings import SeedSettings
     from astrl.names import check_names, is_run_dir
 
     if args.command == "rollout":
         roles = {"tester": args.tester, "target": args.target}
         scorers = (args.scorers or ["profanity"]) + [name for name in [getattr(args, "probe_scorer", None)] if name]
-        seed = args.seed if args.split_seed is None else args.split_seed
+        seed = SeedSettings(args.seed, args.split_seed).prompt_split_seed
         check_names(
             roles, scorers, args.prompts, split=args.split, split_seed=seed, test_fraction=args.test_fraction,
         )  # fmt: skip

@@ -131,9 +131,8 @@ class Conversation:
 
 def opener_stream(spec: ConversationSpec) -> PromptStream:
     """The seeded stream of the spec's openers: ``batch_size`` a draw, ``group_size`` repeats each."""
-    split_seed = spec.seed if spec.split_seed is None else spec.split_seed
     prompts = split_prompts(
-        load_prompts(spec.prompts), spec.split, seed=split_seed, fractions=split_fractions(spec.test_fraction)
+        load_prompts(spec.prompts), spec.split, seed=spec.prompt_split_seed, fractions=split_fractions(spec.test_fraction)
     )
     return PromptStream(prompts, spec.batch_size, seed=spec.seed, group_size=spec.group_size)
 
@@ -147,13 +146,12 @@ def preflight(
     roles = {"tester": spec.tester} if tester else {}
     if target:
         roles["target"] = spec.target
-    split_seed = spec.seed if spec.split_seed is None else spec.split_seed
     check_names(
         roles,
         spec.scorers if scorers else None,
         spec.prompts if prompts else None,
         split=spec.split,
-        split_seed=split_seed,
+        split_seed=spec.prompt_split_seed,
         test_fraction=spec.test_fraction,
     )
 

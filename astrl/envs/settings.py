@@ -91,6 +91,11 @@ class SeedSettings:
         "held-out openers when they share it.",
     )
 
+    @property
+    def prompt_split_seed(self) -> int:
+        """The seed of the prompt split: ``split_seed``, else ``seed``."""
+        return self.seed if self.split_seed is None else self.split_seed
+
 
 @dataclass
 class ConversationSettings:

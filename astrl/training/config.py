@@ -105,11 +105,6 @@ class ConversationSection(
         """Conversations per step (``prompts_per_step`` openers, each ``group_size`` times)."""
         return self.prompts_per_step * self.group_size
 
-    @property
-    def prompt_split_seed(self) -> int:
-        """The seed of the prompt split: ``split_seed``, else ``seed``."""
-        return self.seed if self.split_seed is None else self.split_seed
-
 
 @dataclass
 class ScorerSection:
