@@ -96,6 +96,12 @@ def _default_text(kind: type, name: str, value: Any, unset: str | None) -> str:
     return "null" if value is None else str(value)
 
 
+def _fields(kind: type, names: Iterable[str] | None) -> list[dataclasses.Field]:
+    """The fields of the dataclass ``kind``, in field order; ``names``: those only."""
+    wanted = None if names is None else set(names)
+    return [spec for spec in dataclasses.fields(kind) if wanted is None or spec.name in wanted]
+
+
 def add_setting_flags(
     parser: argparse.ArgumentParser,
     kind: type,
@@ -113,10 +119,7 @@ def add_setting_flags(
     :data:`FIELD_DEFAULT`, the field's default. The help ends with ``(default: ...)``, the field's
     default written into ``shown`` (``"the config's, else {}"``), with ``unset`` for a ``None`` default
     (:func:`_default_text`)."""
-    wanted = None if names is None else set(names)
-    for spec in dataclasses.fields(kind):
-        if wanted is not None and spec.name not in wanted:
-            continue
+    for spec in _fields(kind, names):
         value = _default_text(kind, spec.name, spec.default, unset)
         help_text = f"{spec.metadata['help']} (default: {shown.format(value)})".replace("%", "%%")
         options = {"dest": spec.name, "default": spec.default if default is FIELD_DEFAULT else default, "help": help_text}
@@ -133,8 +136,5 @@ def add_setting_flags(
 def given_settings(args: argparse.Namespace, kind: type, *, names: Iterable[str] | None = None, unset=argparse.SUPPRESS) -> dict:
     """The flags of :func:`add_setting_flags` that were given (not ``unset``), as keywords of ``kind``
     (``names``: of those fields only)."""
-    wanted = None if names is None else set(names)
-    values = {
-        spec.name: getattr(args, spec.name, unset) for spec in dataclasses.fields(kind) if wanted is None or spec.name in wanted
-    }
+    values = {spec.name: getattr(args, spec.name, unset) for spec in _fields(kind, names)}
     return {name: value for name, value in values.items() if value is not unset}
