@@ -53,8 +53,8 @@ DEFAULT_TURNS: int = ConversationRuns.__dataclass_fields__["turns"].default  # w
 @dataclass
 class EvalConfig(EvalRuns):
     """Settings of an evaluation (the conversation settings are those of
-    :class:`~astrl.envs.settings.ConversationRuns`). ``None`` fields fall back to the training run's
-    config (when the tester is a run directory or an export), then to the defaults noted: ``prompts``
+    :class:`~astrl.envs.settings.ConversationRuns` with eval's defaults, ``EvalRuns``). ``None`` fields fall
+    back to the training run's config (when the tester is a run directory or an export), then to the defaults noted: ``prompts``
     (the run's, else builtin), ``split_seed`` and ``test_fraction`` (the run's seed and fraction, so
     "test" is the run's held-out split, else ``seed`` and 0.1), ``mode`` (the run's, else chat), the
     system prompts (the run's), ``turns`` (the run's, else 3) and the lengths: ``max_new_tokens`` (the
