@@ -86,13 +86,23 @@ def _flag_type(spec: dataclasses.Field) -> Callable[[str], Any]:
     return parse
 
 
+def replaced_default(kind: type, name: str) -> Any:
+    """The default that :func:`~astrl.envs.settings.with_defaults` replaced for the field ``name`` in
+    whichever base of ``kind`` replaced it (a class made from several such bases, like a training
+    config, holds one record per base); ``None`` where none did."""
+    for klass in kind.__mro__:
+        record = klass.__dict__.get("base_defaults", {})
+        if name in record:
+            return record[name]
+    return None
+
+
 def _default_text(kind: type, name: str, value: Any, unset: str | None) -> str:
     """A field's default as its flag's help gives it (``None`` as in a config, null); ``unset`` names where a
     ``None`` default is taken from ("the run's"), followed by the default that
     :func:`~astrl.envs.settings.with_defaults` replaced (the field's help says what its null means)."""
     if value is None and unset is not None:
-        replaced = getattr(kind, "base_defaults", {}).get(name)
-        return f"{unset}, else {_default_text(kind, name, replaced, None)}"
+        return f"{unset}, else {_default_text(kind, name, replaced_default(kind, name), None)}"
     return "null" if value is None else str(value)
 
 

@@ -1,9 +1,11 @@
 """The conversation settings, declared once (astrl.envs.settings) and shared by every entry point."""
 
+import argparse
 import dataclasses
 
 import pytest
 
+from astrl.argtypes import add_setting_flags, replaced_default
 from astrl.envs import ConversationSpec
 from astrl.envs.settings import (
     ConversationBatch,
@@ -74,6 +76,27 @@ def test_with_defaults_changes_defaults_only():
         Other(b="z")
     with pytest.raises(TypeError, match=r"has no field\(s\) \['c'\]"):
         with_defaults(Base, c=1)
+
+
+def test_a_class_of_two_with_defaults_bases_finds_each_replaced_default():
+    @dataclasses.dataclass
+    class First:
+        a: "int | None" = setting(1, "an a")
+
+    @dataclasses.dataclass
+    class Second:
+        b: "str | None" = setting("x", "a b")
+
+    @dataclasses.dataclass
+    class Both(with_defaults(First, a=None), with_defaults(Second, b=None)):
+        pass
+
+    # each base keeps its own record; a plain class attribute would show only the first base's
+    assert replaced_default(Both, "a") == 1 and replaced_default(Both, "b") == "x"
+    assert replaced_default(First, "a") is None
+    parser = argparse.ArgumentParser()
+    add_setting_flags(parser, Both, unset="the run's")
+    assert "(default: the run's, else x)" in " ".join(parser.format_help().split())
 
 
 def test_a_rollout_passes_its_settings_to_its_spec_unchanged():

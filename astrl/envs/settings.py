@@ -65,7 +65,7 @@ def with_defaults(base: type, **defaults: Any) -> type:
     namespace["__annotations__"] = {name: fields[name].type for name in defaults}
     namespace["__module__"] = base.__module__
     namespace["__doc__"] = base.__doc__
-    namespace["base_defaults"] = {name: fields[name].default for name in defaults}  # the defaults replaced
+    namespace["base_defaults"] = {name: fields[name].default for name in defaults}  # read by argtypes.replaced_default
     return dataclass(type(base.__name__, (base,), namespace))
 
 
