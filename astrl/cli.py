@@ -8,6 +8,7 @@ import sys
 
 from astrl.argtypes import FIELD_DEFAULT, add_setting_flags, at_least, given_settings, threshold
 from astrl.errors import one_line
+from astrl.names import MODEL_DTYPES
 
 LATER: dict[str, str] = {}
 
@@ -41,7 +42,7 @@ def _add_generation_args(p, *, from_run: bool = False) -> None:
 
 def _add_run_args(p) -> None:
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=MODEL_DTYPES)
     p.add_argument("--device", default="cpu")
 
 
@@ -387,7 +388,7 @@ def _add_export(sub) -> None:
         metavar="FILE",
         help="also write a garak config (.yaml/.yml, else JSON) that runs the folder as atkgen's red-team model",
     )
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: the run's dtype")
+    p.add_argument("--dtype", default=None, choices=MODEL_DTYPES, help="default: the run's dtype")
 
 
 def _export(args) -> int:

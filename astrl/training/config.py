@@ -19,8 +19,16 @@ from pathlib import Path
 import yaml
 
 from astrl.backends import CollectionSettings
-from astrl.envs.settings import ConversationSettings, SamplingSettings, SeedSettings, check_settings, with_defaults
+from astrl.envs.settings import (
+    ConversationSettings,
+    SamplingSettings,
+    SeedSettings,
+    check_settings,
+    setting,
+    with_defaults,
+)
 from astrl.errors import ConfigError
+from astrl.names import MODEL_DTYPES
 from astrl.rewards.settings import RewardSettings
 from astrl.yaml_data import read_yaml_mapping, yaml_problem
 
@@ -67,7 +75,7 @@ class RunSection(SeedSettings):
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
         metadata={"help": "Module names that get LoRA adapters."},
     )
-    dtype: str = field(default="float32", metadata={"help": "Model dtype: float32, bfloat16 or float16."})
+    dtype: str = setting("float32", f"Model dtype: {', '.join(MODEL_DTYPES)}.", choices=MODEL_DTYPES)
     device: str = field(default="cpu", metadata={"help": "Torch device: cpu, cuda, cuda:N or mps."})
 
     def _check_run(self) -> None:
