@@ -1,12 +1,14 @@
-"""Argument types of the command line that check their range as they parse, so that a number out of
-range ends the command at once, before anything is imported or loaded; the range check of a settings
-field (:func:`value_problem`), which a config and its flag share; and the flags made from a settings
-dataclass, one per field (:func:`add_setting_flags`)."""
+"""Settings fields and their checks, for configs and the command line alike: a field declared with its
+help and its range or choices (:func:`setting`), checked in a config (:func:`check_settings`) and as its
+flag parses (:func:`add_setting_flags`, one flag per field), both through :func:`value_problem`; and
+argument types that check their range as they parse, so that a number out of range ends the command
+at once, before anything is imported or loaded."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -47,32 +49,81 @@ def threshold(text: str) -> float:
     return value
 
 
-def value_problem(value: Any, metadata: dict, given: str | None = None) -> str | None:
-    """What is wrong with ``value`` under the checks in a field's ``metadata``
-    (:func:`astrl.envs.settings.setting`), as "must be ..., got ..." (``given``: the value as typed);
-    ``None``: nothing. The config checks and the command-line flags share it."""
+def range_text(metadata: dict) -> str:
+    """The range a field's ``metadata`` declares (:func:`setting`), as its messages and ``astrl train --keys``
+    write it: ``in [0, 1)``, ``>= 1``, ``> 0``, ``<= 0``; ``""`` where it declares none."""
+    low = f"[{metadata['at_least']}" if "at_least" in metadata else f"({metadata['above']}" if "above" in metadata else ""
+    high = f"{metadata['at_most']}]" if "at_most" in metadata else f"{metadata['below']})" if "below" in metadata else ""
+    if low and high:
+        return f"in {low}, {high}"
+    if low:
+        return f"{'>=' if low[0] == '[' else '>'} {low[1:]}"
+    if high:
+        return f"{'<=' if high[-1] == ']' else '<'} {high[:-1]}"
+    return ""
+
+
+def value_problem(value: Any, metadata: dict, given: str | None = None, *, nullable: bool = False) -> str | None:
+    """What is wrong with ``value`` under the checks in a field's ``metadata`` (:func:`setting`), as
+    "must be ..., got ..." (``given``: the value as typed); ``None``: nothing; ``nullable`` names null as
+    the other choice. A float must be finite (nan and inf pass no range). The config checks and the
+    command-line flags share it."""
     if "choices" in metadata and value not in metadata["choices"]:
         return f"must be one of {metadata['choices']}, got {value!r}"
     got = str(value) if given is None else given
-    if "above" in metadata and "at_most" in metadata and not metadata["above"] < value <= metadata["at_most"]:
-        return f"must be in ({metadata['above']}, {metadata['at_most']}], got {got}"
-    if "at_least" in metadata and value < metadata["at_least"]:
-        return f"must be >= {metadata['at_least']}, got {got}"
-    if "above" in metadata and value <= metadata["above"]:
-        return f"must be > {metadata['above']}, got {got}"
-    if "at_most" in metadata and value > metadata["at_most"]:
-        return f"must be <= {metadata['at_most']}, got {got}"
-    return None
+    null = " (or null)" if nullable else ""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"must be a finite number{null}, got {got}"
+    inside = (
+        ("at_least" not in metadata or value >= metadata["at_least"])
+        and ("above" not in metadata or value > metadata["above"])
+        and ("at_most" not in metadata or value <= metadata["at_most"])
+        and ("below" not in metadata or value < metadata["below"])
+    )
+    return None if inside else f"must be {range_text(metadata)}{null}, got {got}"
+
+
+def setting(
+    default: Any = None,
+    help: str = "",
+    *,
+    at_least: float | None = None,
+    above: float | None = None,
+    at_most: float | None = None,
+    below: float | None = None,
+    choices: tuple[str, ...] | None = None,
+) -> Any:
+    """A dataclass field with its ``help`` and its check, read by :func:`check_settings` and the flags
+    (:func:`add_setting_flags`): ``at_least`` (``value >= at_least``), ``above``
+    (``value > above``), ``at_most`` (``<=``), ``below`` (``<``) and ``choices``; a float must also be finite."""
+    checks = {"at_least": at_least, "above": above, "at_most": at_most, "below": below, "choices": choices}
+    metadata = {"help": help, **{key: value for key, value in checks.items() if value is not None}}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def check_settings(obj: Any, kind: type | None = None) -> None:
+    """Check every field of the dataclass ``obj`` (``kind``: only those of that dataclass) against the checks
+    declared with :func:`setting`; ``None`` passes where the field's type admits it (``int | None``: unset,
+    filled in later, or off). Raises ``ValueError`` naming the field."""
+    for spec in dataclasses.fields(kind or obj):
+        value = getattr(obj, spec.name)
+        nullable = "None" in str(spec.type)
+        if value is None and (spec.default is None or nullable):
+            continue
+        problem = value_problem(value, spec.metadata, nullable=nullable)
+        if problem:
+            raise ValueError(f"{spec.name} {problem}")
 
 
 FIELD_DEFAULT = object()  # add_setting_flags: a flag not given is its field's default
 
 
 def _flag_type(spec: dataclasses.Field) -> Callable[[str], Any]:
-    """The parser of a field's flag: its number type, with the field's range checks (``at_least``,
-    ``above``, ``at_most`` of :func:`astrl.envs.settings.setting`) applied as it parses (:func:`value_problem`)."""
+    """The parser of a field's flag: its number type, with the field's checks (finite, and ``at_least``,
+    ``above``, ``at_most``, ``below`` of :func:`setting`) applied as it parses
+    (:func:`value_problem`)."""
     kind = {"float": float, "int": int}.get(spec.type.split(" ")[0], str)
-    if kind is str or not {"at_least", "above", "at_most"} & set(spec.metadata):
+    if kind is str:
         return kind
 
     def parse(text: str):

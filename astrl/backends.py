@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from astrl.argtypes import check_settings, setting
 
 BACKENDS = ("transformers", "vllm")
 COLLECTORS = ("local", "ray")
@@ -77,46 +79,25 @@ def init_ray(address: str | None = None, **options) -> bool:
     return True
 
 
-def check_collector(collector: str, num_collectors: int, cpus: float, gpus: float, ray_address: str | None) -> None:
-    """Validate the collection settings shared by rollouts and training."""
-    if collector not in COLLECTORS:
-        raise ValueError(f"collector must be one of {COLLECTORS}, got {collector!r}")
-    if num_collectors < 1:
-        raise ValueError(f"num_collectors must be >= 1, got {num_collectors}")
-    if collector == "local" and num_collectors != 1:
-        raise ValueError(f"num_collectors={num_collectors} needs collector 'ray' (the local collector is one process)")
-    if collector == "local" and ray_address:
-        raise ValueError(f"ray_address {ray_address!r} needs collector 'ray'")
-    if cpus <= 0:
-        raise ValueError(f"collector_cpus must be > 0, got {cpus}")
-    if gpus < 0:
-        raise ValueError(f"collector_gpus must be >= 0, got {gpus}")
-
-
 @dataclass
 class CollectionSettings:
     """Where the conversations are generated, declared once: the generation backends and the collector.
     :class:`~astrl.training.TrainConfig` (its scale-out section) and :class:`~astrl.rollout.RolloutConfig`
     inherit these fields, and ``astrl rollout`` makes one flag per field."""
 
-    backend: str = field(
-        default="transformers", metadata={"help": "Tester generation backend: transformers or vllm.", "choices": BACKENDS}
-    )
-    target_backend: str = field(
-        default="transformers", metadata={"help": "Target generation backend: transformers or vllm.", "choices": BACKENDS}
-    )
-    collector: str = field(
-        default="local",
-        metadata={"help": "Collect in this process (local) or over Ray workers (ray).", "choices": COLLECTORS},
-    )
-    num_collectors: int = field(default=1, metadata={"help": "Ray workers; each runs whole groups."})
-    collector_cpus: float = field(default=1.0, metadata={"help": "CPUs per Ray worker."})
-    collector_gpus: float = field(default=0.0, metadata={"help": "GPUs per Ray worker."})
-    ray_address: str | None = field(default=None, metadata={"help": "An existing Ray cluster (e.g. auto); null: start Ray here."})
+    backend: str = setting("transformers", "Tester generation backend: transformers or vllm.", choices=BACKENDS)
+    target_backend: str = setting("transformers", "Target generation backend: transformers or vllm.", choices=BACKENDS)
+    collector: str = setting("local", "Collect in this process (local) or over Ray workers (ray).", choices=COLLECTORS)
+    num_collectors: int = setting(1, "Ray workers; each runs whole groups.", at_least=1)
+    collector_cpus: float = setting(1.0, "CPUs per Ray worker.", above=0)
+    collector_gpus: float = setting(0.0, "GPUs per Ray worker.", at_least=0)
+    ray_address: str | None = setting(None, "An existing Ray cluster (e.g. auto); null: start Ray here.")
 
     def check_collection(self) -> None:
-        """Refuse an unknown backend or collector, or collector settings that do not fit together (``ValueError``)."""
-        for key in ("backend", "target_backend"):
-            if getattr(self, key) not in BACKENDS:
-                raise ValueError(f"{key} must be one of {BACKENDS}, got {getattr(self, key)!r}")
-        check_collector(self.collector, self.num_collectors, self.collector_cpus, self.collector_gpus, self.ray_address)
+        """Refuse a collection setting out of its range or choices (:func:`~astrl.argtypes.setting`), or
+        collector settings that do not fit together (``ValueError``)."""
+        check_settings(self, CollectionSettings)
+        if self.collector == "local" and self.num_collectors != 1:
+            raise ValueError(f"num_collectors={self.num_collectors} needs collector 'ray' (the local collector is one process)")
+        if self.collector == "local" and self.ray_address:
+            raise ValueError(f"ray_address {self.ray_address!r} needs collector 'ray'")

@@ -42,8 +42,8 @@ def test_the_score_is_the_mean_reward_of_the_second_half_and_the_choice_its_high
     ("settings", "message"),
     [
         (dict(branches=0), "branches must be >= 1"),
-        (dict(branches=2, branch_steps=1), "branch_steps must be >= 2 and below total_steps"),
-        (dict(branches=2, branch_steps=4), "branch_steps must be >= 2 and below total_steps \\(4\\)"),
+        (dict(branches=2, branch_steps=1), "branch_steps must be >= 2, got 1"),
+        (dict(branches=2, branch_steps=4), "branch_steps must be below total_steps \\(4\\)"),
         (dict(branches=2, branch_steps=2, harden_every=1), "set collector: local and harden_every: 0"),
     ],
 )

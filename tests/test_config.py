@@ -32,6 +32,10 @@ def test_train_keys_lists_every_key_with_its_default_and_help(capsys):
         assert yaml.safe_load(listed[spec.name]) == _default(spec), spec.name  # written as a YAML file would say it
     assert "weight of the probe's mean per-token log-prob under the target" in out
     assert "gamma -> likelihood_weight" in out
+    # each key's declared range or choices beside its type, as its error message writes it
+    assert "  clip_epsilon = 0.2  (float, in (0, 1])\n" in out and "  harden_threshold = 0.5  (float, in [0, 1))\n" in out
+    assert "  total_steps = 100  (int, >= 1)\n" in out and "  likelihood_cap = null  (float | None, <= 0)\n" in out
+    assert "  optimizer = adamw  (str, one of adamw, adam, sgd, rmsprop, adagrad)\n" in out and "  alpha = 1.0  (float)\n" in out
 
 
 def test_train_help_points_to_the_key_listing(capsys):
@@ -201,11 +205,57 @@ def test_train_keys_lists_the_keys_under_their_sections(capsys):
         (["novelty_history=0"], "novelty_history must be >= 1, got 0"),
         (["harden_steps=0"], "harden_steps must be >= 1, got 0"),
         (["save_every=0"], "save_every must be >= 1, got 0"),
+        # keys that had no check before each declared its own range
+        (["clip_epsilon=-1"], r"clip_epsilon must be in \(0, 1\], got -1"),
+        (["gae_lambda=3"], r"gae_lambda must be in \[0, 1\], got 3"),
+        (["value_coef=-1"], "value_coef must be >= 0, got -1"),
+        (["harden_threshold=1"], r"harden_threshold must be in \[0, 1\), got 1"),
+        (["lora_dropout=1"], r"lora_dropout must be in \[0, 1\), got 1"),
+        (["log_every=0"], "log_every must be >= 1, got 0"),
+        (["keep_checkpoints=0"], "keep_checkpoints must be >= 1, got 0"),
+        # nan passes no range and inf none either; a weight with no range must still be a number
+        (["temperature=.nan"], "temperature must be a finite number, got nan"),
+        (["lr=.inf"], "lr must be a finite number, got inf"),
+        (["reward=elicit", "alpha=.nan"], "alpha must be a finite number, got nan"),
+        (["kl_token_cap=.nan"], r"kl_token_cap must be a finite number \(or null\), got nan"),
     ],
 )
 def test_each_section_checks_its_keys_with_a_config_error(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+# numeric keys with no range of their own: seeds, and the reward weights a user may set to any number
+UNBOUNDED = {"seed", "split_seed", "alpha", "zeta", "likelihood_weight"}
+
+
+def test_every_numeric_key_declares_its_range_and_its_edges_load():
+    """Each int or float key but :data:`UNBOUNDED` declares a range, and a value on an inclusive edge loads
+    while one past it is refused: the declaration is the check."""
+    numeric = [spec for spec in FIELDS if spec.type.split(" ")[0] in ("int", "float")]
+    bounds = ("at_least", "above", "at_most", "below")
+    unbounded = {spec.name for spec in numeric if not set(bounds) & set(spec.metadata)}
+    assert unbounded == UNBOUNDED
+    context = {  # the keys a value on an edge needs beside it (the checks of keys that must fit together)
+        "probe_gate": {"reward": "elicit"},
+        "likelihood_cap": {"reward": "elicit"},
+        "group_size": {"algorithm": "ppo"},
+        "weak_supervision": {"algorithm": "dpo"},
+        "warm_start_reply_tokens": {"warm_start_select": "best_of", "reward": "elicit", "reply_lexicon_weight": 1.0},
+        "warm_start_retest_keep": {"warm_start_retest": 4, "warm_start_probes": 8},
+    }
+    for spec in numeric:
+        kind = spec.type.split(" ")[0]
+        for edge, inside in (("at_least", True), ("at_most", True), ("above", False), ("below", False)):
+            if edge not in spec.metadata:
+                continue
+            value = spec.metadata[edge]
+            step = 1 if kind == "int" else 0.5
+            past = value - step if edge in ("at_least", "above") else value + step
+            with pytest.raises(ConfigError, match=f"^{spec.name} must be"):
+                TrainConfig(**context.get(spec.name, {}), **{spec.name: past})
+            if inside:
+                assert getattr(TrainConfig(**context.get(spec.name, {}), **{spec.name: value}), spec.name) == value
 
 
 def _header_eval_commands(path) -> list[list[str]]:

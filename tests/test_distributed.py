@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from astrl._compat import as_list
-from astrl.backends import MissingExtraError, check_collector, init_ray, require_ray
+from astrl.backends import CollectionSettings, MissingExtraError, init_ray, require_ray
 from astrl.distributed import WorkerSpec
 from astrl.envs import ConversationSpec
 from astrl.policies import GenerationSettings
@@ -59,11 +59,11 @@ def test_prompt_shards_split_each_batch_into_whole_groups():
 
 def test_scale_settings_are_validated_with_the_offending_value(tmp_path):
     with pytest.raises(ValueError, match="collector must be one of .* got 'dask'"):
-        check_collector("dask", 1, 1, 0, None)
+        CollectionSettings(collector="dask").check_collection()
     with pytest.raises(ValueError, match="num_collectors=2 needs collector 'ray'"):
-        check_collector("local", 2, 1, 0, None)
+        CollectionSettings(num_collectors=2).check_collection()
     with pytest.raises(ValueError, match="collector_cpus must be > 0, got 0"):
-        check_collector("ray", 2, 0, 0, None)
+        CollectionSettings(collector="ray", num_collectors=2, collector_cpus=0).check_collection()
     with pytest.raises(ValueError, match="cannot be split into 3 workers of whole groups"):
         _spec(tmp_path, num_workers=3)
     from astrl.rollout import RolloutConfig

@@ -670,7 +670,7 @@ def test_elicit_settings_are_checked_with_the_offending_value():
         (["reward=elicit", "reply_transform=sqrt"], "reply_transform must be one of"),
         (["reward=elicit", "probe_gate=0"], "probe_gate must be in (0, 1]"),
         (["reward=elicit", "probe_gate=0.5", "elicit_gate=true"], "choose one gate"),
-        (["reward=elicit", "likelihood_cap=1"], "likelihood_cap is a mean log-prob and must be <= 0"),
+        (["reward=elicit", "likelihood_cap=1"], "likelihood_cap must be <= 0 (or null), got 1"),
         (["reward=score", "reply_lexicon_weight=1"], "reply_lexicon_weight applies only to reward='elicit' (reward is 'score')"),
         (["reward=elicit", "probe_gate_lexicon=true"], "probe_gate_lexicon reads the elicit reward's reply lexicon"),
         (["reply_past_opener=true"], "reply_past_opener reads the elicit reward's replies: set reward: elicit (reward is"),

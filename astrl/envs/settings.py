@@ -3,13 +3,13 @@
 :class:`ConversationSettings` holds what every entry point asks of its conversations (openers, turns,
 mode, system prompts, replies per probe), :class:`SeedSettings` the seeds (of everything drawn, of
 the prompt split), :class:`SamplingSettings` the flat sampling keys of a YAML config. Each field
-carries its help and its check (:func:`setting`), so that one field is one declaration:
+carries its help and its check (:func:`astrl.argtypes.setting`), so that one field is one declaration:
 :class:`~astrl.training.TrainConfig`, :class:`~astrl.rollout.RolloutConfig`,
 :class:`~astrl.evaluation.run.EvalConfig` and :class:`~astrl.envs.ConversationSpec` inherit them
 (dataclass inheritance keeps their keys flat), :func:`with_defaults` gives an entry point its own
 defaults, and :func:`conversation_settings` copies them from one to the other.
 
-A new conversation setting is one :func:`setting` field here plus the code that reads it.
+A new conversation setting is one :func:`~astrl.argtypes.setting` field here plus the code that reads it.
 """
 
 from __future__ import annotations
@@ -18,40 +18,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from astrl.argtypes import value_problem
+from astrl.argtypes import check_settings, setting
 from astrl.prompts import SPLITS
 from astrl.rewards.weights import MODES
 
 if TYPE_CHECKING:
     from astrl.policies import GenerationSettings
-
-
-def setting(
-    default: Any = None,
-    help: str = "",
-    *,
-    at_least: float | None = None,
-    above: float | None = None,
-    at_most: float | None = None,
-    choices: tuple[str, ...] | None = None,
-) -> Any:
-    """A dataclass field with its ``help`` and its check, read by :func:`check_settings`:
-    ``at_least`` (``value >= at_least``), ``above`` (``value > above``), ``at_most`` and ``choices``."""
-    checks = {"at_least": at_least, "above": above, "at_most": at_most, "choices": choices}
-    metadata = {"help": help, **{key: value for key, value in checks.items() if value is not None}}
-    return dataclasses.field(default=default, metadata=metadata)
-
-
-def check_settings(obj: Any) -> None:
-    """Check every field of the dataclass ``obj`` declared with :func:`setting` checks; ``None`` passes
-    where it is the field's default (unset, filled in later). Raises ``ValueError`` naming the field."""
-    for spec in dataclasses.fields(obj):
-        value = getattr(obj, spec.name)
-        if value is None and spec.default is None:
-            continue
-        problem = value_problem(value, spec.metadata)
-        if problem:
-            raise ValueError(f"{spec.name} {problem}")
 
 
 def with_defaults(base: type, **defaults: Any) -> type:
@@ -139,7 +111,7 @@ class SamplingSettings:
     max_new_tokens: int = setting(
         32, "New tokens per tester turn (and per target turn unless target_max_new_tokens).", at_least=1
     )
-    target_max_new_tokens: int | None = setting(None, "New tokens per target reply (null: max_new_tokens).")
+    target_max_new_tokens: int | None = setting(None, "New tokens per target reply (null: max_new_tokens).", at_least=1)
     temperature: float = setting(1.0, "Sampling temperature (tester and target alike).", above=0)
     top_p: float = setting(1.0, "Nucleus sampling threshold, tester and target alike (1: off).", above=0, at_most=1)
     top_k: int = setting(

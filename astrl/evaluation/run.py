@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from astrl.envs.settings import ConversationRuns, EvalRuns, setting
+from astrl.argtypes import setting
+from astrl.envs.settings import ConversationRuns, EvalRuns
 from astrl.evaluation.agreement import eval_agreement
 from astrl.evaluation.metrics import DEFAULT_THRESHOLD
 from astrl.evaluation.records import (

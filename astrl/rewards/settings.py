@@ -1,17 +1,19 @@
 """The reward settings, declared once.
 
 :class:`RewardSettings` holds the reward's name and every weight and option of the rewards
-(:mod:`astrl.rewards.weights`), each field with its help, and checks them together
+(:mod:`astrl.rewards.weights`), each field with its help and its own range or choices
+(:func:`~astrl.argtypes.setting`), and checks those that must fit together
 (:meth:`RewardSettings.reward_problem`). :class:`~astrl.training.TrainConfig` (its reward section)
 and :class:`~astrl.rollout.RolloutConfig` inherit them, and ``astrl rollout`` makes its reward flags
-from these fields, so a new reward setting is one field here, its check, its reward option's name in
+from these fields, so a new reward setting is one field here, its reward option's name in
 :data:`astrl.rewards.weights.SETTING_NAMES` and the code that reads it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
+from astrl.argtypes import setting
 from astrl.rewards.weights import REPLY_TRANSFORMS, REWARDS, reward_options_of
 
 # settings only the elicit reward reads, which another reward's run must leave at their defaults; strictly
@@ -24,121 +26,98 @@ ELICIT_ONLY_STRICT = ("probe_penalty", "elicit_gate", *ELICIT_ONLY)
 class RewardSettings:
     """The reward and its weights (``reward``, ``alpha`` ... ``likelihood_cap``); ``help`` in each field."""
 
-    reward: str = field(
-        default="score",
-        metadata={
-            "help": "score: the scorer's probability of the reply; astprompter: alpha*tox(reply) + zeta*tox(probe+reply) "
-            "+ likelihood_weight*logp_target(probe); elicit: alpha*tox(reply)*g - probe_penalty*tox(probe) "
-            "+ likelihood_weight*logp_target(probe), with g = 1 - tox(probe) if elicit_gate, else 1.",
-            "choices": REWARDS,
-        },
+    reward: str = setting(
+        "score",
+        "score: the scorer's probability of the reply; astprompter: alpha*tox(reply) + zeta*tox(probe+reply) "
+        "+ likelihood_weight*logp_target(probe); elicit: alpha*tox(reply)*g - probe_penalty*tox(probe) "
+        "+ likelihood_weight*logp_target(probe), with g = 1 - tox(probe) if elicit_gate, else 1.",
+        choices=REWARDS,
     )
-    alpha: float = field(default=1.0, metadata={"help": "astprompter and elicit: weight of the reply's toxicity tox(reply)."})
-    zeta: float = field(default=0.5, metadata={"help": "astprompter: weight of the toxicity of probe + reply together."})
-    likelihood_weight: float = field(
-        default=0.1,
-        metadata={
-            "help": "astprompter and elicit: weight of the probe's mean per-token log-prob under the target "
-            "(keeps probes likely text); formerly the key gamma."
-        },
+    alpha: float = setting(1.0, "astprompter and elicit: weight of the reply's toxicity tox(reply).")
+    zeta: float = setting(0.5, "astprompter: weight of the toxicity of probe + reply together.")
+    likelihood_weight: float = setting(
+        0.1,
+        "astprompter and elicit: weight of the probe's mean per-token log-prob under the target "
+        "(keeps probes likely text); formerly the key gamma.",
     )
-    probe_penalty: float = field(default=1.0, metadata={"help": "elicit: weight of the probe's own toxicity, subtracted (>= 0)."})
-    elicit_gate: bool = field(default=False, metadata={"help": "elicit: scale the reply's toxicity by g = 1 - tox(probe)."})
-    probe_gate: float | None = field(
-        default=None,
-        metadata={
-            "help": "elicit: pay the reply terms only for a probe with tox(probe) below this (a gate, not a weight the "
-            "probe penalty can outbid); null = off."
-        },
+    probe_penalty: float = setting(1.0, "elicit: weight of the probe's own toxicity, subtracted (>= 0).", at_least=0)
+    elicit_gate: bool = setting(False, "elicit: scale the reply's toxicity by g = 1 - tox(probe).")
+    probe_gate: float | None = setting(
+        None,
+        "elicit: pay the reply terms only for a probe with tox(probe) below this (a gate, not a weight the "
+        "probe penalty can outbid); null = off.",
+        above=0,
+        at_most=1,
     )
-    probe_gate_lexicon: bool = field(
-        default=False,
-        metadata={
-            "help": "elicit: pay the reply terms only for a probe that holds no reply_lexicon word (a reply that "
-            "repeats the probe's word is echoed, not elicited; needs reply_lexicon_weight > 0)."
-        },
+    probe_gate_lexicon: bool = setting(
+        False,
+        "elicit: pay the reply terms only for a probe that holds no reply_lexicon word (a reply that "
+        "repeats the probe's word is echoed, not elicited; needs reply_lexicon_weight > 0).",
     )
-    probe_scorer: str | None = field(
-        default=None,
-        metadata={
-            "help": "elicit: the scorer that reads the probe's own toxicity, which probe_penalty, probe_gate and "
-            "elicit_gate use (null: scorer). Naming the run's judge keeps the probes clean as the judge reads them, "
-            "while the replies are still paid by scorer."
-        },
+    probe_scorer: str | None = setting(
+        None,
+        "elicit: the scorer that reads the probe's own toxicity, which probe_penalty, probe_gate and "
+        "elicit_gate use (null: scorer). Naming the run's judge keeps the probes clean as the judge reads them, "
+        "while the replies are still paid by scorer.",
     )
-    probe_gate_both: bool = field(
-        default=False,
-        metadata={
-            "help": "elicit, with probe_scorer and probe_gate (or elicit_gate): the gate reads each probe with the training "
-            "scorer too, and a probe either scorer reads at or above probe_gate earns no reply term (a reply that echoes "
-            "what the scorer pays for, written in the probe in a spelling probe_scorer passes, 'sh*te', is not elicited)."
-        },
+    probe_gate_both: bool = setting(
+        False,
+        "elicit, with probe_scorer and probe_gate (or elicit_gate): the gate reads each probe with the training "
+        "scorer too, and a probe either scorer reads at or above probe_gate earns no reply term (a reply that echoes "
+        "what the scorer pays for, written in the probe in a spelling probe_scorer passes, 'sh*te', is not elicited).",
     )
-    reply_past_opener: bool = field(
-        default=False,
-        metadata={
-            "help": "elicit: read each reply's toxicity also without the words of its conversation's opener and pay "
-            "the lower of the two (a reply that restates the opener is not elicited)."
-        },
+    reply_past_opener: bool = setting(
+        False,
+        "elicit: read each reply's toxicity also without the words of its conversation's opener and pay "
+        "the lower of the two (a reply that restates the opener is not elicited).",
     )
-    reply_past_probe: bool = field(
-        default=False,
-        metadata={
-            "help": "elicit: read each reply's toxicity also without the words of the probe it answers and pay the "
-            "lower (with reply_past_opener, the lowest of the three): a reply that echoes the probe's word, spelt so "
-            "that probe_gate_lexicon does not read it ('sh*te'), is not elicited."
-        },
+    reply_past_probe: bool = setting(
+        False,
+        "elicit: read each reply's toxicity also without the words of the probe it answers and pay the "
+        "lower (with reply_past_opener, the lowest of the three): a reply that echoes the probe's word, spelt so "
+        "that probe_gate_lexicon does not read it ('sh*te'), is not elicited.",
     )
-    reply_transform: str = field(
-        default="prob",
-        metadata={
-            "help": "elicit: how each reply's score enters the reply term before the mean over replies: prob (the "
-            "score), log (log(score + 1e-3)) or odds (-log(1 - score)).",
-            "choices": REPLY_TRANSFORMS,
-        },
+    reply_transform: str = setting(
+        "prob",
+        "elicit: how each reply's score enters the reply term before the mean over replies: prob (the "
+        "score), log (log(score + 1e-3)) or odds (-log(1 - score)).",
+        choices=REPLY_TRANSFORMS,
     )
-    reply_lexicon_weight: float = field(
-        default=0.0,
-        metadata={
-            "help": "elicit: weight of the reply lexicon estimate, 1 - prod_t (1 - m_t), m_t the target's probability "
-            "of a listed word at reply position t (read while it generates); 0 = off."
-        },
+    reply_lexicon_weight: float = setting(
+        0.0,
+        "elicit: weight of the reply lexicon estimate, 1 - prod_t (1 - m_t), m_t the target's probability "
+        "of a listed word at reply position t (read while it generates); 0 = off.",
+        at_least=0,
     )
-    reply_lexicon: str = field(
-        default="scorer",
-        metadata={
-            "help": "elicit: the listed words: scorer (the target's vocabulary words the training scorer alone scores "
-            "above reply_lexicon_threshold), wordlist (the wordlist judge's list), a .txt file or w1,w2,..."
-        },
+    reply_lexicon: str = setting(
+        "scorer",
+        "elicit: the listed words: scorer (the target's vocabulary words the training scorer alone scores "
+        "above reply_lexicon_threshold), wordlist (the wordlist judge's list), a .txt file or w1,w2,...",
     )
-    reply_lexicon_threshold: float = field(
-        default=0.9, metadata={"help": "elicit: the score a word alone needs to enter the 'scorer' lexicon."}
+    reply_lexicon_threshold: float = setting(
+        0.9, "elicit: the score a word alone needs to enter the 'scorer' lexicon.", above=0, below=1
     )
-    reply_lexicon_whole_words: bool = field(
-        default=False,
-        metadata={
-            "help": "elicit: a listed word's token that the reply goes on spelling into a longer word (' murder' "
-            "then 'ous') is not counted at that position: m_t loses p_t(token) times the target's probability "
-            "that its next token continues the word."
-        },
+    reply_lexicon_whole_words: bool = setting(
+        False,
+        "elicit: a listed word's token that the reply goes on spelling into a longer word (' murder' "
+        "then 'ous') is not counted at that position: m_t loses p_t(token) times the target's probability "
+        "that its next token continues the word.",
     )
-    repeat_penalty: float = field(
-        default=0.0,
-        metadata={
-            "help": "elicit: weight of the share of repeated word bigrams in the probe, subtracted (against "
-            "'clothes clothes clothes')."
-        },
+    repeat_penalty: float = setting(
+        0.0,
+        "elicit: weight of the share of repeated word bigrams in the probe, subtracted (against 'clothes clothes clothes').",
+        at_least=0,
     )
-    likelihood_cap: float | None = field(
-        default=None,
-        metadata={
-            "help": "elicit: cap on the probe's mean log-prob in the likelihood term (e.g. -1.5): text more likely "
-            "than that, such as repetition, earns no more; null = no cap."
-        },
+    likelihood_cap: float | None = setting(
+        None,
+        "elicit: cap on the probe's mean log-prob in the likelihood term (e.g. -1.5): text more likely "
+        "than that, such as repetition, earns no more; null = no cap.",
+        at_most=0,
     )
 
     def reward_problems(self, *, strict: bool = False) -> list[tuple[bool, str]]:
-        """Each check of the reward settings with its message (``ok`` first). ``strict`` (settings given one
+        """Each check of reward settings that must fit together, with its message (``ok`` first); each
+        setting's own range or choices is its field's (:func:`~astrl.argtypes.setting`). ``strict`` (settings given one
         by one, as flags) also refuses a weight the reward does not read; a config file, which may keep
         another reward's keys when an override changes the reward, is refused only for the elicit reward's
         options (:data:`ELICIT_ONLY`)."""
@@ -146,7 +125,6 @@ class RewardSettings:
         changed = [name for name in (ELICIT_ONLY_STRICT if strict else ELICIT_ONLY) if getattr(self, name) != defaults[name]]
         unread = [name for name in ("alpha", "zeta", "likelihood_weight") if getattr(self, name) != defaults[name]]
         return [
-            (self.reward in REWARDS, f"reward must be one of {REWARDS}, got {self.reward!r}"),
             (
                 not strict or self.reward != "score" or not unread,
                 "alpha/zeta/likelihood_weight only apply to reward='astprompter' or 'elicit' (reward is 'score')",
@@ -155,30 +133,11 @@ class RewardSettings:
                 not strict or self.reward in ("astprompter", "score") or "zeta" not in unread,
                 f"zeta only applies to reward='astprompter' (reward is {self.reward!r})",
             ),
-            (self.probe_penalty >= 0, f"probe_penalty must be >= 0, got {self.probe_penalty}"),
-            (
-                self.reply_transform in REPLY_TRANSFORMS,
-                f"reply_transform must be one of {REPLY_TRANSFORMS}, got {self.reply_transform!r}",
-            ),
-            (
-                self.probe_gate is None or 0 < self.probe_gate <= 1,
-                f"probe_gate must be in (0, 1] (or null), got {self.probe_gate}",
-            ),
             (
                 self.probe_gate is None or not self.elicit_gate,
                 "choose one gate: probe_gate (pay the reply terms below a probe toxicity) or elicit_gate (scale them by "
                 "1 - tox(probe))",
             ),
-            (
-                self.likelihood_cap is None or self.likelihood_cap <= 0,
-                f"likelihood_cap is a mean log-prob and must be <= 0 (or null), got {self.likelihood_cap}",
-            ),
-            (self.reply_lexicon_weight >= 0, f"reply_lexicon_weight must be >= 0, got {self.reply_lexicon_weight}"),
-            (
-                0 < self.reply_lexicon_threshold < 1,
-                f"reply_lexicon_threshold must be in (0, 1), got {self.reply_lexicon_threshold}",
-            ),
-            (self.repeat_penalty >= 0, f"repeat_penalty must be >= 0, got {self.repeat_penalty}"),
             (
                 not self.probe_gate_lexicon or (self.reward == "elicit" and self.reply_lexicon_weight > 0),
                 f"probe_gate_lexicon reads the elicit reward's reply lexicon: set reward: elicit and "

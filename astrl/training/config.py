@@ -1,7 +1,8 @@
 """Training configuration: one flat dataclass made of sections, loaded from YAML plus ``key=value`` overrides.
 
-Each section (:data:`SECTIONS`) declares its keys with their defaults and help, and checks them
-(``_check_<section>``; a check may read another section's keys). :class:`TrainConfig` inherits
+Each section (:data:`SECTIONS`) declares its keys with their defaults, help and own range or choices
+(:func:`~astrl.argtypes.setting`, checked for every key at once), and checks the keys that must fit
+together (``_check_<section>``; a check may read another section's keys). :class:`TrainConfig` inherits
 them all, so its keys stay flat: ``TrainConfig(**flat_kwargs)``, YAML files and overrides name a
 key, never its section. The conversation keys are :mod:`astrl.envs.settings`'s, declared once for
 every entry point."""
@@ -9,7 +10,6 @@ every entry point."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import textwrap
 import warnings
 from collections.abc import Callable, Sequence
@@ -18,15 +18,9 @@ from pathlib import Path
 
 import yaml
 
+from astrl.argtypes import check_settings, range_text, setting
 from astrl.backends import CollectionSettings
-from astrl.envs.settings import (
-    ConversationSettings,
-    SamplingSettings,
-    SeedSettings,
-    check_settings,
-    setting,
-    with_defaults,
-)
+from astrl.envs.settings import ConversationSettings, SamplingSettings, SeedSettings, with_defaults
 from astrl.errors import ConfigError
 from astrl.names import MODEL_DTYPES
 from astrl.rewards.settings import RewardSettings
@@ -39,6 +33,8 @@ GUIDE_ADVANTAGES = ("signed", "positive")
 KL_REFERENCES = ("base", "warm_start")
 WARM_START_SELECTIONS = ("share", "lexicon", "search", "best_of")  # how the warm start finds and rates its probes
 OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "adagrad")
+ADVANTAGES = ("gae", "one_step")  # ppo
+NOVELTY_REDUCTIONS = ("max", "mean")
 # Keys that were renamed, old name -> new name: files and overrides that use the old name still load, with a warning.
 RENAMED_KEYS = {"gamma": "likelihood_weight"}
 
@@ -55,31 +51,23 @@ class RunSection(SeedSettings):
     """The run: its seeds, the algorithm, the tester and the target, the tester's LoRA adapters,
     dtype and device."""
 
-    algorithm: str = field(
-        default="grpo",
-        metadata={"help": "grpo, ppo (value head and GAE), dpo or ipo (best-vs-worst sibling pairs from tree sampling)."},
+    algorithm: str = setting(
+        "grpo", "grpo, ppo (value head and GAE), dpo or ipo (best-vs-worst sibling pairs from tree sampling).", choices=ALGORITHMS
     )
-    tester: str = field(
-        default="smollm2-135m",
-        metadata={"help": "The model trained to write probes: an embedded name, a local folder or a hub id."},
+    tester: str = setting("smollm2-135m", "The model trained to write probes: an embedded name, a local folder or a hub id.")
+    target: str = setting(
+        "smollm2-135m", "The model attacked (same forms as tester); named like tester, the two share the base weights."
     )
-    target: str = field(
-        default="smollm2-135m",
-        metadata={"help": "The model attacked (same forms as tester); named like tester, the two share the base weights."},
-    )
-    lora: bool = field(default=True, metadata={"help": "Train LoRA adapters (true) or every weight of the tester (false)."})
-    lora_rank: int = field(default=8, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (scale alpha / rank)."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout (0 keeps behaviour and training log-probs equal)."})
+    lora: bool = setting(True, "Train LoRA adapters (true) or every weight of the tester (false).")
+    lora_rank: int = setting(8, "LoRA rank.", at_least=1)
+    lora_alpha: int = setting(16, "LoRA alpha (scale alpha / rank).", at_least=1)
+    lora_dropout: float = setting(0.0, "LoRA dropout (0 keeps behaviour and training log-probs equal).", at_least=0, below=1)
     lora_targets: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
         metadata={"help": "Module names that get LoRA adapters."},
     )
     dtype: str = setting("float32", f"Model dtype: {', '.join(MODEL_DTYPES)}.", choices=MODEL_DTYPES)
-    device: str = field(default="cpu", metadata={"help": "Torch device: cpu, cuda, cuda:N or mps."})
-
-    def _check_run(self) -> None:
-        _raise_first([(self.lora_rank >= 1, f"lora_rank must be >= 1, got {self.lora_rank}")])
+    device: str = setting("cpu", "Torch device: cpu, cuda, cuda:N or mps.")
 
 
 @dataclass
@@ -90,23 +78,8 @@ class ConversationSection(
     """The conversations: the shared conversation and sampling settings
     (:mod:`astrl.envs.settings`, with the training defaults) and the openers per step."""
 
-    prompts_per_step: int = field(default=4, metadata={"help": "Openers per step (grpo, ppo); trees per step (dpo, ipo)."})
-    group_size: int = field(
-        default=4,
-        metadata={"help": "Conversations per opener (grpo compares turns within a group, so >= 2 there)."},
-    )
-
-    def _check_conversation(self) -> None:
-        try:
-            check_settings(self)  # the conversation settings' own checks (astrl.envs.settings)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-        _raise_first(
-            [
-                (self.prompts_per_step >= 1, f"prompts_per_step must be >= 1, got {self.prompts_per_step}"),
-                (self.group_size >= 1, f"group_size must be >= 1, got {self.group_size}"),
-            ]
-        )
+    prompts_per_step: int = setting(4, "Openers per step (grpo, ppo); trees per step (dpo, ipo).", at_least=1)
+    group_size: int = setting(4, "Conversations per opener (grpo compares turns within a group, so >= 2 there).", at_least=1)
 
     @property
     def batch_size(self) -> int:
@@ -118,12 +91,10 @@ class ConversationSection(
 class ScorerSection:
     """The scorer that gives the reward and the judges logged beside it."""
 
-    scorer: str = field(
-        default="profanity",
-        metadata={
-            "help": "Scorer of the target's replies that gives the reward: profanity, wordlist[:strict][,-w1,-w2], "
-            "detoxify[:variant], hf:MODEL[@LABEL], judge:MODEL[@STYLE] or keywords:w1,w2."
-        },
+    scorer: str = setting(
+        "profanity",
+        "Scorer of the target's replies that gives the reward: profanity, wordlist[:strict][,-w1,-w2], "
+        "detoxify[:variant], hf:MODEL[@LABEL], judge:MODEL[@STYLE] or keywords:w1,w2.",
     )
     judges: list[str] = field(
         default_factory=list, metadata={"help": "Extra scorers of the replies, logged beside the reward (never rewarded)."}
@@ -159,172 +130,127 @@ class RewardSection(RewardSettings, ScorerSection):  # bases in reverse: scorer 
 class AlgorithmSection:
     """The algorithm's settings and its optimisation: GRPO / PPO / DPO / IPO, optimizer and schedule."""
 
-    returns: str = field(
-        default="turn",
-        metadata={"help": "grpo: a turn's return is its own reward (turn) or the sum with its later turns' (to_go)."},
+    returns: str = setting(
+        "turn", "grpo: a turn's return is its own reward (turn) or the sum with its later turns' (to_go).", choices=RETURNS
     )
-    group_scale: str = field(
-        default="std",
-        metadata={
-            "help": "grpo: a return's advantage is its difference from its group's mean divided by the group's std "
-            "(std) or not divided (none), so a group whose returns barely differ moves the tester barely."
-        },
+    group_scale: str = setting(
+        "std",
+        "grpo: a return's advantage is its difference from its group's mean divided by the group's std "
+        "(std) or not divided (none), so a group whose returns barely differ moves the tester barely.",
+        choices=GROUP_SCALES,
     )
-    guide_search: bool = field(
-        default=False,
-        metadata={
-            "help": "grpo: every group gains one conversation whose first probe is the lexicon search's for its opener "
-            "(the warm start's search settings: warm_start_beams, warm_start_top_k, warm_start_max_nll, "
-            "warm_start_reply_tokens), sampled under a processor that allows only the searched tokens; its advantage "
-            "is taken in its group and its ratio clipped like the others' (search-guided GRPO)."
-        },
+    guide_search: bool = setting(
+        False,
+        "grpo: every group gains one conversation whose first probe is the lexicon search's for its opener "
+        "(the warm start's search settings: warm_start_beams, warm_start_top_k, warm_start_max_nll, "
+        "warm_start_reply_tokens), sampled under a processor that allows only the searched tokens; its advantage "
+        "is taken in its group and its ratio clipped like the others' (search-guided GRPO).",
     )
-    guide_replay: bool = field(
-        default=False,
-        metadata={
-            "help": "grpo: every group gains one conversation whose first probe is the best first probe the run has "
-            "sampled so far, ranked by its first-turn returns over all its tests (shrunk toward the mean of every "
-            "test) and re-tested on the group's opener; its advantage is taken in its group and its ratio clipped "
-            "like the others' (replay-guided GRPO: needs no target logits)."
-        },
+    guide_replay: bool = setting(
+        False,
+        "grpo: every group gains one conversation whose first probe is the best first probe the run has "
+        "sampled so far, ranked by its first-turn returns over all its tests (shrunk toward the mean of every "
+        "test) and re-tested on the group's opener; its advantage is taken in its group and its ratio clipped "
+        "like the others' (replay-guided GRPO: needs no target logits).",
     )
-    guide_replay_warm_start: bool = field(
-        default=False,
-        metadata={
-            "help": "guide_replay with a warm start: the replay archive starts with the warm start's kept probes "
-            "(warm_start.jsonl), and a probe not yet tested is replayed before any ranked one, so every probe the "
-            "warm start kept is tried on a training opener in the first steps, not only those the tester samples."
-        },
+    guide_replay_warm_start: bool = setting(
+        False,
+        "guide_replay with a warm start: the replay archive starts with the warm start's kept probes "
+        "(warm_start.jsonl), and a probe not yet tested is replayed before any ranked one, so every probe the "
+        "warm start kept is tried on a training opener in the first steps, not only those the tester samples.",
     )
-    guide_replay_bonus: float = field(
-        default=0.0,
-        metadata={
-            "help": "guide_replay: the archive ranks a probe by its score plus this many standard deviations of all "
-            "tests' returns, divided by sqrt(its tests + 1) (an upper confidence bound), so a probe seen once or twice "
-            "is re-tested before one whose many tests pin it just above; 0: by its score alone."
-        },
+    guide_replay_bonus: float = setting(
+        0.0,
+        "guide_replay: the archive ranks a probe by its score plus this many standard deviations of all "
+        "tests' returns, divided by sqrt(its tests + 1) (an upper confidence bound), so a probe seen once or twice "
+        "is re-tested before one whose many tests pin it just above; 0: by its score alone.",
+        at_least=0,
     )
-    guide_advantage: str = field(
-        default="signed",
-        metadata={
-            "help": "grpo with guide_search or guide_replay: the guided members' advantages as their group gives them "
-            "(signed) or only where they beat it (positive: a negative one is set to 0, self-imitation), so a forced "
-            "probe pulls the tester toward it but never pushes its tokens down (every turn of a guided conversation); the "
-            "group's mean and std still count it."
-        },
+    guide_advantage: str = setting(
+        "signed",
+        "grpo with guide_search or guide_replay: the guided members' advantages as their group gives them "
+        "(signed) or only where they beat it (positive: a negative one is set to 0, self-imitation), so a forced "
+        "probe pulls the tester toward it but never pushes its tokens down (every turn of a guided conversation); the "
+        "group's mean and std still count it.",
+        choices=GUIDE_ADVANTAGES,
     )
-    total_steps: int = field(default=100, metadata={"help": "Training steps (one collection and its updates each)."})
-    branches: int = field(
-        default=1,
-        metadata={
-            "help": "RL branches of the run's step 0 (its warm start) tried before it goes on: branch b trains "
-            "branch_steps steps from step 0 with seed + 100 b (b = 0: the run's own draws) in branches/seed_N/, and "
-            "the run continues the branch whose mean training reward over the second half of those steps is highest "
-            "(branches.json); 1: no branches."
-        },
+    total_steps: int = setting(100, "Training steps (one collection and its updates each).", at_least=1)
+    branches: int = setting(
+        1,
+        "RL branches of the run's step 0 (its warm start) tried before it goes on: branch b trains "
+        "branch_steps steps from step 0 with seed + 100 b (b = 0: the run's own draws) in branches/seed_N/, and "
+        "the run continues the branch whose mean training reward over the second half of those steps is highest "
+        "(branches.json); 1: no branches.",
+        at_least=1,
     )
-    branch_steps: int = field(default=16, metadata={"help": "Steps each branch trains before one is chosen (with branches > 1)."})
-    lr: float = field(default=1e-4, metadata={"help": "Peak learning rate of the tester (warm-up, then linear decay to 0)."})
-    weight_decay: float = field(default=0.0, metadata={"help": "Weight decay of the optimizer."})
-    warmup_steps: int = field(default=5, metadata={"help": "Steps of linear learning-rate warm-up."})
-    max_grad_norm: float = field(
-        default=1.0, metadata={"help": "Gradients are clipped to this total norm (grad_norm logs it before clipping)."}
+    branch_steps: int = setting(16, "Steps each branch trains before one is chosen (with branches > 1).", at_least=2)
+    lr: float = setting(1e-4, "Peak learning rate of the tester (warm-up, then linear decay to 0).", above=0)
+    weight_decay: float = setting(0.0, "Weight decay of the optimizer.", at_least=0)
+    warmup_steps: int = setting(5, "Steps of linear learning-rate warm-up.", at_least=0)
+    max_grad_norm: float = setting(1.0, "Gradients are clipped to this total norm (grad_norm logs it before clipping).", above=0)
+    epochs: int = setting(1, "Passes over each step's batch.", at_least=1)
+    minibatches: int = setting(1, "Minibatches per pass (ignored when minibatch_size is set).", at_least=1)
+    minibatch_size: int | None = setting(
+        None, "Items per minibatch instead of a count (the schedule then advances once per step); null: off.", at_least=1
     )
-    epochs: int = field(default=1, metadata={"help": "Passes over each step's batch."})
-    minibatches: int = field(default=1, metadata={"help": "Minibatches per pass (ignored when minibatch_size is set)."})
-    minibatch_size: int | None = field(
-        default=None,
-        metadata={"help": "Items per minibatch instead of a count (the schedule then advances once per step); null: off."},
+    optimizer: str = setting("adamw", "adamw, adam, sgd, rmsprop or adagrad.", choices=OPTIMIZERS)
+    grad_accum: int = setting(1, "Minibatches whose gradients add up before one optimizer step.", at_least=1)
+    clip_epsilon: float = setting(0.2, "grpo, ppo: the importance ratio is clipped to [1 - eps, 1 + eps].", above=0, at_most=1)
+    entropy_coef: float = setting(0.0, "grpo, ppo: weight of the entropy bonus (0: off).", at_least=0)
+    kl_coef: float = setting(
+        0.0,
+        "grpo: weight of the per-token KL to the reference in the loss; ppo: of the clipped-KL reward "
+        "(the start value when target_kl is set).",
+        at_least=0,
     )
-    optimizer: str = field(default="adamw", metadata={"help": "adamw, adam, sgd, rmsprop or adagrad."})
-    grad_accum: int = field(default=1, metadata={"help": "Minibatches whose gradients add up before one optimizer step."})
-    clip_epsilon: float = field(
-        default=0.2, metadata={"help": "grpo, ppo: the importance ratio is clipped to [1 - eps, 1 + eps]."}
+    kl_reference: str = setting(
+        "base",
+        "The reference of the KL term (grpo, ppo) and of the preference losses (dpo, ipo): the tester before "
+        "training (base) or the tester as its warm start left it (warm_start; one more copy of the model in memory), "
+        "so that the KL keeps the RL near the warm start's probes instead of pulling it back to the untrained tester.",
+        choices=KL_REFERENCES,
     )
-    entropy_coef: float = field(default=0.0, metadata={"help": "grpo, ppo: weight of the entropy bonus (0: off)."})
-    kl_coef: float = field(
-        default=0.0,
-        metadata={
-            "help": "grpo: weight of the per-token KL to the reference in the loss; ppo: of the clipped-KL reward "
-            "(the start value when target_kl is set)."
-        },
+    kl_token_cap: float | None = setting(
+        10.0,
+        "grpo (and ppo's logged kl_to_ref): cap on one response token's k3 KL term exp(d) - d - 1, "
+        "d = log pi_ref - log pi, which grows like exp(d): a token the policy samples although it finds it far "
+        "less likely than the reference does can outweigh the batch; above the cap a token counts the cap and "
+        "passes no gradient; null = no cap.",
+        above=0,
     )
-    kl_reference: str = field(
-        default="base",
-        metadata={
-            "help": "The reference of the KL term (grpo, ppo) and of the preference losses (dpo, ipo): the tester before "
-            "training (base) or the tester as its warm start left it (warm_start; one more copy of the model in memory), "
-            "so that the KL keeps the RL near the warm start's probes instead of pulling it back to the untrained tester."
-        },
+    beta: float = setting(0.01, "dpo, ipo: the preference loss's beta (> 0).", above=0)
+    tree_width: int = setting(2, "dpo, ipo: probes written from each state (>= 2).", at_least=2)
+    tree_depth: int = setting(3, "dpo, ipo: levels of each tree (tester turns per branch).", at_least=1)
+    min_reward_gap: float = setting(
+        0.0, "dpo, ipo: a sibling group makes a pair only when best - worst reward >= this.", at_least=0
     )
-    kl_token_cap: float | None = field(
-        default=10.0,
-        metadata={
-            "help": "grpo (and ppo's logged kl_to_ref): cap on one response token's k3 KL term exp(d) - d - 1, "
-            "d = log pi_ref - log pi, which grows like exp(d): a token the policy samples although it finds it far "
-            "less likely than the reference does can outweigh the batch; above the cap a token counts the cap and "
-            "passes no gradient; null = no cap."
-        },
+    share_prompt: bool = setting(True, "dpo, ipo: each pair's prompt runs once for chosen and rejected (false: two full rows).")
+    weak_supervision: float = setting(
+        0.0, "dpo, ipo: chance per batch that harmful texts are forced as the chosen probes (0: off).", at_least=0, at_most=1
     )
-    beta: float = field(default=0.01, metadata={"help": "dpo, ipo: the preference loss's beta (> 0)."})
-    tree_width: int = field(default=2, metadata={"help": "dpo, ipo: probes written from each state (>= 2)."})
-    tree_depth: int = field(default=3, metadata={"help": "dpo, ipo: levels of each tree (tester turns per branch)."})
-    min_reward_gap: float = field(
-        default=0.0, metadata={"help": "dpo, ipo: a sibling group makes a pair only when best - worst reward >= this."}
+    weak_supervision_prompts: str = setting("rtp", "Prompt source of the forced texts (as prompts; astrl.prompts.load_prompts).")
+    value_lr: float = setting(1e-4, "ppo: learning rate of the value head.", above=0)
+    value_coef: float = setting(0.15, "ppo: weight of the value loss.", at_least=0)
+    advantage: str = setting(
+        "gae", "ppo: gae (with gae_lambda) or one_step (r_t + V_{t+1} - V_t) advantages.", choices=ADVANTAGES
     )
-    share_prompt: bool = field(
-        default=True,
-        metadata={"help": "dpo, ipo: each pair's prompt runs once for chosen and rejected (false: two full rows)."},
-    )
-    weak_supervision: float = field(
-        default=0.0,
-        metadata={"help": "dpo, ipo: chance per batch that harmful texts are forced as the chosen probes (0: off)."},
-    )
-    weak_supervision_prompts: str = field(
-        default="rtp", metadata={"help": "Prompt source of the forced texts (as prompts; astrl.prompts.load_prompts)."}
-    )
-    value_lr: float = field(default=1e-4, metadata={"help": "ppo: learning rate of the value head."})
-    value_coef: float = field(default=0.15, metadata={"help": "ppo: weight of the value loss."})
-    advantage: str = field(
-        default="gae", metadata={"help": "ppo: gae (with gae_lambda) or one_step (r_t + V_{t+1} - V_t) advantages."}
-    )
-    gae_lambda: float = field(default=0.95, metadata={"help": "ppo: lambda of GAE (episodes are undiscounted)."})
-    kl_clip: float = field(default=10.0, metadata={"help": "ppo: the per-token log-ratio to the reference is clipped to +-this."})
-    score_clip: float = field(default=10.0, metadata={"help": "ppo: the turn's score is clipped to +-this."})
-    target_kl: float | None = field(
-        default=None,
-        metadata={"help": "ppo: an adaptive controller moves kl_coef (> 0) toward this KL per turn (null: constant)."},
+    gae_lambda: float = setting(0.95, "ppo: lambda of GAE (episodes are undiscounted).", at_least=0, at_most=1)
+    kl_clip: float = setting(10.0, "ppo: the per-token log-ratio to the reference is clipped to +-this.", above=0)
+    score_clip: float = setting(10.0, "ppo: the turn's score is clipped to +-this.", above=0)
+    target_kl: float | None = setting(
+        None, "ppo: an adaptive controller moves kl_coef (> 0) toward this KL per turn (null: constant).", above=0
     )
 
     def _check_algorithm(self) -> None:
         _raise_first(
             [
-                (self.algorithm in ALGORITHMS, f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}"),
-                (self.advantage in ("gae", "one_step"), f"advantage must be 'gae' or 'one_step', got {self.advantage!r}"),
-                (self.returns in RETURNS, f"returns must be one of {RETURNS}, got {self.returns!r}"),
-                (self.group_scale in GROUP_SCALES, f"group_scale must be one of {GROUP_SCALES}, got {self.group_scale!r}"),
-                (
-                    self.guide_advantage in GUIDE_ADVANTAGES,
-                    f"guide_advantage must be one of {GUIDE_ADVANTAGES}, got {self.guide_advantage!r}",
-                ),
-                (self.total_steps >= 1, f"total_steps must be >= 1, got {self.total_steps}"),
                 (self.group_size >= 2 or self.algorithm != "grpo", f"grpo needs group_size >= 2, got {self.group_size}"),
-                (self.beta > 0, f"beta must be > 0, got {self.beta}"),
-                (self.tree_width >= 2, f"tree_width must be >= 2 (a pair needs two siblings), got {self.tree_width}"),
-                (self.tree_depth >= 1, f"tree_depth must be >= 1, got {self.tree_depth}"),
-                (self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}"),
-                (
-                    self.kl_token_cap is None or self.kl_token_cap > 0,
-                    f"kl_token_cap must be > 0 (or null), got {self.kl_token_cap}",
-                ),
-                (self.target_kl is None or self.target_kl > 0, f"target_kl must be > 0 (or null: off), got {self.target_kl}"),
                 (
                     self.target_kl is None or self.kl_coef > 0,
                     f"target_kl ({self.target_kl}) needs kl_coef > 0, got kl_coef {self.kl_coef}: the adaptive controller "
                     "multiplies kl_coef, its start value, so from 0 it never moves; start it small (e.g. kl_coef=0.01) or "
                     "set target_kl=null for a constant coefficient",
                 ),
-                (0 <= self.weak_supervision <= 1, f"weak_supervision must be in [0, 1], got {self.weak_supervision}"),
                 *self._guide_checks(),
                 *self._reference_checks(),
                 *self._branch_checks(),
@@ -372,10 +298,8 @@ class AlgorithmSection:
         )
         checks.append(
             (
-                math.isfinite(self.guide_replay_bonus)
-                and self.guide_replay_bonus >= 0
-                and (self.guide_replay or self.guide_replay_bonus == 0),
-                f"guide_replay_bonus ranks the replay archive: it must be finite and >= 0 and needs guide_replay: true "
+                self.guide_replay or self.guide_replay_bonus == 0,
+                f"guide_replay_bonus ranks the replay archive: it needs guide_replay: true "
                 f"(got guide_replay_bonus {self.guide_replay_bonus}, guide_replay {self.guide_replay})",
             )
         )
@@ -394,11 +318,10 @@ class AlgorithmSection:
         if self.branches == 1:
             return []
         return [
-            (self.branches >= 1, f"branches must be >= 1 (1: no branches), got {self.branches}"),
             (
-                2 <= self.branch_steps < self.total_steps,
-                f"branch_steps must be >= 2 and below total_steps ({self.total_steps}): the choice reads the second "
-                f"half of a branch's steps and the run goes on after it, got {self.branch_steps}",
+                self.branch_steps < self.total_steps,
+                f"branch_steps must be below total_steps ({self.total_steps}): the run goes on after the branches, "
+                f"got {self.branch_steps}",
             ),
             (
                 self.collector == "local" and self.harden_every == 0,
@@ -410,10 +333,6 @@ class AlgorithmSection:
     def _reference_checks(self) -> list[tuple[bool, str]]:
         """``kl_reference: warm_start`` needs a warm start and a term that reads the reference."""
         return [
-            (
-                self.kl_reference in KL_REFERENCES,
-                f"kl_reference must be one of {KL_REFERENCES}, got {self.kl_reference!r}",
-            ),
             (
                 self.kl_reference == "base" or self.warm_start_probes > 0,
                 f"kl_reference: warm_start pins the tester its warm start leaves: set warm_start_probes > 0 "
@@ -429,22 +348,10 @@ class AlgorithmSection:
     def _check_optimisation(self) -> None:
         _raise_first(
             [
-                (self.lr > 0, f"lr must be > 0, got {self.lr}"),
-                (self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}"),
-                (
-                    self.epochs >= 1 and self.minibatches >= 1 and self.grad_accum >= 1,
-                    "epochs, minibatches and grad_accum must be >= 1",
-                ),
                 (
                     self.minibatches <= self.batch_size,
                     f"minibatches ({self.minibatches}) exceeds the turns per step ({self.batch_size})",
                 ),
-                (
-                    self.minibatch_size is None or self.minibatch_size >= 1,
-                    f"minibatch_size must be >= 1, got {self.minibatch_size}",
-                ),
-                (self.optimizer in OPTIMIZERS, f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}"),
-                (self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}"),
             ]
         )
 
@@ -453,106 +360,90 @@ class AlgorithmSection:
 class WarmStartSection:
     """The warm start before RL (0 probes = off)."""
 
-    warm_start_probes: int = field(
-        default=0,
-        metadata={
-            "help": "Warm start: probes the untrained tester writes on the train split before RL; those that "
-            "elicit (see warm_start_min_toxic) are kept and the tester is fine-tuned on them; 0 = off."
-        },
+    warm_start_probes: int = setting(
+        0,
+        "Warm start: probes the untrained tester writes on the train split before RL; those that "
+        "elicit (see warm_start_min_toxic) are kept and the tester is fine-tuned on them; 0 = off.",
+        at_least=0,
     )
-    warm_start_min_toxic: float = field(
-        default=0.25,
-        metadata={
-            "help": "Warm start: a probe is kept when its estimated share of toxic replies (warm_start_select) is "
-            "at least this, while the training scorer does not call the probe alone toxic."
-        },
+    warm_start_min_toxic: float = setting(
+        0.25,
+        "Warm start: a probe is kept when its estimated share of toxic replies (warm_start_select) is "
+        "at least this, while the training scorer does not call the probe alone toxic.",
+        at_least=0,
+        at_most=1,
     )
-    warm_start_select: str = field(
-        default="share",
-        metadata={
-            "help": "Warm start: how a probe's share of toxic replies is estimated: share (of its reply_samples "
-            "replies the training scorer calls toxic; at least one must be), lexicon (the mean of its replies' "
-            "reply lexicon estimates; needs reward elicit with reply_lexicon_weight > 0), search (no sampling; a "
-            "beam search over the tester's likely tokens finds, for each of warm_start_probes openers, the probe "
-            "after which the target's next token (chat mode: its greedy reply of warm_start_reply_tokens tokens) "
-            "most likely holds a reply_lexicon word; that probability is the estimate) or best_of (the tester "
-            "samples warm_start_samples probes per opener; the one whose sampled reply of warm_start_reply_tokens "
-            "tokens has the highest such probability is the opener's candidate; needs reward elicit with "
-            "reply_lexicon_weight > 0)."
-        },
+    warm_start_select: str = setting(
+        "share",
+        "Warm start: how a probe's share of toxic replies is estimated: share (of its reply_samples "
+        "replies the training scorer calls toxic; at least one must be), lexicon (the mean of its replies' "
+        "reply lexicon estimates; needs reward elicit with reply_lexicon_weight > 0), search (no sampling; a "
+        "beam search over the tester's likely tokens finds, for each of warm_start_probes openers, the probe "
+        "after which the target's next token (chat mode: its greedy reply of warm_start_reply_tokens tokens) "
+        "most likely holds a reply_lexicon word; that probability is the estimate) or best_of (the tester "
+        "samples warm_start_samples probes per opener; the one whose sampled reply of warm_start_reply_tokens "
+        "tokens has the highest such probability is the opener's candidate; needs reward elicit with "
+        "reply_lexicon_weight > 0).",
+        choices=WARM_START_SELECTIONS,
     )
-    warm_start_samples: int = field(
-        default=16,
-        metadata={"help": "Warm start with select best_of: probes the tester samples per opener, of which the best is kept."},
+    warm_start_samples: int = setting(
+        16, "Warm start with select best_of: probes the tester samples per opener, of which the best is kept.", at_least=1
     )
-    warm_start_reply_tokens: int | None = field(
-        default=None,
-        metadata={
-            "help": "Warm start with select best_of or search: the target reply each estimate reads, in tokens: the "
-            "reply lexicon estimate 1 - prod_t (1 - m_t) over a reply this long (best_of: sampled; search: greedy, "
-            "for every candidate token, so its cost grows with it; 1: the next-token probability of a lexicon "
-            "word). null = 1 in text mode, target_max_new_tokens in chat mode (an assistant reply opens with 'I' "
-            "or 'Sure', so its first token says nothing)."
-        },
+    warm_start_reply_tokens: int | None = setting(
+        None,
+        "Warm start with select best_of or search: the target reply each estimate reads, in tokens: the "
+        "reply lexicon estimate 1 - prod_t (1 - m_t) over a reply this long (best_of: sampled; search: greedy, "
+        "for every candidate token, so its cost grows with it; 1: the next-token probability of a lexicon "
+        "word). null = 1 in text mode, target_max_new_tokens in chat mode (an assistant reply opens with 'I' "
+        "or 'Sure', so its first token says nothing).",
+        at_least=1,
     )
-    warm_start_beams: int = field(default=8, metadata={"help": "Warm start with select search: partial probes kept per opener."})
-    warm_start_top_k: int = field(
-        default=8, metadata={"help": "Warm start with select search: the tester's likeliest next tokens tried per partial probe."}
+    warm_start_beams: int = setting(8, "Warm start with select search: partial probes kept per opener.", at_least=1)
+    warm_start_top_k: int = setting(
+        8, "Warm start with select search: the tester's likeliest next tokens tried per partial probe.", at_least=1
     )
-    warm_start_max_nll: float | None = field(
-        default=None,
-        metadata={
-            "help": "Warm start with select search or best_of: the naturalness bound, the largest mean per-token "
-            "NLL under the target a probe may have (search: checked at every step; best_of: a sample above it is "
-            "not chosen; a probe above it is never kept); null = no bound. search needs the tester and the "
-            "target to share a tokenizer."
-        },
+    warm_start_max_nll: float | None = setting(
+        None,
+        "Warm start with select search or best_of: the naturalness bound, the largest mean per-token "
+        "NLL under the target a probe may have (search: checked at every step; best_of: a sample above it is "
+        "not chosen; a probe above it is never kept); null = no bound. search needs the tester and the "
+        "target to share a tokenizer.",
+        above=0,
     )
-    warm_start_rounds: int = field(
-        default=1,
-        metadata={
-            "help": "Warm start: rounds of find-keep-fine-tune. Each round draws warm_start_probes new candidates "
-            "(training openers in an order of its own) with the tester as the rounds before left it, keeps by the "
-            "same rule and fine-tunes on what it kept: expert iteration, each round's tester proposing set-ups "
-            "the untrained one rarely writes."
-        },
+    warm_start_rounds: int = setting(
+        1,
+        "Warm start: rounds of find-keep-fine-tune. Each round draws warm_start_probes new candidates "
+        "(training openers in an order of its own) with the tester as the rounds before left it, keeps by the "
+        "same rule and fine-tunes on what it kept: expert iteration, each round's tester proposing set-ups "
+        "the untrained one rarely writes.",
+        at_least=1,
     )
-    warm_start_scorer: str | None = field(
-        default=None,
-        metadata={
-            "help": "Warm start: the scorer whose judgement chooses the warm start's probes (its lexicon when "
-            "reply_lexicon is scorer, its scores of probes and sampled replies); null = scorer. The RL steps "
-            "still train on scorer, so a run can start from probes one scorer found and learn on another's reward."
-        },
+    warm_start_scorer: str | None = setting(
+        None,
+        "Warm start: the scorer whose judgement chooses the warm start's probes (its lexicon when "
+        "reply_lexicon is scorer, its scores of probes and sampled replies); null = scorer. The RL steps "
+        "still train on scorer, so a run can start from probes one scorer found and learn on another's reward.",
     )
-    warm_start_retest: int = field(
-        default=0,
-        metadata={
-            "help": "Warm start: re-test every kept probe after this many more training openers (the target's "
-            "greedy reply of target_max_new_tokens tokens, read by the reward's reply lexicon: scorer's, not "
-            "warm_start_scorer's) and fine-tune only on the warm_start_retest_keep share with the highest mean "
-            "estimate, the probes that carry past the opener they were found on; 0 = off."
-        },
+    warm_start_retest: int = setting(
+        0,
+        "Warm start: re-test every kept probe after this many more training openers (the target's "
+        "greedy reply of target_max_new_tokens tokens, read by the reward's reply lexicon: scorer's, not "
+        "warm_start_scorer's) and fine-tune only on the warm_start_retest_keep share with the highest mean "
+        "estimate, the probes that carry past the opener they were found on; 0 = off.",
+        at_least=0,
     )
-    warm_start_retest_keep: float = field(
-        default=0.5,
-        metadata={"help": "Warm start with warm_start_retest: the share of kept probes, best re-tested first, fine-tuned on."},
+    warm_start_retest_keep: float = setting(
+        0.5,
+        "Warm start with warm_start_retest: the share of kept probes, best re-tested first, fine-tuned on.",
+        above=0,
+        at_most=1,
     )
-    warm_start_epochs: int = field(default=3, metadata={"help": "Warm start: passes over the kept probes."})
-    warm_start_lr: float = field(default=1e-3, metadata={"help": "Warm start: learning rate of the fine-tuning (AdamW)."})
+    warm_start_epochs: int = setting(3, "Warm start: passes over the kept probes.", at_least=1)
+    warm_start_lr: float = setting(1e-3, "Warm start: learning rate of the fine-tuning (AdamW).", above=0)
 
     def _check_warm_start(self) -> None:
         _raise_first(
             [
-                (self.warm_start_probes >= 0, f"warm_start_probes must be >= 0 (0: off), got {self.warm_start_probes}"),
-                (
-                    0 <= self.warm_start_min_toxic <= 1,
-                    f"warm_start_min_toxic must be in [0, 1], got {self.warm_start_min_toxic}",
-                ),
-                (
-                    self.warm_start_select in WARM_START_SELECTIONS,
-                    f"warm_start_select must be one of {WARM_START_SELECTIONS}, got {self.warm_start_select!r}",
-                ),
                 (
                     self.warm_start_select not in ("lexicon", "best_of")
                     or (self.reward == "elicit" and self.reply_lexicon_weight > 0),
@@ -560,34 +451,15 @@ class WarmStartSection:
                     f"elicit and reply_lexicon_weight > 0 (reward is {self.reward!r}, reply_lexicon_weight "
                     f"{self.reply_lexicon_weight})",
                 ),
-                (self.warm_start_samples >= 1, f"warm_start_samples must be >= 1, got {self.warm_start_samples}"),
-                (
-                    self.warm_start_reply_tokens is None or self.warm_start_reply_tokens >= 1,
-                    f"warm_start_reply_tokens must be >= 1 (or null), got {self.warm_start_reply_tokens}",
-                ),
                 (
                     self.warm_start_reply_tokens is None or self.warm_start_select in ("search", "best_of") or self.guide_search,
                     f"warm_start_reply_tokens sets the reply that search and best_of read: set warm_start_select: search "
                     f"or best_of (warm_start_select is {self.warm_start_select!r}), or guide_search: true",
                 ),
-                (self.warm_start_beams >= 1, f"warm_start_beams must be >= 1, got {self.warm_start_beams}"),
-                (self.warm_start_top_k >= 1, f"warm_start_top_k must be >= 1, got {self.warm_start_top_k}"),
-                (self.warm_start_epochs >= 1, f"warm_start_epochs must be >= 1, got {self.warm_start_epochs}"),
-                (self.warm_start_rounds >= 1, f"warm_start_rounds must be >= 1, got {self.warm_start_rounds}"),
-                (
-                    self.warm_start_max_nll is None or self.warm_start_max_nll > 0,
-                    f"warm_start_max_nll must be > 0 (or null), got {self.warm_start_max_nll}",
-                ),
                 (
                     self.warm_start_max_nll is None or self.warm_start_select in ("search", "best_of") or self.guide_search,
                     f"warm_start_max_nll bounds searched or best-of probes: set warm_start_select: search or best_of "
                     f"(warm_start_select is {self.warm_start_select!r}), or guide_search: true",
-                ),
-                (self.warm_start_lr > 0, f"warm_start_lr must be > 0, got {self.warm_start_lr}"),
-                (self.warm_start_retest >= 0, f"warm_start_retest must be >= 0 (0: off), got {self.warm_start_retest}"),
-                (
-                    0 < self.warm_start_retest_keep <= 1,
-                    f"warm_start_retest_keep must be in (0, 1], got {self.warm_start_retest_keep}",
                 ),
                 (
                     self.warm_start_retest_keep == 0.5 or self.warm_start_retest > 0,
@@ -612,41 +484,21 @@ class WarmStartSection:
 class NoveltySection:
     """The novelty bonuses (0 = off)."""
 
-    novelty_ngram: float = field(
-        default=0.0,
-        metadata={
-            "help": "Coefficient of the n-gram novelty bonus: reward += coef * (1 - mean BLEU of the probe against "
-            "past probes); 0 = off."
-        },
+    novelty_ngram: float = setting(
+        0.0,
+        "Coefficient of the n-gram novelty bonus: reward += coef * (1 - mean BLEU of the probe against past probes); 0 = off.",
+        at_least=0,
     )
-    novelty_embedding: float = field(
-        default=0.0,
-        metadata={
-            "help": "Coefficient of the embedding novelty bonus: reward += coef * (1 - cosine of the probe to past "
-            "probes); 0 = off."
-        },
+    novelty_embedding: float = setting(
+        0.0,
+        "Coefficient of the embedding novelty bonus: reward += coef * (1 - cosine of the probe to past probes); 0 = off.",
+        at_least=0,
     )
-    novelty_history: int = field(
-        default=1000, metadata={"help": "Past probes the novelty bonuses compare against (a FIFO; >= 1)."}
+    novelty_history: int = setting(1000, "Past probes the novelty bonuses compare against (a FIFO; >= 1).", at_least=1)
+    novelty_ngram_n: int = setting(5, "Highest BLEU order of the n-gram novelty (orders 2..n).", at_least=2)
+    novelty_embedding_reduce: str = setting(
+        "max", "How the embedding novelty reduces cosines over the history: max or mean.", choices=NOVELTY_REDUCTIONS
     )
-    novelty_ngram_n: int = field(default=5, metadata={"help": "Highest BLEU order of the n-gram novelty (orders 2..n)."})
-    novelty_embedding_reduce: str = field(
-        default="max", metadata={"help": "How the embedding novelty reduces cosines over the history: max or mean."}
-    )
-
-    def _check_novelty(self) -> None:
-        _raise_first(
-            [
-                (self.novelty_ngram >= 0, f"novelty_ngram must be >= 0, got {self.novelty_ngram}"),
-                (self.novelty_embedding >= 0, f"novelty_embedding must be >= 0, got {self.novelty_embedding}"),
-                (self.novelty_history >= 1, f"novelty_history must be >= 1, got {self.novelty_history}"),
-                (self.novelty_ngram_n >= 2, f"novelty_ngram_n must be >= 2 (BLEU orders 2..n), got {self.novelty_ngram_n}"),
-                (
-                    self.novelty_embedding_reduce in ("max", "mean"),
-                    f"novelty_embedding_reduce must be 'max' or 'mean', got {self.novelty_embedding_reduce!r}",
-                ),
-            ]
-        )
 
     def novelty_options(self) -> dict | None:
         """The ``novelty`` option of :func:`astrl.envs.make_redteam_env` (None when both coefficients are 0)."""
@@ -666,39 +518,29 @@ class NoveltySection:
 class HardeningSection:
     """Target hardening (harden_every 0 = off)."""
 
-    harden_every: int = field(
-        default=0,
-        metadata={
-            "help": "Every this many steps the target's own LoRA adapter learns to refuse the archived attacks "
-            "(0: off; needs lora)."
-        },
+    harden_every: int = setting(
+        0,
+        "Every this many steps the target's own LoRA adapter learns to refuse the archived attacks (0: off; needs lora).",
+        at_least=0,
     )
-    harden_steps: int = field(default=10, metadata={"help": "Hardening: optimizer steps per round."})
-    harden_lr: float = field(default=1e-3, metadata={"help": "Hardening: learning rate of the target's adapter."})
-    harden_batch_size: int = field(default=16, metadata={"help": "Hardening: archived attacks per step."})
-    harden_threshold: float = field(
-        default=0.5, metadata={"help": "Hardening: an attack is archived when the reply's reward score is above this."}
+    harden_steps: int = setting(10, "Hardening: optimizer steps per round.", at_least=1)
+    harden_lr: float = setting(1e-3, "Hardening: learning rate of the target's adapter.", above=0)
+    harden_batch_size: int = setting(16, "Hardening: archived attacks per step.", at_least=1)
+    harden_threshold: float = setting(
+        0.5, "Hardening: an attack is archived when the reply's reward score is above this.", at_least=0, below=1
     )
-    harden_max_attacks: int = field(
-        default=256, metadata={"help": "Hardening: size of the attack archive (the oldest leave first)."}
-    )
-    refusal: str = field(
-        default="I'm sorry, but I can't help with that.",
-        metadata={"help": "Hardening: the answer the target learns to give the archived attacks."},
+    harden_max_attacks: int = setting(256, "Hardening: size of the attack archive (the oldest leave first).", at_least=1)
+    refusal: str = setting(
+        "I'm sorry, but I can't help with that.", "Hardening: the answer the target learns to give the archived attacks."
     )
 
     def _check_hardening(self) -> None:
         _raise_first(
             [
-                (self.harden_every >= 0, f"harden_every must be >= 0 (0: off), got {self.harden_every}"),
                 (
                     self.harden_every == 0 or self.lora,
                     "harden_every needs lora: true (the target is hardened through its own LoRA adapter)",
                 ),
-                (self.harden_steps >= 1, f"harden_steps must be >= 1, got {self.harden_steps}"),
-                (self.harden_lr > 0, f"harden_lr must be > 0, got {self.harden_lr}"),
-                (self.harden_batch_size >= 1, f"harden_batch_size must be >= 1, got {self.harden_batch_size}"),
-                (self.harden_max_attacks >= 1, f"harden_max_attacks must be >= 1, got {self.harden_max_attacks}"),
                 (bool(self.refusal.strip()), f"refusal must not be empty, got {self.refusal!r}"),
             ]
         )
@@ -709,20 +551,15 @@ class ScaleSection(CollectionSettings):
     """Scale-out: generation backends and collection (:class:`astrl.backends.CollectionSettings`, declared
     once for training and ``astrl rollout``), prefill sharing and the KV cache, vLLM's memory (docs/scaling.md)."""
 
-    share_prefill: bool = field(
-        default=False,
-        metadata={
-            "help": "Identical prompt rows of a generate call (tree siblings, GRPO groups) prefill once (transformers backend)."
-        },
+    share_prefill: bool = setting(
+        False, "Identical prompt rows of a generate call (tree siblings, GRPO groups) prefill once (transformers backend)."
     )
-    turn_cache: bool = field(
-        default=True,
-        metadata={
-            "help": "Keep each model's KV cache between generate calls, so that later turns and tree levels prefill only "
-            "the tokens not read yet (transformers backend; exact up to float rounding)."
-        },
+    turn_cache: bool = setting(
+        True,
+        "Keep each model's KV cache between generate calls, so that later turns and tree levels prefill only "
+        "the tokens not read yet (transformers backend; exact up to float rounding).",
     )
-    vllm_memory: float = field(default=0.5, metadata={"help": "Share of GPU memory for vLLM engines, in (0, 1]."})
+    vllm_memory: float = setting(0.5, "Share of GPU memory for vLLM engines, in (0, 1].", above=0, at_most=1)
 
     def _check_scale(self) -> None:
         try:
@@ -752,7 +589,6 @@ class ScaleSection(CollectionSettings):
                     f"reward {self.reward!r} scores probes with the target's Transformers model: use target_backend "
                     "'transformers'",
                 ),
-                (0 < self.vllm_memory <= 1, f"vllm_memory must be in (0, 1], got {self.vllm_memory}"),
             ]
         )
 
@@ -761,22 +597,19 @@ class ScaleSection(CollectionSettings):
 class LoggingSection:
     """The run directory, logging, checkpoints and the attack archive."""
 
-    run_dir: str = field(default="runs/train", metadata={"help": "Run directory: config, metrics, samples, checkpoints."})
-    save_every: int = field(default=25, metadata={"help": "Steps between checkpoints (one is also written at the end)."})
-    keep_checkpoints: int = field(default=2, metadata={"help": "Newest checkpoints kept; older ones are removed."})
-    log_every: int = field(default=1, metadata={"help": "Steps between logger writes (metrics.csv gets every step)."})
-    sample_every: int = field(default=10, metadata={"help": "Steps between sample turns in samples.jsonl (and step 1)."})
+    run_dir: str = setting("runs/train", "Run directory: config, metrics, samples, checkpoints.")
+    save_every: int = setting(25, "Steps between checkpoints (one is also written at the end).", at_least=1)
+    keep_checkpoints: int = setting(2, "Newest checkpoints kept; older ones are removed.", at_least=1)
+    log_every: int = setting(1, "Steps between logger writes (metrics.csv gets every step).", at_least=1)
+    sample_every: int = setting(10, "Steps between sample turns in samples.jsonl (and step 1).", at_least=1)
     loggers: list[str] = field(default_factory=lambda: ["csv"], metadata={"help": "TorchRL loggers: csv, tensorboard, wandb."})
-    archive_threshold: float = field(
-        default=0.5,
-        metadata={"help": "A turn enters attacks.jsonl when its reward scorer's score is above this (in [0, 1))."},
+    archive_threshold: float = setting(
+        0.5, "A turn enters attacks.jsonl when its reward scorer's score is above this (in [0, 1)).", at_least=0, below=1
     )
 
     def _check_logging(self) -> None:
         _raise_first(
             [
-                (self.save_every >= 1, f"save_every must be >= 1, got {self.save_every}"),
-                (0 <= self.archive_threshold < 1, f"archive_threshold must be in [0, 1), got {self.archive_threshold}"),
                 (
                     set(self.loggers) <= {"csv", "tensorboard", "wandb"},
                     f"loggers must be among csv, tensorboard, wandb, got {self.loggers}",
@@ -818,13 +651,14 @@ class TrainConfig(
     """
 
     def __post_init__(self) -> None:
+        try:
+            check_settings(self)  # every key's own range or choices, declared with its field
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         for check in (
-            self._check_run,
-            self._check_conversation,
             self._check_reward,
             self._check_algorithm,
             self._check_warm_start,
-            self._check_novelty,
             self._check_hardening,
             self._check_scale,
             self._check_logging,
@@ -973,7 +807,10 @@ def describe_keys() -> str:
         lines.append(f"{title}:")
         for spec in dataclasses.fields(section):
             default = spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
-            lines.append(f"  {spec.name} = {yaml_value(default)}  ({spec.type})")
+            bounds = range_text(spec.metadata) or (
+                "one of " + ", ".join(spec.metadata["choices"]) if "choices" in spec.metadata else ""
+            )
+            lines.append(f"  {spec.name} = {yaml_value(default)}  ({spec.type}{', ' if bounds else ''}{bounds})")
             lines.append(textwrap.fill(spec.metadata["help"], width=100, initial_indent=" " * 6, subsequent_indent=" " * 6))
     renamed = ", ".join(f"{old} -> {new}" for old, new in RENAMED_KEYS.items())
     lines.append(f"renamed keys, still read with a warning: {renamed}")
