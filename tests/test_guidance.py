@@ -356,8 +356,8 @@ def test_guide_replay_is_checked_before_a_model_loads_and_needs_no_reply_lexicon
         load_config(None, ["guide_replay_warm_start=true", "warm_start_probes=8"])
     with pytest.raises(ConfigError, match="guide_replay_warm_start .* warm_start_probes > 0 .* warm_start_probes 0\\)"):
         load_config(None, ["guide_replay=true", "guide_replay_warm_start=true", "warm_start_probes=0"])
-    for bonus in ("-0.5", "nan", "inf"):
-        with pytest.raises(ConfigError, match=f"guide_replay_bonus .* finite and >= 0 .*got guide_replay_bonus {bonus}"):
+    for bonus, problem in (("-0.5", "must be >= 0"), ("nan", "must be a finite number"), ("inf", "must be a finite number")):
+        with pytest.raises(ConfigError, match=f"guide_replay_bonus {problem}, got {bonus}"):
             load_config(None, ["guide_replay=true", f"guide_replay_bonus={bonus}"])
     with pytest.raises(ConfigError, match="guide_replay_bonus .* needs guide_replay: true .* guide_replay False\\)"):
         load_config(None, ["guide_replay_bonus=1.0"])

@@ -196,7 +196,7 @@ def test_training_with_hardening_makes_the_target_refuse_found_attacks_and_resum
 
 
 def test_hardening_settings_are_checked():
-    with pytest.raises(ConfigError, match="harden_every must be >= 0 \\(0: off\\), got -1"):
+    with pytest.raises(ConfigError, match="harden_every must be >= 0, got -1"):
         TrainConfig(harden_every=-1)
     with pytest.raises(ConfigError, match="harden_every needs lora: true"):
         TrainConfig(harden_every=5, lora=False)

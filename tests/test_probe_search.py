@@ -637,7 +637,7 @@ def test_warm_start_retest_is_checked_before_a_model_loads(tmp_path):
 
     from astrl.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="warm_start_retest must be >= 0 .0: off., got -1"):
+    with pytest.raises(ConfigError, match="warm_start_retest must be >= 0, got -1"):
         _config(tmp_path, warm_start_probes=2, warm_start_retest=-1)
     with pytest.raises(ConfigError, match=r"warm_start_retest_keep must be in \(0, 1\], got 0.0"):
         _config(tmp_path, warm_start_probes=2, warm_start_retest=4, warm_start_retest_keep=0.0)
