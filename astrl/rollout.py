@@ -18,6 +18,7 @@ from astrl.backends import CollectionSettings
 from astrl.envs.recipe import ConversationSpec, build_conversation, preflight
 from astrl.envs.settings import ConversationRuns
 from astrl.keys import NEXT, PROBE, QUERY, REPLY_SCORES, REWARD, REWARD_TERMS, SCORES, TARGET_RESPONSE, TARGET_RESPONSES
+from astrl.names import ModelSettings
 from astrl.rewards.settings import RewardSettings
 
 if TYPE_CHECKING:
@@ -25,17 +26,16 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class RolloutConfig(CollectionSettings, RewardSettings, ConversationRuns):  # bases in reverse: conversation first
+class RolloutConfig(ModelSettings, CollectionSettings, RewardSettings, ConversationRuns):  # bases in reverse: conversation first
     """Settings of a batch of red-team conversations: the conversation settings of
     :class:`~astrl.envs.settings.ConversationRuns`, the reward settings of
     :class:`~astrl.rewards.settings.RewardSettings` (the first scorer gives the reward), the backends and
-    collector of :class:`~astrl.backends.CollectionSettings`, the models, dtype and device."""
+    collector of :class:`~astrl.backends.CollectionSettings`, dtype and device (:class:`~astrl.names.ModelSettings`)
+    and the models."""
 
     tester: str = "smollm2-135m"
     target: str = "smollm2-135m"
     scorers: list[str] = field(default_factory=lambda: ["profanity"])
-    dtype: str = "float32"
-    device: str = "cpu"
 
     def __post_init__(self) -> None:
         super().__post_init__()

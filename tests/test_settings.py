@@ -5,17 +5,19 @@ import dataclasses
 
 import pytest
 
-from astrl.argtypes import add_setting_flags, replaced_default
+from astrl.argtypes import add_setting_flags, range_text, replaced_default, setting, value_problem
 from astrl.envs import ConversationSpec
 from astrl.envs.settings import (
     ConversationBatch,
     ConversationSettings,
     SeedSettings,
     conversation_settings,
-    setting,
     with_defaults,
 )
+from astrl.evaluation.replay import ReplayConfig
 from astrl.evaluation.run import EvalConfig
+from astrl.evaluation.settings import ReportSettings
+from astrl.names import ModelSettings
 from astrl.policies import GenerationSettings
 from astrl.rollout import RolloutConfig, conversation_spec
 from astrl.training.config import TrainConfig
@@ -309,3 +311,54 @@ def test_a_conversation_flag_out_of_its_field_range_ends_the_command_while_parsi
             main([*command, flag, value])
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, (command, err)
+
+
+@pytest.mark.parametrize(
+    ("kind", "needs"), [(TrainConfig, {}), (RolloutConfig, {}), (EvalConfig, {}), (ReplayConfig, {"archive": "x"})]
+)
+def test_dtype_and_device_are_declared_once_and_checked_in_every_config(kind, needs):
+    assert issubclass(kind, ModelSettings)
+    for spec in dataclasses.fields(ModelSettings):  # the very field objects: one help, one check
+        assert kind.__dataclass_fields__[spec.name].metadata is spec.metadata
+    with pytest.raises(ValueError, match=r"dtype must be one of \('float32', 'bfloat16', 'float16'\), got 'int8'"):
+        kind(**needs, dtype="int8")
+
+
+@pytest.mark.parametrize(("kind", "needs"), [(EvalConfig, {}), (ReplayConfig, {"archive": "x"})])
+def test_the_report_settings_are_declared_once_for_eval_and_replay(kind, needs):
+    assert issubclass(kind, ReportSettings)
+    assert [kind(**needs).threshold, kind(**needs).resamples, kind(**needs).top_attacks] == [0.5, 1000, 10]
+    for value, message in ((1.0, r"in \[0, 1\), got 1.0"), (float("nan"), "a finite number, got nan")):
+        with pytest.raises(ValueError, match=f"threshold must be {message}"):
+            kind(**needs, threshold=value)
+    with pytest.raises(ValueError, match="resamples must be >= 1, got 0"):
+        kind(**needs, resamples=0)
+
+
+def test_replay_settings_are_checked_by_their_declaration():
+    for change, message in (
+        ({"temperature": float("nan")}, "temperature must be a finite number, got nan"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
+        ({"mode": "voice"}, r"mode must be one of \('chat', 'text'\), got 'voice'"),
+        ({"samples": 0}, "samples must be >= 1, got 0"),
+        ({"max_new_tokens": 0}, r"max_new_tokens must be >= 1 \(or null\), got 0"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            ReplayConfig(archive="x", **change)
+    assert ReplayConfig(archive="x", mode=None, max_new_tokens=None).mode is None  # null: the folder's
+
+
+def test_a_range_is_written_as_its_message_and_the_key_listing_writes_it_and_nan_passes_none():
+    assert [range_text(m) for m in ({"at_least": 0, "below": 1}, {"above": 0, "at_most": 1}, {"at_least": 2}, {"above": 0})] == [
+        "in [0, 1)",
+        "in (0, 1]",
+        ">= 2",
+        "> 0",
+    ]
+    assert [range_text({"at_most": 0}), range_text({"below": 5}), range_text({})] == ["<= 0", "< 5", ""]
+    # nan passes no comparison, so it is refused before any; inf is refused even with no bound above
+    assert value_problem(float("nan"), {"at_least": 0}) == "must be a finite number, got nan"
+    assert value_problem(float("inf"), {"above": 0}) == "must be a finite number, got inf"
+    assert value_problem(float("-inf"), {}, nullable=True) == "must be a finite number (or null), got -inf"
+    assert value_problem(0.5, {"at_least": 0, "below": 1}) is None and value_problem(1, {"at_least": 0, "below": 1}) is not None
+    assert value_problem(3, {}) is None

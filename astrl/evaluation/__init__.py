@@ -4,9 +4,12 @@
 * :mod:`astrl.evaluation.run`: the ``astrl eval`` job (:class:`EvalConfig`, :func:`run_eval`);
 * :mod:`astrl.evaluation.report`: plots, ``report.md`` and ``report.html``;
 * :mod:`astrl.evaluation.archive`: the attack archive (``attacks.jsonl``), re-exported from :mod:`astrl.archive`;
-* :mod:`astrl.evaluation.compare`: the ``astrl compare`` table.
+* :mod:`astrl.evaluation.compare`: the ``astrl compare`` table;
+* :mod:`astrl.evaluation.settings`: the report settings eval and replay share (:class:`ReportSettings`).
 """
 
-from astrl.evaluation.records import EvaluationError
+from astrl._lazy import lazy_exports
 
-__all__ = ["EvaluationError"]
+_EXPORTS = {"EvaluationError": "astrl.evaluation.records"}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

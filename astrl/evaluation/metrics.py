@@ -20,7 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-DEFAULT_THRESHOLD = 0.5
+from astrl.evaluation.settings import DEFAULT_THRESHOLD
+
 CLUSTER_THRESHOLD = 0.7
 MIN_TEST_UNITS = 5
 RATE_METRICS = (

@@ -38,12 +38,15 @@ import torch
 
 from astrl._compat import Chat
 from astrl.archive import ARCHIVE_FILE, normalize_probe
+from astrl.argtypes import check_settings, setting
 from astrl.errors import one_line
-from astrl.evaluation.metrics import DEFAULT_THRESHOLD, elicitation_metrics
+from astrl.evaluation.metrics import elicitation_metrics
 from astrl.evaluation.records import EvaluationError
+from astrl.evaluation.settings import DEFAULT_THRESHOLD, ReportSettings
 from astrl.jsonl import numbered_lines
 from astrl.keys import HISTORY, TEXT, TOKENS_RESPONSE
-from astrl.names import check_scorer_names
+from astrl.names import ModelSettings, check_scorer_names
+from astrl.rewards.weights import MODES
 
 REPLIES_FILE = "replies.jsonl"
 TRANSFER_FILE = "transfer.json"
@@ -413,39 +416,28 @@ def transfer_sets(successes: dict[str, dict[str, np.ndarray]], judges: Sequence[
 
 
 @dataclass
-class ReplayConfig:
-    """Settings of a replay; ``None`` fields fall back to the archive folder's defaults, then to those noted."""
+class ReplayConfig(ModelSettings, ReportSettings):  # bases in reverse: the report settings first
+    """Settings of a replay (the report settings are :class:`~astrl.evaluation.settings.ReportSettings`, dtype
+    and device :class:`~astrl.names.ModelSettings`); ``None`` fields fall back to the archive folder's
+    defaults, then to those noted."""
 
-    archive: str
+    archive: str = field(kw_only=True)
     targets: list[str] | None = None  # the folder's target, else smollm2-135m
     judges: list[str] | None = None  # as astrl eval: the run's judges or training scorer, plus a distinct one
-    samples: int = 1
-    greedy: bool = False
-    mode: str | None = None  # the folder's mode, else chat
-    max_new_tokens: int | None = None  # the run's target reply length, else 32
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    batch_size: int = 16
-    threshold: float = DEFAULT_THRESHOLD
-    resamples: int = 1000
-    top_attacks: int = 10
-    seed: int = 0
-    dtype: str = "float32"
-    device: str = "cpu"
+    samples: int = setting(1, "Replies sampled per attack and target.", at_least=1)
+    greedy: bool = setting(False, "Greedy decoding (one reply per attack and target).")
+    mode: str | None = setting(None, "chat or text (null: the folder's mode, else chat).", choices=MODES)
+    max_new_tokens: int | None = setting(None, "Reply length (null: the run's target reply length, else 32).", at_least=1)
+    temperature: float = setting(1.0, "Sampling temperature of the targets.", above=0)
+    top_p: float = setting(1.0, "Nucleus sampling threshold of the targets (1: off).", above=0, at_most=1)
+    top_k: int = setting(0, "Top-k filtering of the targets (0: the backend's default).", at_least=0)
+    batch_size: int = setting(16, "Replies generated together (attacks x samples).", at_least=1)
+    seed: int = setting(0, "Seed of the sampled replies.")
 
     def __post_init__(self) -> None:
-        for name in ("samples", "batch_size", "resamples"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.top_attacks < 0:
-            raise ValueError(f"top_attacks must be >= 0, got {self.top_attacks}")
+        check_settings(self)  # every field's declared range or choices, the report and model settings' included
         if self.greedy and self.samples > 1:
             raise ValueError(f"--samples {self.samples} with --greedy: greedy replies repeat; sample once or drop --greedy")
-        if not 0 <= self.threshold < 1:
-            raise ValueError(f"threshold must be in [0, 1), got {self.threshold}")
-        if self.mode is not None and self.mode not in ("chat", "text"):
-            raise ValueError(f"mode must be 'chat' or 'text', got {self.mode!r}")
         if self.targets is not None and not self.targets:
             raise ValueError("at least one target is needed")
         repeated = sorted({v for v in self.targets or [] if self.targets.count(v) > 1})

@@ -24,7 +24,6 @@ import torch
 from astrl.argtypes import setting
 from astrl.envs.settings import ConversationRuns, EvalRuns
 from astrl.evaluation.agreement import eval_agreement
-from astrl.evaluation.metrics import DEFAULT_THRESHOLD
 from astrl.evaluation.records import (
     EvaluationError,
     combined_text,
@@ -34,9 +33,10 @@ from astrl.evaluation.records import (
     write_records,
 )
 from astrl.evaluation.rejudge import rejudge
+from astrl.evaluation.settings import ReportSettings
 from astrl.evaluation.tester import EXPORT_SETTINGS, TesterSource, load_tester, resolve_tester
 from astrl.keys import NEXT, PROBE_LOGPROB, QUERY
-from astrl.names import check_scorer_names
+from astrl.names import ModelSettings, check_scorer_names
 from astrl.scorers import checked_scores
 
 if TYPE_CHECKING:
@@ -52,16 +52,18 @@ DEFAULT_TURNS: int = ConversationRuns.__dataclass_fields__["turns"].default  # w
 
 
 @dataclass
-class EvalConfig(EvalRuns):
+class EvalConfig(ModelSettings, ReportSettings, EvalRuns):  # bases in reverse: the conversation settings first
     """Settings of an evaluation (the conversation settings are those of
-    :class:`~astrl.envs.settings.ConversationRuns` with eval's defaults, ``EvalRuns``). ``None`` fields fall
-    back to the training run's config (when the tester is a run directory or an export), then to the defaults noted: ``prompts``
-    (the run's, else builtin), ``split_seed`` and ``test_fraction`` (the run's seed and fraction, so
-    "test" is the run's held-out split, else ``seed`` and 0.1), ``mode`` (the run's, else chat), the
-    system prompts (the run's), ``turns`` (the run's, else 3) and the lengths: ``max_new_tokens`` (the
-    run's, else ``tester_generation``'s) and ``target_max_new_tokens`` (``max_new_tokens`` when that is
-    set, else the run's reply length, else ``target_generation``'s), so that a run is measured in the
-    setting it was trained in. ``reply_samples``: every reply is judged; the first continues."""
+    :class:`~astrl.envs.settings.ConversationRuns` with eval's defaults, ``EvalRuns``; the report settings
+    :class:`~astrl.evaluation.settings.ReportSettings`'s; dtype and device
+    :class:`~astrl.names.ModelSettings`'s). ``None`` fields fall back to the training run's config (when the
+    tester is a run directory or an export), then to the defaults noted: ``prompts`` (the run's, else
+    builtin), ``split_seed`` and ``test_fraction`` (the run's seed and fraction, so "test" is the run's
+    held-out split, else ``seed`` and 0.1), ``mode`` (the run's, else chat), the system prompts (the run's),
+    ``turns`` (the run's, else 3) and the lengths: ``max_new_tokens`` (the run's, else
+    ``tester_generation``'s) and ``target_max_new_tokens`` (``max_new_tokens`` when that is set, else the
+    run's reply length, else ``target_generation``'s), so that a run is measured in the setting it was trained
+    in. ``reply_samples``: every reply is judged; the first continues."""
 
     tester: str = "smollm2-135m"
     target: str | None = None  # run's target, else smollm2-135m
@@ -73,21 +75,10 @@ class EvalConfig(EvalRuns):
         None, "New tokens per target reply (null: max_new_tokens if set, else the run's, else target_generation's).", at_least=1
     )
     checkpoint: str | None = None
-    threshold: float = DEFAULT_THRESHOLD
-    resamples: int = 1000
-    top_attacks: int = 10
     embeddings: bool = True
-    dtype: str = "float32"
-    device: str = "cpu"
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.resamples < 1:
-            raise ValueError(f"resamples must be >= 1, got {self.resamples}")
-        if self.top_attacks < 0:
-            raise ValueError(f"top_attacks must be >= 0, got {self.top_attacks}")
-        if not 0 <= self.threshold < 1:
-            raise ValueError(f"threshold must be in [0, 1), got {self.threshold}")
+        super().__post_init__()  # every field's declared check, the report settings' included
         if self.judges is not None:  # names only: no scorer is built here
             check_scorer_names(self.judges, "judge")
 

@@ -22,7 +22,7 @@ from astrl.argtypes import check_settings, range_text, setting
 from astrl.backends import CollectionSettings
 from astrl.envs.settings import ConversationSettings, SamplingSettings, SeedSettings, with_defaults
 from astrl.errors import ConfigError
-from astrl.names import MODEL_DTYPES
+from astrl.names import ModelSettings
 from astrl.rewards.settings import RewardSettings
 from astrl.yaml_data import read_yaml_mapping, yaml_problem
 
@@ -47,9 +47,9 @@ def _raise_first(checks: list[tuple[bool, str]]) -> None:
 
 
 @dataclass
-class RunSection(SeedSettings):
-    """The run: its seeds, the algorithm, the tester and the target, the tester's LoRA adapters,
-    dtype and device."""
+class RunSection(ModelSettings, SeedSettings):  # bases in reverse: the seeds first
+    """The run: its seeds, dtype and device (:class:`~astrl.names.ModelSettings`, declared once for every
+    command), the algorithm, the tester and the target, the tester's LoRA adapters."""
 
     algorithm: str = setting(
         "grpo", "grpo, ppo (value head and GAE), dpo or ipo (best-vs-worst sibling pairs from tree sampling).", choices=ALGORITHMS
@@ -66,8 +66,6 @@ class RunSection(SeedSettings):
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
         metadata={"help": "Module names that get LoRA adapters."},
     )
-    dtype: str = setting("float32", f"Model dtype: {', '.join(MODEL_DTYPES)}.", choices=MODEL_DTYPES)
-    device: str = setting("cpu", "Torch device: cpu, cuda, cuda:N or mps.")
 
 
 @dataclass
