@@ -314,7 +314,8 @@ def test_a_conversation_flag_out_of_its_field_range_ends_the_command_while_parsi
 
 
 @pytest.mark.parametrize(
-    ("kind", "needs"), [(TrainConfig, {}), (RolloutConfig, {}), (EvalConfig, {}), (ReplayConfig, {"archive": "x"})]
+    ("kind", "needs"),
+    [(TrainConfig, {}), (RolloutConfig, {}), (EvalConfig, {}), (ReplayConfig, {"archive": "x"}), (ConversationSpec, {})],
 )
 def test_dtype_and_device_are_declared_once_and_checked_in_every_config(kind, needs):
     assert issubclass(kind, ModelSettings)

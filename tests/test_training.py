@@ -58,7 +58,7 @@ def test_config_file_and_overrides(tmp_path):
     path.write_text(yaml.safe_dump({"algorithm": "grpo", "total_steps": 7, "lr": 1e-3}))
     config = load_config(path, ["total_steps=9", "loggers=csv", "judges=keywords:a,profanity"])
     assert (config.total_steps, config.lr, config.loggers) == (9, 1e-3, ["csv"])
-    unknown = r"unknown config key\(s\) \['learning_rate'\]; valid keys: seed, split_seed, algorithm"
+    unknown = r"unknown config key\(s\) \['learning_rate'\]; valid keys: seed, split_seed, dtype, device, algorithm"
     with pytest.raises(ConfigError, match=unknown):
         load_config(path, ["learning_rate=1"])
     with pytest.raises(ConfigError, match="'total_steps' must be int, got 'many'"):

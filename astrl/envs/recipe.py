@@ -24,11 +24,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from astrl.argtypes import setting
 from astrl.backends import BACKENDS, check_backend
 from astrl.envs.redteam import DEFAULT_TESTER_SYSTEM_PROMPT, make_redteam_env
 from astrl.envs.settings import ConversationBatch
 from astrl.models import LoadedModel, add_lora, load_model
-from astrl.names import check_names
+from astrl.names import ModelSettings, check_names
 from astrl.policies import input_mode, make_policy, vllm_share
 from astrl.prompts import PromptStream, load_prompts, split_fractions, split_prompts
 from astrl.rewards.weights import LIKELIHOOD_REWARDS, REWARDS, check_reward_options
@@ -40,12 +41,14 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class ConversationSpec(ConversationBatch):
+class ConversationSpec(ModelSettings, ConversationBatch):  # bases in reverse: the conversation settings first
     """A red-team conversation set-up as plain, picklable data.
 
     The conversation settings (``seed``, ``split_seed``, ``prompts``, ``split``, ``turns``, ``mode``,
     the system prompts, ``reply_samples``, ``batch_size`` and each side's generation) are those of
-    :class:`~astrl.envs.settings.ConversationBatch`, declared and checked there.
+    :class:`~astrl.envs.settings.ConversationBatch`, and ``dtype`` and ``device`` (of the models loaded here
+    and the scorers) those of :class:`~astrl.names.ModelSettings`, declared and checked there; the fields
+    below with a range or choices declare it (:func:`~astrl.argtypes.setting`).
 
     Args:
         tester / target: model names, folders or hub ids; loaded by :func:`build_conversation`
@@ -68,38 +71,27 @@ class ConversationSpec(ConversationBatch):
         turn_cache: Transformers policies keep each model's KV cache between ``generate`` calls
             (:class:`astrl.prefill.TurnCache`).
         seed: seeds the opener order (and the split, unless ``split_seed``) and the vLLM engines.
-        dtype / device: of the models loaded here and the scorers.
     """
 
     tester: str = "smollm2-135m"
     target: str = "smollm2-135m"
     scorers: list[str] = field(default_factory=lambda: ["profanity"])
-    group_size: int = 1
-    reward: str = "score"
+    group_size: int = setting(1, "Conversations per opener, in a row of the batch.", at_least=1)
+    reward: str = setting("score", "The reward (astrl.rewards.weights.REWARDS).", choices=REWARDS)
     reward_options: dict | None = None
     novelty: dict | None = None
     lora: dict | None = None
-    backend: str = "transformers"
-    target_backend: str = "transformers"
-    vllm_memory: float = 0.5
+    backend: str = setting("transformers", "Tester generation backend.", choices=BACKENDS)
+    target_backend: str = setting("transformers", "Target generation backend.", choices=BACKENDS)
+    vllm_memory: float = setting(0.5, "Share of GPU memory all vLLM engines take together.", above=0, at_most=1)
     turn_cache: bool = True
-    dtype: str = "float32"
-    device: str = "cpu"
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        choices = {"reward": REWARDS, "backend": BACKENDS, "target_backend": BACKENDS}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        super().__post_init__()  # every field's declared check (astrl.argtypes.check_settings)
         if self.batch_size % self.group_size:
             raise ValueError(f"group_size {self.group_size} must divide batch_size {self.batch_size}")
         if isinstance(self.scorers, str) or not self.scorers:
             raise ValueError(f"scorers must be a non-empty list of scorer names, got {self.scorers!r}")
-        if not 0 < self.vllm_memory <= 1:
-            raise ValueError(f"vllm_memory must be in (0, 1], got {self.vllm_memory}")
         check_reward_options(self.reward, self.reward_options)
 
     def env_options(self) -> dict:
