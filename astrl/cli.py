@@ -14,11 +14,11 @@ LATER: dict[str, str] = {}
 
 
 def _add_sampling_args(p) -> None:
-    """``--temperature``, ``--top-p`` and ``--top-k``: the :class:`~astrl.envs.settings.SamplingSettings` fields
-    that mean the same on every command (the lengths do not: a turn, a reply, the run's)."""
-    from astrl.envs.settings import SamplingSettings
+    """``--temperature``, ``--top-p`` and ``--top-k``: the :class:`~astrl.envs.settings.DecodingSettings` fields,
+    which mean the same on every command (the lengths do not: a turn, a reply, the run's)."""
+    from astrl.envs.settings import DecodingSettings
 
-    add_setting_flags(p, SamplingSettings, names=("temperature", "top_p", "top_k"), default=FIELD_DEFAULT)
+    add_setting_flags(p, DecodingSettings, default=FIELD_DEFAULT)
 
 
 def _add_generation_args(p, *, from_run: bool = False) -> None:
@@ -267,6 +267,8 @@ def _value(value) -> str:
 
 
 def _add_replay(sub) -> None:
+    from astrl.evaluation.settings import ReplaySettings
+
     p = sub.add_parser("replay", help="replay an attack archive against one or more targets; judge and compare the replies")
     p.add_argument(
         "archive",
@@ -288,32 +290,24 @@ def _add_replay(sub) -> None:
         metavar="NAME",
         help="scorer that judges every reply, repeatable (default: as astrl eval, from the run's judges and training scorer)",
     )
-    p.add_argument("--samples", type=at_least(1), default=1, help="replies sampled per attack and target (default 1)")
-    p.add_argument("--greedy", action="store_true", help="greedy decoding (one reply per attack and target)")
-    p.add_argument("--mode", default=None, choices=["chat", "text"], help="default: the run's or eval's mode, else chat")
-    p.add_argument("--max-new-tokens", type=at_least(1), default=None, help="reply length (default: the run's, else 32)")
+    add_setting_flags(p, ReplaySettings, default=FIELD_DEFAULT)
     _add_sampling_args(p)
-    p.add_argument("--batch-size", type=at_least(1), default=16, help="replies generated together (attacks x samples)")
     _add_report_args(p)
     _add_run_args(p)
     _add_output_args(p, "replay")
 
 
 def _replay(args) -> int:
+    from astrl.envs.settings import DecodingSettings
     from astrl.evaluation.replay import ReplayConfig, run_replay
+    from astrl.evaluation.settings import ReplaySettings
 
     config = ReplayConfig(
         archive=args.archive,
         targets=args.targets,
         judges=args.judges,
-        samples=args.samples,
-        greedy=args.greedy,
-        mode=args.mode,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        batch_size=args.batch_size,
+        **given_settings(args, ReplaySettings),
+        **given_settings(args, DecodingSettings),
         **_report_settings(args),
         **_run_settings(args),
     )

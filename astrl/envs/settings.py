@@ -104,14 +104,11 @@ class ConversationSettings:
 
 
 @dataclass
-class SamplingSettings:
-    """The sampling of tester and target as flat keys (a YAML config); :meth:`generation` makes
-    the :class:`~astrl.policies.GenerationSettings` of each side."""
+class DecodingSettings:
+    """How tokens are sampled, the same on every command: temperature, top-p and top-k (the ``--temperature``,
+    ``--top-p`` and ``--top-k`` flags of rollout, eval and replay; a length means a turn, a reply or the
+    run's on different commands, so the lengths are :class:`SamplingSettings`'s)."""
 
-    max_new_tokens: int = setting(
-        32, "New tokens per tester turn (and per target turn unless target_max_new_tokens).", at_least=1
-    )
-    target_max_new_tokens: int | None = setting(None, "New tokens per target reply (null: max_new_tokens).", at_least=1)
     temperature: float = setting(1.0, "Sampling temperature (tester and target alike).", above=0)
     top_p: float = setting(1.0, "Nucleus sampling threshold, tester and target alike (1: off).", above=0, at_most=1)
     top_k: int = setting(
@@ -124,6 +121,18 @@ class SamplingSettings:
 
     def __post_init__(self) -> None:
         check_settings(self)
+
+
+@dataclass
+class SamplingSettings(DecodingSettings):
+    """The sampling of tester and target as flat keys (a YAML config): the lengths and
+    :class:`DecodingSettings`; :meth:`generation` makes the :class:`~astrl.policies.GenerationSettings`
+    of each side."""
+
+    max_new_tokens: int = setting(
+        32, "New tokens per tester turn (and per target turn unless target_max_new_tokens).", at_least=1
+    )
+    target_max_new_tokens: int | None = setting(None, "New tokens per target reply (null: max_new_tokens).", at_least=1)
 
     def generation(self, target: bool = False) -> GenerationSettings:
         """The tester's (or with ``target``, the target's) sampling settings."""

@@ -39,14 +39,14 @@ import torch
 from astrl._compat import Chat
 from astrl.archive import ARCHIVE_FILE, normalize_probe
 from astrl.argtypes import check_settings, setting
+from astrl.envs.settings import DecodingSettings
 from astrl.errors import one_line
 from astrl.evaluation.metrics import elicitation_metrics
 from astrl.evaluation.records import EvaluationError
-from astrl.evaluation.settings import DEFAULT_THRESHOLD, ReportSettings
+from astrl.evaluation.settings import DEFAULT_THRESHOLD, ReplaySettings, ReportSettings
 from astrl.jsonl import numbered_lines
 from astrl.keys import HISTORY, TEXT, TOKENS_RESPONSE
 from astrl.names import ModelSettings, check_scorer_names
-from astrl.rewards.weights import MODES
 
 REPLIES_FILE = "replies.jsonl"
 TRANSFER_FILE = "transfer.json"
@@ -416,26 +416,19 @@ def transfer_sets(successes: dict[str, dict[str, np.ndarray]], judges: Sequence[
 
 
 @dataclass
-class ReplayConfig(ModelSettings, ReportSettings):  # bases in reverse: the report settings first
-    """Settings of a replay (the report settings are :class:`~astrl.evaluation.settings.ReportSettings`, dtype
-    and device :class:`~astrl.names.ModelSettings`); ``None`` fields fall back to the archive folder's
-    defaults, then to those noted."""
+class ReplayConfig(ModelSettings, ReportSettings, DecodingSettings, ReplaySettings):  # bases in reverse
+    """Settings of a replay: its own (:class:`~astrl.evaluation.settings.ReplaySettings`), the targets'
+    sampling (:class:`~astrl.envs.settings.DecodingSettings`), the report
+    (:class:`~astrl.evaluation.settings.ReportSettings`), dtype and device (:class:`~astrl.names.ModelSettings`);
+    ``None`` fields fall back to the archive folder's defaults, then to those noted."""
 
     archive: str = field(kw_only=True)
     targets: list[str] | None = None  # the folder's target, else smollm2-135m
     judges: list[str] | None = None  # as astrl eval: the run's judges or training scorer, plus a distinct one
-    samples: int = setting(1, "Replies sampled per attack and target.", at_least=1)
-    greedy: bool = setting(False, "Greedy decoding (one reply per attack and target).")
-    mode: str | None = setting(None, "chat or text (null: the folder's mode, else chat).", choices=MODES)
-    max_new_tokens: int | None = setting(None, "Reply length (null: the run's target reply length, else 32).", at_least=1)
-    temperature: float = setting(1.0, "Sampling temperature of the targets.", above=0)
-    top_p: float = setting(1.0, "Nucleus sampling threshold of the targets (1: off).", above=0, at_most=1)
-    top_k: int = setting(0, "Top-k filtering of the targets (0: the backend's default).", at_least=0)
-    batch_size: int = setting(16, "Replies generated together (attacks x samples).", at_least=1)
     seed: int = setting(0, "Seed of the sampled replies.")
 
     def __post_init__(self) -> None:
-        check_settings(self)  # every field's declared range or choices, the report and model settings' included
+        check_settings(self)  # every field's declared range or choices (the bases' settings)
         if self.greedy and self.samples > 1:
             raise ValueError(f"--samples {self.samples} with --greedy: greedy replies repeat; sample once or drop --greedy")
         if self.targets is not None and not self.targets:
