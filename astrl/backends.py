@@ -80,13 +80,22 @@ def init_ray(address: str | None = None, **options) -> bool:
 
 
 @dataclass
-class CollectionSettings:
-    """Where the conversations are generated, declared once: the generation backends and the collector.
-    :class:`~astrl.training.TrainConfig` (its scale-out section) and :class:`~astrl.rollout.RolloutConfig`
-    inherit these fields, and ``astrl rollout`` makes one flag per field."""
+class BackendSettings:
+    """Which library generates each side's tokens, and the GPU share vLLM takes, declared once: the base of
+    :class:`CollectionSettings` and of :class:`~astrl.envs.ConversationSpec`."""
 
     backend: str = setting("transformers", "Tester generation backend: transformers or vllm.", choices=BACKENDS)
     target_backend: str = setting("transformers", "Target generation backend: transformers or vllm.", choices=BACKENDS)
+    vllm_memory: float = setting(0.5, "Share of GPU memory all vLLM engines take together.", above=0, at_most=1)
+
+
+@dataclass
+class CollectionSettings(BackendSettings):
+    """Where the conversations are generated, declared once: the generation backends
+    (:class:`BackendSettings`) and the collector. :class:`~astrl.training.TrainConfig` (its scale-out
+    section) and :class:`~astrl.rollout.RolloutConfig` inherit these fields, and ``astrl rollout`` makes
+    one flag per field."""
+
     collector: str = setting("local", "Collect in this process (local) or over Ray workers (ray).", choices=COLLECTORS)
     num_collectors: int = setting(1, "Ray workers; each runs whole groups.", at_least=1)
     collector_cpus: float = setting(1.0, "CPUs per Ray worker.", above=0)

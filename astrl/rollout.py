@@ -98,6 +98,7 @@ def conversation_spec(config: RolloutConfig) -> ConversationSpec:
         reward_options=config.reward_options(),
         backend=config.backend,
         target_backend=config.target_backend,
+        vllm_memory=config.vllm_memory,
         dtype=config.dtype,
         device=config.device,
     )

@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 
 from astrl.argtypes import add_setting_flags, range_text, replaced_default, setting, value_problem
+from astrl.backends import BackendSettings
 from astrl.envs import ConversationSpec
 from astrl.envs.settings import (
     ConversationBatch,
@@ -209,6 +210,7 @@ def test_every_reward_setting_is_an_astrl_rollout_flag_that_reaches_the_config()
 COLLECTION_VALUES = {  # a value other than the default for each collection setting, as a flag gives it
     "backend": "vllm",
     "target_backend": "vllm",
+    "vllm_memory": 0.7,
     "collector": "ray",
     "num_collectors": 2,
     "collector_cpus": 0.5,
@@ -237,6 +239,14 @@ def test_the_collection_settings_are_declared_once_and_are_astrl_rollout_flags()
             kind(num_collectors=2)
         with pytest.raises(ValueError, match="backend must be one of \\('transformers', 'vllm'\\), got 'tgi'"):
             kind(backend="tgi")
+    # the backends and vLLM's share reach the conversation spec from either entry point
+    from astrl.rollout import conversation_spec
+
+    spec = conversation_spec(RolloutConfig(backend="transformers", vllm_memory=0.7))
+    assert isinstance(spec, BackendSettings) and spec.vllm_memory == 0.7
+    for kind in (TrainConfig, RolloutConfig, ConversationSpec):
+        with pytest.raises(ValueError, match=r"vllm_memory must be in \(0, 1\], got 1.5"):
+            kind(vllm_memory=1.5)
 
 
 CONVERSATION_VALUES = {  # a value other than either entry point's default for each conversation flag

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from astrl.argtypes import setting
-from astrl.backends import BACKENDS, check_backend
+from astrl.backends import BackendSettings, check_backend
 from astrl.envs.redteam import DEFAULT_TESTER_SYSTEM_PROMPT, make_redteam_env
 from astrl.envs.settings import ConversationBatch
 from astrl.models import LoadedModel, add_lora, load_model
@@ -41,13 +41,14 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class ConversationSpec(ModelSettings, ConversationBatch):  # bases in reverse: the conversation settings first
+class ConversationSpec(ModelSettings, BackendSettings, ConversationBatch):  # bases in reverse: conversation first
     """A red-team conversation set-up as plain, picklable data.
 
     The conversation settings (``seed``, ``split_seed``, ``prompts``, ``split``, ``turns``, ``mode``,
     the system prompts, ``reply_samples``, ``batch_size`` and each side's generation) are those of
-    :class:`~astrl.envs.settings.ConversationBatch`, and ``dtype`` and ``device`` (of the models loaded here
-    and the scorers) those of :class:`~astrl.names.ModelSettings`, declared and checked there; the fields
+    :class:`~astrl.envs.settings.ConversationBatch`, the backends and vLLM's GPU share those of
+    :class:`~astrl.backends.BackendSettings`, and ``dtype`` and ``device`` (of the models loaded here and the
+    scorers) those of :class:`~astrl.names.ModelSettings`, declared and checked there; the fields
     below with a range or choices declare it (:func:`~astrl.argtypes.setting`).
 
     Args:
@@ -81,9 +82,6 @@ class ConversationSpec(ModelSettings, ConversationBatch):  # bases in reverse: t
     reward_options: dict | None = None
     novelty: dict | None = None
     lora: dict | None = None
-    backend: str = setting("transformers", "Tester generation backend.", choices=BACKENDS)
-    target_backend: str = setting("transformers", "Target generation backend.", choices=BACKENDS)
-    vllm_memory: float = setting(0.5, "Share of GPU memory all vLLM engines take together.", above=0, at_most=1)
     turn_cache: bool = True
 
     def __post_init__(self) -> None:

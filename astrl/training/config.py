@@ -546,8 +546,8 @@ class HardeningSection:
 
 @dataclass
 class ScaleSection(CollectionSettings):
-    """Scale-out: generation backends and collection (:class:`astrl.backends.CollectionSettings`, declared
-    once for training and ``astrl rollout``), prefill sharing and the KV cache, vLLM's memory (docs/scaling.md)."""
+    """Scale-out: generation backends, vLLM's memory and collection (:class:`astrl.backends.CollectionSettings`,
+    declared once for training and ``astrl rollout``), prefill sharing and the KV cache (docs/scaling.md)."""
 
     share_prefill: bool = setting(
         False, "Identical prompt rows of a generate call (tree siblings, GRPO groups) prefill once (transformers backend)."
@@ -557,7 +557,6 @@ class ScaleSection(CollectionSettings):
         "Keep each model's KV cache between generate calls, so that later turns and tree levels prefill only "
         "the tokens not read yet (transformers backend; exact up to float rounding).",
     )
-    vllm_memory: float = setting(0.5, "Share of GPU memory for vLLM engines, in (0, 1].", above=0, at_most=1)
 
     def _check_scale(self) -> None:
         try:
