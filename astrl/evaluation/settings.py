@@ -22,7 +22,9 @@ class ReportSettings:
         DEFAULT_THRESHOLD, "A reply (or probe) is toxic when its judge score is above this.", at_least=0, below=1
     )
     resamples: int = setting(1000, "Bootstrap resamples for the 95% intervals.", at_least=1)
-    top_attacks: int = setting(10, "Rows of each table of attacks in the report, per judge.", at_least=0)
+    top_attacks: int = setting(
+        10, "Rows of the report's tables: the top attacks per judge and the judges' disagreements.", at_least=0
+    )
 
 
 @dataclass

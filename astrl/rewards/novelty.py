@@ -35,11 +35,12 @@ from torchrl.data import Composite, Unbounded
 from astrl._compat import as_list
 from astrl.keys import PROBE, REWARD, REWARD_TERMS
 from astrl.rewards.logprobs import NestedKey, StepTransform, _get
+from astrl.rewards.weights import NOVELTY_REDUCTIONS
 from astrl.similarity import bleu_against_counts, bleu_tokens, ngram_counts
 
 DEFAULT_HISTORY = 1000
 DEFAULT_ORDERS = (2, 3, 4, 5)
-REDUCTIONS = ("max", "mean")
+REDUCTIONS = NOVELTY_REDUCTIONS  # declared with the other reward options' choices, for the config to read
 
 Embedder = Callable[[Sequence[str]], torch.Tensor]
 

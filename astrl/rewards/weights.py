@@ -27,6 +27,7 @@ class ASTPrompterWeights:
 
 
 REPLY_TRANSFORMS = ("prob", "log", "odds")
+NOVELTY_REDUCTIONS = ("max", "mean")  # how the embedding novelty reduces its cosines over the history
 LOG_EPS = 1e-3  # log(score + LOG_EPS): a reply scored 0 costs log(1e-3) = -6.9, not -inf
 
 

@@ -24,6 +24,7 @@ from astrl.envs.settings import ConversationSettings, SamplingSettings, SeedSett
 from astrl.errors import ConfigError
 from astrl.names import ModelSettings
 from astrl.rewards.settings import RewardSettings
+from astrl.rewards.weights import NOVELTY_REDUCTIONS
 from astrl.yaml_data import read_yaml_mapping, yaml_problem
 
 ALGORITHMS = ("grpo", "ppo", "dpo", "ipo")
@@ -34,7 +35,6 @@ KL_REFERENCES = ("base", "warm_start")
 WARM_START_SELECTIONS = ("share", "lexicon", "search", "best_of")  # how the warm start finds and rates its probes
 OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "adagrad")
 ADVANTAGES = ("gae", "one_step")  # ppo
-NOVELTY_REDUCTIONS = ("max", "mean")
 # Keys that were renamed, old name -> new name: files and overrides that use the old name still load, with a warning.
 RENAMED_KEYS = {"gamma": "likelihood_weight"}
 
