@@ -607,3 +607,21 @@ def test_train_scale_out_flags_are_config_overrides():
     assert (config.collector, config.num_collectors, config.lr) == ("ray", 4, 0.1)  # an explicit override wins
     with pytest.raises(SystemExit):  # not one of the collector's choices: refused as the flags are parsed
         build_parser().parse_args(["train", "--collector", "slurm"])
+
+
+def test_each_optimizer_choice_builds_its_torch_class_and_an_unknown_one_is_refused():
+    from astrl.training.config import OPTIMIZERS
+    from astrl.training.trainer import make_optimizer
+
+    weight = torch.nn.Parameter(torch.zeros(2))
+    built = {name: type(make_optimizer(name, [{"params": [weight]}], lr=0.1, weight_decay=0.01)) for name in OPTIMIZERS}
+    assert built == {
+        "adamw": torch.optim.AdamW,
+        "adam": torch.optim.Adam,
+        "sgd": torch.optim.SGD,
+        "rmsprop": torch.optim.RMSprop,
+        "adagrad": torch.optim.Adagrad,
+    }
+    assert TrainConfig.__dataclass_fields__["optimizer"].metadata["choices"] == tuple(OPTIMIZERS)
+    with pytest.raises(ConfigError, match="optimizer must be one of .*got 'lion'"):
+        make_optimizer("lion", [{"params": [weight]}], lr=0.1, weight_decay=0.0)

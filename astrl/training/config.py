@@ -33,7 +33,8 @@ GROUP_SCALES = ("std", "none")
 GUIDE_ADVANTAGES = ("signed", "positive")
 KL_REFERENCES = ("base", "warm_start")
 WARM_START_SELECTIONS = ("share", "lexicon", "search", "best_of")  # how the warm start finds and rates its probes
-OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "adagrad")
+# the optimizer key's choices -> their torch.optim class (the trainer builds it by that name)
+OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "rmsprop": "RMSprop", "adagrad": "Adagrad"}
 ADVANTAGES = ("gae", "one_step")  # ppo
 # Keys that were renamed, old name -> new name: files and overrides that use the old name still load, with a warning.
 RENAMED_KEYS = {"gamma": "likelihood_weight"}
@@ -191,7 +192,7 @@ class AlgorithmSection:
     minibatch_size: int | None = setting(
         None, "Items per minibatch instead of a count (the schedule then advances once per step); null: off.", at_least=1
     )
-    optimizer: str = setting("adamw", "adamw, adam, sgd, rmsprop or adagrad.", choices=OPTIMIZERS)
+    optimizer: str = setting("adamw", "adamw, adam, sgd, rmsprop or adagrad.", choices=tuple(OPTIMIZERS))
     grad_accum: int = setting(1, "Minibatches whose gradients add up before one optimizer step.", at_least=1)
     clip_epsilon: float = setting(0.2, "grpo, ppo: the importance ratio is clipped to [1 - eps, 1 + eps].", above=0, at_most=1)
     entropy_coef: float = setting(0.0, "grpo, ppo: weight of the entropy bonus (0: off).", at_least=0)

@@ -38,7 +38,7 @@ from astrl.models import LoadedModel, save_model
 from astrl.prefill import SharedPrefill, clear_turn_caches
 from astrl.rewards.reference import PinnedReference
 from astrl.training.algorithm import Algorithm, DataPath, TrainingSource
-from astrl.training.config import ConfigError, TrainConfig, load_config
+from astrl.training.config import OPTIMIZERS, ConfigError, TrainConfig, load_config
 from astrl.training.setup import RunModels, build_env, build_models, build_stream, conversation_spec, training_conversation
 from astrl.training.state_io import (
     STATE_FILE,
@@ -94,17 +94,11 @@ def warmup_then_linear(warmup: int, total: int):
 
 
 def make_optimizer(name: str, groups: list[dict], lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """The optimizer named by the config (``adamw`` default; ``adam``, ``sgd``, ``rmsprop``, ``adagrad``)."""
-    classes = {
-        "adamw": torch.optim.AdamW,
-        "adam": torch.optim.Adam,
-        "sgd": torch.optim.SGD,
-        "rmsprop": torch.optim.RMSprop,
-        "adagrad": torch.optim.Adagrad,
-    }
-    if name not in classes:
-        raise ConfigError(f"optimizer must be one of {sorted(classes)}, got {name!r}")
-    return classes[name](groups, lr=lr, weight_decay=weight_decay)
+    """The optimizer named by the config (:data:`~astrl.training.config.OPTIMIZERS`: ``adamw`` default;
+    ``adam``, ``sgd``, ``rmsprop``, ``adagrad``)."""
+    if name not in OPTIMIZERS:
+        raise ConfigError(f"optimizer must be one of {tuple(OPTIMIZERS)}, got {name!r}")
+    return getattr(torch.optim, OPTIMIZERS[name])(groups, lr=lr, weight_decay=weight_decay)
 
 
 class ConfigSource(TrainingSource):
