@@ -10,12 +10,14 @@ default threads (as `make run` does; the reference was recorded on 2 cores): a d
 can change float reductions and, through the sampling, the numbers.
 
     python benchmarks/demo_digits.py              # about 5 minutes on 2 cores
+    python benchmarks/demo_digits.py --rtol 1e-6  # floats within 1e-6 of the record count as the same
     python benchmarks/demo_digits.py --record     # write the current numbers as the new reference
 """
 
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 from pathlib import Path
 
@@ -26,19 +28,35 @@ from astrl.training.demo import SIDE_SUMMARY, run_demo
 REFERENCE = Path(__file__).with_name("demo_digits.json")
 
 
-def differences(expected, got, path: str = "") -> list[str]:
-    """Every leaf where ``got`` differs from ``expected`` (exact equality; lists and dicts walked)."""
+def _equal(expected, got, rtol: float) -> bool:
+    """Exact equality; two floats also within ``rtol`` of each other, relatively, when ``rtol`` > 0."""
+    if rtol > 0 and all(isinstance(v, float) for v in (expected, got)):
+        return math.isclose(expected, got, rel_tol=rtol, abs_tol=0.0)
+    return expected == got
+
+
+def differences(expected, got, path: str = "", rtol: float = 0.0) -> list[str]:
+    """Every leaf where ``got`` differs from ``expected`` (exact equality, or floats within ``rtol``; lists
+    and dicts walked)."""
     if isinstance(expected, dict) and isinstance(got, dict):
         keys = sorted(set(expected) | set(got))
-        return [d for k in keys for d in differences(expected.get(k), got.get(k), f"{path}.{k}" if path else k)]
+        return [d for k in keys for d in differences(expected.get(k), got.get(k), f"{path}.{k}" if path else k, rtol)]
     if isinstance(expected, list) and isinstance(got, list) and len(expected) == len(got):
-        return [d for i, (e, g) in enumerate(zip(expected, got, strict=True)) for d in differences(e, g, f"{path}[{i}]")]
-    return [] if expected == got else [f"{path}: {expected!r} -> {got!r}"]
+        pairs = enumerate(zip(expected, got, strict=True))
+        return [d for i, (e, g) in pairs for d in differences(e, g, f"{path}[{i}]", rtol)]
+    return [] if _equal(expected, got, rtol) else [f"{path}: {expected!r} -> {got!r}"]
 
 
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--record", action="store_true", help="write this run's numbers as the reference")
+    parser.add_argument(
+        "--rtol",
+        type=float,
+        default=0.0,
+        help="floats within this relative difference count as the same (default 0: exact; another machine's "
+        "float kernels can move a mean in its seventh digit, 1e-6 allows that and nothing a changed draw gives)",
+    )
     args = parser.parse_args()
     info = setup(args)
     reference = json.loads(REFERENCE.read_text())
@@ -49,8 +67,17 @@ def main() -> None:
     got = json.loads(json.dumps({side: {k: v[k] for k in SIDE_SUMMARY} for side, v in result["comparison"].items()}))
     if args.record:
         REFERENCE.write_text(json.dumps({**reference, "summary": got}, indent=1) + "\n", encoding="utf-8")
-    diff = differences(reference["summary"], got)
-    emit({"benchmark": "demo_digits", **info, "same": not diff, "differences": diff[:20], "n_differences": len(diff)})
+    diff = differences(reference["summary"], got, rtol=args.rtol)
+    emit(
+        {
+            "benchmark": "demo_digits",
+            **info,
+            "rtol": args.rtol,
+            "same": not diff,
+            "differences": diff[:20],
+            "n_differences": len(diff),
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import torch
 from tensordict import TensorDict, lazy_stack
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import demo_digits  # noqa: E402
 import probe_search  # noqa: E402
 import probe_transfer  # noqa: E402
 import train_loop  # noqa: E402
@@ -255,3 +256,15 @@ def test_whole_word_lexicon_finds_the_listed_words_a_counted_token_begins():
     found = wwl.listed_words_split(lexicon, tok, ["hell", "hello", "hellish", "helmet", "idiot", "idiotic"])
     # by hand: "hellish" is " hell" + "ish", "idiotic" is " idiot" + "ic"; " helmet" does not begin with " hell"
     assert found == {"hell": ["hellish"], "idiot": ["idiotic"]}
+
+
+def test_demo_digits_compares_exactly_unless_a_relative_tolerance_is_given():
+    recorded = {"after": {"mean_reward": -0.14680565398884937, "n": 3, "asr_ci": [0.1, 0.2]}}
+    drifted = {"after": {"mean_reward": -0.1468056850717403, "n": 3, "asr_ci": [0.1, 0.2]}}  # 2e-7 relative
+    assert demo_digits.differences(recorded, drifted) == ["after.mean_reward: -0.14680565398884937 -> -0.1468056850717403"]
+    assert demo_digits.differences(recorded, drifted, rtol=1e-6) == []
+    moved = {"after": {"mean_reward": -0.1468, "n": 4, "asr_ci": [0.1, 0.2]}}  # a changed draw: far past 1e-6, and a count
+    assert demo_digits.differences(recorded, moved, rtol=1e-6) == [
+        "after.mean_reward: -0.14680565398884937 -> -0.1468",
+        "after.n: 3 -> 4",
+    ]
