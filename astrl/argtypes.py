@@ -20,33 +20,29 @@ def _number(kind: type, text: str) -> int | float:
         raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
 
 
-def at_least(low: int) -> Callable[[str], int]:
-    """An integer ``>= low``."""
+def checked(kind: type, checks: dict, name: str | None = None) -> Callable[[str], Any]:
+    """An argument type: a ``kind`` number (int or float) that passes ``checks`` (``at_least``, ``above``,
+    ``at_most``, ``below``, ``choices``, as :func:`setting` declares them; a float must also be finite),
+    refused with :func:`value_problem`'s message as it parses. ``name``: the type's name in messages."""
 
-    def parse(text: str) -> int:
-        value = _number(int, text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+    def parse(text: str):
+        value = _number(kind, text)
+        problem = value_problem(value, checks, text)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
         return value
 
-    parse.__name__ = f"int >= {low}"
+    parse.__name__ = name or kind.__name__
     return parse
 
 
-def fraction(text: str) -> float:
-    """A float in ``(0, 1]`` (nucleus sampling's top-p)."""
-    value = _number(float, text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
+def at_least(low: int) -> Callable[[str], int]:
+    """An integer ``>= low``."""
+    return checked(int, {"at_least": low}, f"int >= {low}")
 
 
-def threshold(text: str) -> float:
-    """A float in ``[0, 1)`` (a score above it is toxic)."""
-    value = _number(float, text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return value
+fraction = checked(float, {"above": 0, "at_most": 1}, "fraction")  # in (0, 1] (nucleus sampling's top-p)
+threshold = checked(float, {"at_least": 0, "below": 1}, "threshold")  # in [0, 1) (a score above it is toxic)
 
 
 def range_text(metadata: dict) -> str:
@@ -123,18 +119,7 @@ def _flag_type(spec: dataclasses.Field) -> Callable[[str], Any]:
     ``above``, ``at_most``, ``below`` of :func:`setting`) applied as it parses
     (:func:`value_problem`)."""
     kind = {"float": float, "int": int}.get(spec.type.split(" ")[0], str)
-    if kind is str:
-        return kind
-
-    def parse(text: str):
-        value = _number(kind, text)
-        problem = value_problem(value, spec.metadata, text)
-        if problem:
-            raise argparse.ArgumentTypeError(problem)
-        return value
-
-    parse.__name__ = kind.__name__
-    return parse
+    return kind if kind is str else checked(kind, spec.metadata)
 
 
 def replaced_default(kind: type, name: str) -> Any:

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from astrl.argtypes import at_least, fraction, threshold
+from astrl.evaluation.settings import DEFAULT_THRESHOLD
 
 FORMAT_NAMES = ("jsonl", "csv", "archive", "datasets")  # astrl.store.export.FORMATS, without importing the store here
 
@@ -30,7 +31,12 @@ def add_attacks_parser(sub) -> None:
     )
     _add_store_arg(p)
     p.add_argument("--judge", default=None, help="only this judge's scores (default: any judge)")
-    p.add_argument("--threshold", type=threshold, default=0.5, help="a reply scored above this is toxic (default 0.5)")
+    p.add_argument(
+        "--threshold",
+        type=threshold,
+        default=DEFAULT_THRESHOLD,
+        help=f"a reply scored above this is toxic (default {DEFAULT_THRESHOLD})",
+    )
     p.add_argument(
         "--elicited", action="store_true", help="only elicited attacks: the same judge scored the probe at most --threshold"
     )

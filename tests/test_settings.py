@@ -373,3 +373,18 @@ def test_a_range_is_written_as_its_message_and_the_key_listing_writes_it_and_nan
     assert value_problem(float("-inf"), {}, nullable=True) == "must be a finite number (or null), got -inf"
     assert value_problem(0.5, {"at_least": 0, "below": 1}) is None and value_problem(1, {"at_least": 0, "below": 1}) is not None
     assert value_problem(3, {}) is None
+
+
+def test_the_hand_argument_types_check_through_the_same_declaration_as_the_flags():
+    from astrl.argtypes import at_least, fraction, threshold
+
+    assert (at_least(1)("3"), fraction("1"), threshold("0")) == (3, 1.0, 0.0)
+    for parse, text, message in (
+        (at_least(1), "0", "must be >= 1, got 0"),
+        (fraction, "0", r"must be in \(0, 1\], got 0"),
+        (threshold, "1", r"must be in \[0, 1\), got 1"),
+        (fraction, "nan", "must be a finite number, got nan"),  # nan used to fail only by the range's wording
+        (threshold, "x", "invalid float value: 'x'"),
+    ):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            parse(text)

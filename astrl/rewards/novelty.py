@@ -40,7 +40,6 @@ from astrl.similarity import bleu_against_counts, bleu_tokens, ngram_counts
 
 DEFAULT_HISTORY = 1000
 DEFAULT_ORDERS = (2, 3, 4, 5)
-REDUCTIONS = NOVELTY_REDUCTIONS  # declared with the other reward options' choices, for the config to read
 
 Embedder = Callable[[Sequence[str]], torch.Tensor]
 
@@ -184,8 +183,8 @@ class EmbeddingNovelty(NoveltyReward):
         self, coef: float = 1.0, *, embedder: Embedder | None = None, reduce: str = "max", device: str = "cpu", **kwargs
     ) -> None:
         super().__init__(coef, **kwargs)
-        if reduce not in REDUCTIONS:
-            raise ValueError(f"EmbeddingNovelty reduce must be one of {REDUCTIONS}, got {reduce!r}")
+        if reduce not in NOVELTY_REDUCTIONS:
+            raise ValueError(f"EmbeddingNovelty reduce must be one of {NOVELTY_REDUCTIONS}, got {reduce!r}")
         if embedder is None:
             from astrl.embeddings import SentenceEncoder
 
