@@ -388,3 +388,33 @@ def test_the_hand_argument_types_check_through_the_same_declaration_as_the_flags
     ):
         with pytest.raises(argparse.ArgumentTypeError, match=message):
             parse(text)
+
+
+def test_the_loss_choices_are_declared_once_and_read_without_torch():
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from astrl.losses.settings import ADVANTAGE_MODES\n"
+        "from astrl.training.config import TrainConfig\n"
+        "import astrl.losses\n"
+        "assert TrainConfig(algorithm='ppo', advantage='one_step').advantage == 'one_step'\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "print(list(ADVANTAGE_MODES))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["['gae',", "'one_step']"]
+
+    from astrl.errors import ConfigError
+    from astrl.losses import PPOLoss, compute_advantages
+    from astrl.losses.settings import ADVANTAGE_MODES, KL_ESTIMATORS
+
+    field = {f.name: f for f in dataclasses.fields(TrainConfig)}["advantage"]
+    assert field.metadata["choices"] == ADVANTAGE_MODES
+    with pytest.raises(ConfigError, match=r"advantage.*'td'"):
+        TrainConfig(algorithm="ppo", advantage="td")
+    with pytest.raises(ValueError, match=r"mode must be one of \('gae', 'one_step'\), got 'td'"):
+        compute_advantages(None, mode="td")
+    assert PPOLoss.__module__ == "astrl.losses.ppo" and KL_ESTIMATORS == ("k3", "k1")

@@ -40,10 +40,8 @@ from astrl.keys import (
 )
 from astrl.lm_scoring import score_tokens
 from astrl.losses.kl import KL_TOKEN_CAP, checked_cap, k3
+from astrl.losses.settings import ADVANTAGE_MODES, KL_ESTIMATORS
 from astrl.ragged import nested, pad_rows, sample_rows, unpad
-
-ADVANTAGE_MODES = ("gae", "one_step")
-KL_ESTIMATORS = ("k3", "k1")
 
 
 # -- value head ----------------------------------------------------------------------------------------

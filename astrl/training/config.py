@@ -22,6 +22,7 @@ from astrl.argtypes import check_settings, range_text, setting
 from astrl.backends import CollectionSettings
 from astrl.envs.settings import ConversationSettings, SamplingSettings, SeedSettings, with_defaults
 from astrl.errors import ConfigError
+from astrl.losses.settings import ADVANTAGE_MODES
 from astrl.names import ModelSettings
 from astrl.rewards.settings import RewardSettings
 from astrl.rewards.weights import NOVELTY_REDUCTIONS
@@ -35,7 +36,6 @@ KL_REFERENCES = ("base", "warm_start")
 WARM_START_SELECTIONS = ("share", "lexicon", "search", "best_of")  # how the warm start finds and rates its probes
 # the optimizer key's choices -> their torch.optim class (the trainer builds it by that name)
 OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "rmsprop": "RMSprop", "adagrad": "Adagrad"}
-ADVANTAGES = ("gae", "one_step")  # ppo
 # Keys that were renamed, old name -> new name: files and overrides that use the old name still load, with a warning.
 RENAMED_KEYS = {"gamma": "likelihood_weight"}
 
@@ -231,7 +231,7 @@ class AlgorithmSection:
     value_lr: float = setting(1e-4, "ppo: learning rate of the value head.", above=0)
     value_coef: float = setting(0.15, "ppo: weight of the value loss.", at_least=0)
     advantage: str = setting(
-        "gae", "ppo: gae (with gae_lambda) or one_step (r_t + V_{t+1} - V_t) advantages.", choices=ADVANTAGES
+        "gae", "ppo: gae (with gae_lambda) or one_step (r_t + V_{t+1} - V_t) advantages.", choices=ADVANTAGE_MODES
     )
     gae_lambda: float = setting(0.95, "ppo: lambda of GAE (episodes are undiscounted).", at_least=0, at_most=1)
     kl_clip: float = setting(10.0, "ppo: the per-token log-ratio to the reference is clipped to +-this.", above=0)
