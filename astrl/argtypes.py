@@ -59,15 +59,17 @@ def range_text(metadata: dict) -> str:
     return ""
 
 
-def value_problem(value: Any, metadata: dict, given: str | None = None, *, nullable: bool = False) -> str | None:
+def value_problem(
+    value: Any, metadata: dict, given: str | None = None, *, nullable: bool = False, null: str = " (or null)"
+) -> str | None:
     """What is wrong with ``value`` under the checks in a field's ``metadata`` (:func:`setting`), as
-    "must be ..., got ..." (``given``: the value as typed); ``None``: nothing; ``nullable`` names null as
-    the other choice. A float must be finite (nan and inf pass no range). The config checks and the
-    command-line flags share it."""
+    "must be ..., got ..." (``given``: the value as typed); ``None``: nothing; ``nullable`` names the other
+    choice with ``null``. A float must be finite (nan and inf pass no range). The config checks, the
+    command-line flags and the library's own argument checks (:func:`require`) share it."""
     if "choices" in metadata and value not in metadata["choices"]:
         return f"must be one of {metadata['choices']}, got {value!r}"
     got = str(value) if given is None else given
-    null = " (or null)" if nullable else ""
+    null = null if nullable else ""
     if isinstance(value, float) and not math.isfinite(value):
         return f"must be a finite number{null}, got {got}"
     inside = (
@@ -77,6 +79,23 @@ def value_problem(value: Any, metadata: dict, given: str | None = None, *, nulla
         and ("below" not in metadata or value < metadata["below"])
     )
     return None if inside else f"must be {range_text(metadata)}{null}, got {got}"
+
+
+RANGE_CHECKS = {"at_least", "above", "at_most", "below"}  # the range keywords of setting() and require()
+
+
+def require(name: str, value: Any, *, nullable: bool = False, **checks: float) -> None:
+    """Raise ``ValueError("NAME must be ..., got ...")`` unless ``value`` passes ``checks`` (the ``at_least``,
+    ``above``, ``at_most`` and ``below`` of :func:`setting`; a float must be finite; ``nullable``: ``None``
+    passes): a setting's check, for the arguments of the library's classes and functions."""
+    unknown = set(checks) - RANGE_CHECKS
+    if unknown:
+        raise TypeError(f"require() takes the checks {sorted(RANGE_CHECKS)}, got {sorted(unknown)}")
+    if value is None and nullable:
+        return
+    problem = value_problem(value, checks, nullable=nullable, null=" or None")
+    if problem:
+        raise ValueError(f"{name} {problem}")
 
 
 def setting(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
+from astrl.argtypes import require
 from astrl.backends import BACKENDS, check_backend
 from astrl.models import LoadedModel, resolve
 from astrl.prefill import TurnCache
@@ -28,14 +29,10 @@ class GenerationSettings:
     do_sample: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        require("max_new_tokens", self.max_new_tokens, at_least=1)
+        require("temperature", self.temperature, above=0)
+        require("top_p", self.top_p, above=0, at_most=1)
+        require("top_k", self.top_k, at_least=0)
 
     def generate_kwargs(self) -> dict:
         kwargs = asdict(self)
@@ -153,8 +150,7 @@ def make_vllm_engine(loaded: LoadedModel, memory: float = 0.5, **options):
         memory: share of the GPU's memory the engine may take (weights + KV cache).
         options: more ``vllm.LLM`` keywords (e.g. ``enforce_eager=True``, ``seed=0``).
     """
-    if not 0 < memory <= 1:
-        raise ValueError(f"vllm_memory must be in (0, 1], got {memory}")
+    require("vllm_memory", memory, above=0, at_most=1)
     device = next(loaded.model.parameters()).device
     check_backend("vllm", str(device))
     if device.index not in (None, 0):

@@ -418,3 +418,38 @@ def test_the_loss_choices_are_declared_once_and_read_without_torch():
     with pytest.raises(ValueError, match=r"mode must be one of \('gae', 'one_step'\), got 'td'"):
         compute_advantages(None, mode="td")
     assert PPOLoss.__module__ == "astrl.losses.ppo" and KL_ESTIMATORS == ("k3", "k1")
+
+
+def test_the_library_checks_its_arguments_through_the_settings_check():
+    from astrl.argtypes import require
+    from astrl.evaluation.metrics import bootstrap_ratio
+    from astrl.losses.kl import checked_cap
+    from astrl.policies import GenerationSettings
+    from astrl.rewards.kl import make_kl_controller
+    from astrl.rewards.shaping import RewardShaping
+    from astrl.rewards.weights import ElicitWeights
+    from astrl.sampling.tree import check_tree_shape
+
+    nan = float("nan")
+    require("x", 0.5, above=0, at_most=1)
+    require("x", None, above=0, nullable=True)
+    for call, message in (
+        (lambda: require("x", 0, above=0), "x must be > 0, got 0"),
+        (lambda: require("x", 0, above=0, nullable=True), "x must be > 0 or None, got 0"),
+        (lambda: require("x", 1, at_least=0, below=1), r"x must be in \[0, 1\), got 1"),
+        # nan passes every `value < 0`-style guard these used to be; each now names it
+        (lambda: GenerationSettings(temperature=nan), "temperature must be a finite number, got nan"),
+        (lambda: GenerationSettings(top_p=0), r"top_p must be in \(0, 1\], got 0"),
+        (lambda: make_kl_controller(nan), "kl_coef must be a finite number, got nan"),
+        (lambda: make_kl_controller(0.1, target_kl=nan), "target_kl must be a finite number, got nan"),
+        (lambda: ElicitWeights(alpha=nan), "elicit weight alpha must be a finite number, got nan"),
+        (lambda: ElicitWeights(gate_below=0.0), r"probe gate threshold must be in \(0, 1\] or None, got 0.0"),
+        (lambda: check_tree_shape(2, 1, nan), "min_reward_gap must be a finite number, got nan"),
+        (lambda: checked_cap(float("inf")), "kl_token_cap must be a finite number or None, got inf"),
+        (lambda: RewardShaping(clip=nan), "clip must be a finite number or None, got nan"),
+        (lambda: bootstrap_ratio([1.0], [2.0], confidence=1.0), r"confidence must be in \(0, 1\), got 1.0"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            call()
+    with pytest.raises(TypeError, match="at_leats"):
+        require("x", 1, at_leats=0)  # a misspelt check is an error, not a check that never fails

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from astrl.argtypes import require
 from astrl.evaluation.settings import DEFAULT_THRESHOLD
 
 CLUSTER_THRESHOLD = 0.7
@@ -198,8 +199,7 @@ def _resampled_ratios(num: np.ndarray, den: np.ndarray, resamples: int, rng: np.
 
 
 def _check_confidence(confidence: float) -> None:
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    require("confidence", confidence, above=0, below=1)
 
 
 def _check_bootstrap(resamples: int, confidence: float) -> None:

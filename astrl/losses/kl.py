@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 from torchrl.objectives.llm import k3_kl_token_estimate
 
+from astrl.argtypes import require
+
 KL_TOKEN_CAP = 10.0  # default cap on one token's k3 estimate (see k3)
 
 
 def checked_cap(cap: float | None) -> float | None:
     """``cap`` itself, once it is a valid per-token cap (> 0) or None; else a ValueError naming it."""
-    if cap is not None and not cap > 0:
-        raise ValueError(f"kl_token_cap must be > 0 or None, got {cap}")
+    require("kl_token_cap", cap, above=0, nullable=True)
     return cap
 
 

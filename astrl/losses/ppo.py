@@ -27,6 +27,7 @@ from torch import nn
 from torchrl.objectives import LossModule
 from torchrl.objectives.value.functional import generalized_advantage_estimate
 
+from astrl.argtypes import require
 from astrl.keys import (
     ACTOR_LOG_PROBS,
     ADVANTAGE,
@@ -357,13 +358,10 @@ class PPOLoss(LossModule):
             raise TypeError(f"{type(model).__name__} has no output embeddings: not a causal LM")
         if not isinstance(value_head, ValueHead):
             raise TypeError(f"value_head must be a ValueHead, got {type(value_head).__name__}")
-        if not clip_epsilon > 0:
-            raise ValueError(f"clip_epsilon must be > 0, got {clip_epsilon}")
+        require("clip_epsilon", clip_epsilon, above=0)
         for name, coef in (("value_coef", value_coef), ("entropy_coef", entropy_coef), ("kl_coef", kl_coef)):
-            if coef < 0:
-                raise ValueError(f"{name} must be >= 0, got {coef}")
-        if value_clip is not None and not value_clip > 0:
-            raise ValueError(f"value_clip must be > 0 or None, got {value_clip}")
+            require(name, coef, at_least=0)
+        require("value_clip", value_clip, above=0, nullable=True)
         if kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
         if max_length is not None and max_length < 2:

@@ -23,6 +23,7 @@ from tensordict import NestedKey, TensorDict, TensorDictBase
 from torchrl.objectives import LossModule
 
 from astrl._compat import as_list
+from astrl.argtypes import require
 from astrl.keys import (
     CHOSEN_MASK,
     CHOSEN_PROBE,
@@ -120,8 +121,7 @@ class PreferenceLoss(LossModule):
     ) -> None:
         super().__init__()
         beta = self.default_beta if beta is None else float(beta)
-        if not beta > 0:
-            raise ValueError(f"beta must be > 0, got {beta}")
+        require("beta", beta, above=0)
         if reference is model:
             raise ValueError("reference is the model itself: pass None to use a frozen reference (make_reference)")
         # kept out of the module tree: no gradients, no parameters listed twice, no copy in state_dict

@@ -18,6 +18,7 @@ from torchrl.data.llm import AdaptiveKLController, ConstantKLController
 from torchrl.data.llm.utils import KLControllerBase
 from torchrl.envs import Compose
 
+from astrl.argtypes import require
 from astrl.keys import ACTOR_LOG_PROBS, REF_LOG_PROBS, RESPONSE_MASK, REWARD, REWARD_KL, REWARD_RAW
 from astrl.ragged import as_rows, pad_rows, unpad
 from astrl.rewards.logprobs import NestedKey, StepTransform, TokenLogProbs, _get
@@ -55,12 +56,11 @@ def make_kl_controller(kl_coef: float | KLControllerBase, target_kl: float | Non
     """A TorchRL KL controller: constant, or adaptive (Ziegler et al.) when ``target_kl`` is given."""
     if isinstance(kl_coef, KLControllerBase):
         return kl_coef
-    if kl_coef < 0:
-        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    require("kl_coef", kl_coef, at_least=0)
     if target_kl is None:
         return ConstantKLController(kl_coef=float(kl_coef))
-    if target_kl <= 0 or horizon <= 0:
-        raise ValueError(f"target_kl and horizon must be > 0, got {target_kl} and {horizon}")
+    require("target_kl", target_kl, above=0)
+    require("horizon", horizon, above=0)
     if kl_coef == 0:  # Ziegler et al.'s update is multiplicative: from 0 it stays 0 (torchrl divides by it: NaN)
         raise ValueError(
             f"target_kl ({target_kl}) needs kl_coef > 0, got kl_coef 0: the adaptive controller multiplies its "
@@ -104,9 +104,8 @@ class ClippedKLReward(StepTransform):
         super().__init__()
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-        for name, value in (("kl_clip", kl_clip), ("score_clip", score_clip)):
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
+        require("kl_clip", kl_clip, above=0)
+        require("score_clip", score_clip, above=0)
         self.controller = make_kl_controller(kl_coef, target_kl, horizon)
         self.kl_clip, self.score_clip, self.reduction = float(kl_clip), float(score_clip), reduction
         self.log_prob_key, self.ref_log_prob_key = log_prob_key, ref_log_prob_key

@@ -12,6 +12,7 @@ import torch
 from tensordict import TensorDictBase
 from torchrl.data import Composite, Unbounded
 
+from astrl.argtypes import require
 from astrl.keys import REWARD, REWARD_UNSHAPED
 from astrl.rewards.logprobs import NestedKey, StepTransform
 
@@ -42,8 +43,7 @@ class RewardShaping(StepTransform):
         super().__init__()
         if normalize not in NORMALIZATIONS:
             raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
-        if clip is not None and clip <= 0:
-            raise ValueError(f"clip must be > 0 or None, got {clip}")
+        require("clip", clip, above=0, nullable=True)
         self.clip, self.normalize, self.eps = clip, normalize, eps
         self.in_key, self.keep_raw_key = in_key, keep_raw_key
         self.register_buffer("count", torch.zeros((), dtype=torch.float64))

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+from astrl.argtypes import require
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -76,12 +78,10 @@ class ElicitWeights:
 
     def __post_init__(self) -> None:
         for name in ("alpha", "penalty", "gamma", "lexicon", "repeat"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"elicit weight {name} must be >= 0, got {getattr(self, name)}")
+            require(f"elicit weight {name}", getattr(self, name), at_least=0)
         if self.transform not in REPLY_TRANSFORMS:
             raise ValueError(f"reply transform must be one of {REPLY_TRANSFORMS}, got {self.transform!r}")
-        if self.gate_below is not None and not 0 < self.gate_below <= 1:
-            raise ValueError(f"probe gate threshold must be in (0, 1], got {self.gate_below}")
+        require("probe gate threshold", self.gate_below, above=0, at_most=1, nullable=True)
         if self.gate_below is not None and self.gate:
             raise ValueError("choose one gate: gate_below (a threshold on tox(probe)) or gate (scale by 1 - tox(probe))")
         if self.gate_lexicon and not self.lexicon:

@@ -20,6 +20,7 @@ from torchrl.envs import StepCounter, Transform
 from torchrl.envs.llm.transforms import DataLoadingPrimer
 
 from astrl._compat import Chat, as_list, chats_to_history, history_to_chats
+from astrl.argtypes import require
 from astrl.envs.recipe import Conversation, opener_stream
 from astrl.envs.redteam import make_redteam_env
 from astrl.envs.transforms import TargetTurn
@@ -98,8 +99,7 @@ def check_tree_shape(tree_width: int, tree_depth: int, min_reward_gap: float) ->
         raise ValueError(f"tree_width must be >= 2 (a preference pair needs two siblings), got {tree_width}")
     if tree_depth < 1:
         raise ValueError(f"tree_depth must be >= 1, got {tree_depth}")
-    if min_reward_gap < 0:
-        raise ValueError(f"min_reward_gap must be >= 0, got {min_reward_gap}")
+    require("min_reward_gap", min_reward_gap, at_least=0)
 
 
 class TreeSampler:

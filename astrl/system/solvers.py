@@ -24,6 +24,7 @@ from tensordict import NestedKey, TensorDict, TensorDictBase
 from torchrl.objectives import LossModule
 
 from astrl._compat import as_list
+from astrl.argtypes import require
 from astrl.keys import ADVANTAGE, CONTEXT, GROUP, NODES, PROBE, REWARD, SAMPLE_LOG_PROB, VALUE_TARGET
 from astrl.losses import DPOLoss, IPOLoss
 from astrl.losses.ppo import clipped_surrogate
@@ -131,10 +132,8 @@ class SequencePPOLoss(LossModule):
 
     def __init__(self, system: System, *, clip_epsilon: float = 0.1, value_coef: float = 1.0) -> None:
         super().__init__()
-        if not clip_epsilon > 0:
-            raise ValueError(f"clip_epsilon must be > 0, got {clip_epsilon}")
-        if value_coef < 0:
-            raise ValueError(f"value_coef must be >= 0, got {value_coef}")
+        require("clip_epsilon", clip_epsilon, above=0)
+        require("value_coef", value_coef, at_least=0)
         object.__setattr__(self, "system", system)
         self.clip_epsilon, self.value_coef = float(clip_epsilon), float(value_coef)
         self.has_value = callable(getattr(system, "value", None))

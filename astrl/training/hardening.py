@@ -27,6 +27,7 @@ import torch
 from tensordict import TensorDictBase
 
 from astrl._compat import as_list, render_chats
+from astrl.argtypes import require
 from astrl.keys import NEXT, NODES, PROBE, SCORES, TARGET_CONTEXT
 from astrl.lm_scoring import token_logprobs
 from astrl.ragged import pad_ids
@@ -108,8 +109,7 @@ class TargetHardener:
                 raise ValueError(f"hardening {name} must be >= 1, got {value}")
         if max_attacks < 1:
             raise ValueError(f"max_attacks must be >= 1, got {max_attacks}")
-        if not lr > 0:
-            raise ValueError(f"hardening lr must be > 0, got {lr}")
+        require("hardening lr", lr, above=0)
         if not refusal.strip():
             raise ValueError(f"the refusal text must not be empty, got {refusal!r}")
         if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
