@@ -64,7 +64,7 @@ def test_the_probe_gate_pays_the_reply_terms_only_below_its_threshold():
     torch.testing.assert_close(got, torch.tensor([1.0, 1.0 - 0.245, -0.25]))
     with pytest.raises(ValueError, match="choose one gate"):
         ElicitWeights(gate=True, gate_below=0.5)
-    with pytest.raises(ValueError, match="probe gate threshold must be in \\(0, 1\\], got 1.5"):
+    with pytest.raises(ValueError, match="probe gate threshold must be in \\(0, 1\\] or None, got 1.5"):
         ElicitWeights(gate_below=1.5)
 
 
