@@ -1,5 +1,5 @@
 """The choices of the loss modules, apart from the modules (no torch import), so that a training
-config is checked against them before any model is loaded."""
+config checks its ``advantage`` key against them before any model is loaded."""
 
 from __future__ import annotations
 
