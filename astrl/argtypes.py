@@ -66,10 +66,10 @@ def value_problem(
     "must be ..., got ..." (``given``: the value as typed); ``None``: nothing; ``nullable`` names the other
     choice with ``null``. A float must be finite (nan and inf pass no range). The config checks, the
     command-line flags and the library's own argument checks (:func:`require`) share it."""
-    if "choices" in metadata and value not in metadata["choices"]:
-        return f"must be one of {metadata['choices']}, got {value!r}"
-    got = str(value) if given is None else given
     null = null if nullable else ""
+    if "choices" in metadata and value not in metadata["choices"]:
+        return f"must be one of {metadata['choices']}{null}, got {value!r}"
+    got = str(value) if given is None else given
     if isinstance(value, float) and not math.isfinite(value):
         return f"must be a finite number{null}, got {got}"
     inside = (
@@ -81,16 +81,17 @@ def value_problem(
     return None if inside else f"must be {range_text(metadata)}{null}, got {got}"
 
 
-RANGE_CHECKS = {"at_least", "above", "at_most", "below"}  # the range keywords of setting() and require()
+CHECKS = ("at_least", "above", "at_most", "below", "choices")  # the keywords of setting() and require()
 
 
-def require(name: str, value: Any, *, nullable: bool = False, **checks: float) -> None:
+def require(name: str, value: Any, *, nullable: bool = False, **checks: Any) -> None:
     """Raise ``ValueError("NAME must be ..., got ...")`` unless ``value`` passes ``checks`` (the ``at_least``,
-    ``above``, ``at_most`` and ``below`` of :func:`setting`; a float must be finite; ``nullable``: ``None``
-    passes): a setting's check, for the arguments of the library's classes and functions."""
-    unknown = set(checks) - RANGE_CHECKS
+    ``above``, ``at_most``, ``below`` and ``choices`` of :func:`setting`; a float must be finite;
+    ``nullable``: ``None`` passes): a setting's check, for the arguments of the library's classes and
+    functions."""
+    unknown = set(checks) - set(CHECKS)
     if unknown:
-        raise TypeError(f"require() takes the checks {sorted(RANGE_CHECKS)}, got {sorted(unknown)}")
+        raise TypeError(f"require() takes the checks {list(CHECKS)}, got {sorted(unknown)}")
     if value is None and nullable:
         return
     problem = value_problem(value, checks, nullable=nullable, null=" or None")

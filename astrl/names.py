@@ -15,6 +15,7 @@ from pathlib import Path
 from astrl.argtypes import setting
 from astrl.errors import ModelLoadError, ScorerError
 
+MODES = ("chat", "text")  # conversation modes: chat templates and roles, or plain-text continuation
 MODEL_DTYPES = ("float32", "bfloat16", "float16")  # the weights dtypes a model loads in (a config's dtype, --dtype)
 
 

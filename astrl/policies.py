@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from astrl.argtypes import require
 from astrl.backends import BACKENDS, check_backend
 from astrl.models import LoadedModel, resolve
+from astrl.names import MODES
 from astrl.prefill import TurnCache
 
 
@@ -53,8 +54,7 @@ def vllm_share(memory: float, *backends: str) -> float:
 
 def input_mode(mode: str) -> str:
     """The wrapper input mode of a conversation mode: ``"chat"`` -> ``"history"``, ``"text"`` -> ``"text"``."""
-    if mode not in ("chat", "text"):
-        raise ValueError(f"mode must be 'chat' or 'text', got {mode!r}")
+    require("mode", mode, choices=MODES)
     return "history" if mode == "chat" else "text"
 
 

@@ -14,6 +14,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from astrl._compat import as_list
+from astrl.argtypes import require
 
 SIDES = ("right", "left")
 
@@ -68,8 +69,7 @@ def pad_rows(
     """``(B, width)`` from ragged rows, filled with ``value``: the rows start at column 0 (``side="right"``
     padding) or end at the last column (``"left"``). ``width`` defaults to the longest row; gradients
     flow to the rows."""
-    if side not in SIDES:
-        raise ValueError(f"side must be one of {SIDES}, got {side!r}")
+    require("side", side, choices=SIDES)
     rows = [r if dtype is None else r.to(dtype) for r in rows]
     out = pad_sequence(rows, batch_first=True, padding_value=value, padding_side=side)
     if width is not None and width > out.shape[1]:

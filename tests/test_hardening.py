@@ -61,7 +61,7 @@ def test_target_inputs_are_what_the_target_reads():
     )
     assert chat == expected
     assert target_inputs(tok, ["a story: ", "b "], ["x", "y"], "text") == ["a story: x", "b y"]
-    with pytest.raises(ValueError, match="mode must be 'chat' or 'text', got 'voice'"):
+    with pytest.raises(ValueError, match=r"mode must be one of \('chat', 'text'\), got 'voice'"):
         target_inputs(tok, contexts, PROBES[:2], "voice")
     with pytest.raises(ValueError, match="got 2 contexts but 1 probes"):
         target_inputs(tok, contexts, PROBES[:1], "chat")

@@ -350,7 +350,7 @@ def test_replay_settings_are_checked_by_their_declaration():
     for change, message in (
         ({"temperature": float("nan")}, "temperature must be a finite number, got nan"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
-        ({"mode": "voice"}, r"mode must be one of \('chat', 'text'\), got 'voice'"),
+        ({"mode": "voice"}, r"mode must be one of \('chat', 'text'\) \(or null\), got 'voice'"),
         ({"samples": 0}, "samples must be >= 1, got 0"),
         ({"max_new_tokens": 0}, r"max_new_tokens must be >= 1 \(or null\), got 0"),
     ):
@@ -433,10 +433,13 @@ def test_the_library_checks_its_arguments_through_the_settings_check():
     nan = float("nan")
     require("x", 0.5, above=0, at_most=1)
     require("x", None, above=0, nullable=True)
+    require("x", "b", choices=("a", "b"))
     for call, message in (
         (lambda: require("x", 0, above=0), "x must be > 0, got 0"),
         (lambda: require("x", 0, above=0, nullable=True), "x must be > 0 or None, got 0"),
         (lambda: require("x", 1, at_least=0, below=1), r"x must be in \[0, 1\), got 1"),
+        (lambda: require("x", "c", choices=("a", "b")), r"x must be one of \('a', 'b'\), got 'c'"),
+        (lambda: require("x", "c", choices=("a", "b"), nullable=True), r"x must be one of \('a', 'b'\) or None, got 'c'"),
         # nan passes every `value < 0`-style guard these used to be; each now names it
         (lambda: GenerationSettings(temperature=nan), "temperature must be a finite number, got nan"),
         (lambda: GenerationSettings(top_p=0), r"top_p must be in \(0, 1\], got 0"),
@@ -453,3 +456,29 @@ def test_the_library_checks_its_arguments_through_the_settings_check():
             call()
     with pytest.raises(TypeError, match="at_leats"):
         require("x", 1, at_leats=0)  # a misspelt check is an error, not a check that never fails
+
+
+def test_the_conversation_mode_is_declared_once_and_every_taker_refuses_another():
+    from astrl.envs.redteam import RedTeamEnv
+    from astrl.envs.settings import ConversationSettings
+    from astrl.envs.transforms import TargetTurn
+    from astrl.evaluation.settings import ReplaySettings
+    from astrl.names import MODES
+    from astrl.policies import input_mode
+    from astrl.rewards.astprompter import ASTPrompterReward
+    from astrl.training.hardening import target_inputs
+
+    assert MODES == ("chat", "text")
+    for kind in (ConversationSettings, ReplaySettings, TrainConfig, EvalConfig):
+        assert {f.name: f for f in dataclasses.fields(kind)}["mode"].metadata["choices"] is MODES
+    assert [input_mode(m) for m in MODES] == ["history", "text"]
+    message = r"^mode must be one of \('chat', 'text'\), got 'voice'$"
+    for call in (
+        lambda: input_mode("voice"),
+        lambda: RedTeamEnv(mode="voice"),
+        lambda: TargetTurn(None, tester_tokenizer=None, tester_window=8, tester_max_new_tokens=4, mode="voice"),
+        lambda: ASTPrompterReward(None, None, None, mode="voice"),
+        lambda: target_inputs(None, ["a"], ["b"], "voice"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            call()

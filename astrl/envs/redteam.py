@@ -26,13 +26,15 @@ from torchrl.envs.llm import ChatEnv
 from torchrl.envs.llm.transforms import DataLoadingPrimer
 
 from astrl._compat import as_list
+from astrl.argtypes import require
 from astrl.envs.transforms import Advance, ScoreReward, TargetTurn, policy_limits
 from astrl.keys import TEXT
+from astrl.names import MODES
 from astrl.prompts import PromptStream
 from astrl.rewards import ASTPrompterReward, RewardShaping
 from astrl.rewards.astprompter import LIKELIHOOD_REWARDS, reward_weights, weight_names
 from astrl.rewards.novelty import make_novelty
-from astrl.rewards.weights import MODES, REWARDS, check_reward_options, reward_options
+from astrl.rewards.weights import REWARDS, check_reward_options, reward_options
 
 __all__ = [
     "DEFAULT_TESTER_SYSTEM_PROMPT",
@@ -70,8 +72,7 @@ class RedTeamEnv(ChatEnv):
         tester_system_prompt: str | None = DEFAULT_TESTER_SYSTEM_PROMPT,
         tokenizer=None,
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        require("mode", mode, choices=MODES)
         self.mode = mode
         super().__init__(
             input_mode="history" if mode == "chat" else "text",

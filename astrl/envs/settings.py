@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from astrl.argtypes import check_settings, setting
+from astrl.names import MODES
 from astrl.prompts import SPLITS
-from astrl.rewards.weights import MODES
 
 if TYPE_CHECKING:
     from astrl.policies import GenerationSettings

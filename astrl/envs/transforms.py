@@ -16,6 +16,7 @@ from torchrl.data import Composite, NonTensor, Unbounded
 from torchrl.envs import Transform
 
 from astrl._compat import Chat, as_list, chats_to_history, history_to_chats, render_chats
+from astrl.argtypes import require
 from astrl.envs.truncation import fit_chats, fit_texts
 from astrl.keys import (
     HISTORY,
@@ -34,6 +35,7 @@ from astrl.keys import (
     TEXT_RESPONSE,
     TOKENS_RESPONSE,
 )
+from astrl.names import MODES
 from astrl.scorers import Scorer, checked_scores
 
 # the step output's keys under their earlier names here (astrl.keys is where they are defined)
@@ -153,8 +155,7 @@ class TargetTurn(Transform):
         lexicon=None,
     ) -> None:
         super().__init__()
-        if mode not in ("chat", "text"):
-            raise ValueError(f"mode must be 'chat' or 'text', got {mode!r}")
+        require("mode", mode, choices=MODES)
         if reply_samples < 1:
             raise ValueError(f"reply_samples must be >= 1, got {reply_samples}")
         self.reply_samples = reply_samples

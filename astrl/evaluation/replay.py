@@ -38,7 +38,7 @@ import torch
 
 from astrl._compat import Chat
 from astrl.archive import ARCHIVE_FILE, normalize_probe
-from astrl.argtypes import check_settings, setting
+from astrl.argtypes import check_settings, setting, value_problem
 from astrl.envs.settings import DecodingSettings
 from astrl.errors import one_line
 from astrl.evaluation.metrics import elicitation_metrics
@@ -46,7 +46,7 @@ from astrl.evaluation.records import EvaluationError
 from astrl.evaluation.settings import DEFAULT_THRESHOLD, ReplaySettings, ReportSettings
 from astrl.jsonl import numbered_lines
 from astrl.keys import HISTORY, TEXT, TOKENS_RESPONSE
-from astrl.names import ModelSettings, check_scorer_names
+from astrl.names import MODES, ModelSettings, check_scorer_names
 
 REPLIES_FILE = "replies.jsonl"
 TRANSFER_FILE = "transfer.json"
@@ -472,8 +472,9 @@ def run_replay(
     defaults = source.defaults
     notes = list(source.notes)
     mode = config.mode or defaults.get("mode") or "chat"
-    if mode not in ("chat", "text"):
-        raise EvaluationError(f"mode must be 'chat' or 'text', got {mode!r} (from the folder of {source.path})")
+    problem = value_problem(mode, {"choices": MODES})
+    if problem:
+        raise EvaluationError(f"mode {problem} (from the folder of {source.path})")
     training = list(defaults.get("training_scorers", []))
     judge_names = config.judges or default_judges(list(defaults.get("judges", [])), training)
     default_prompt = defaults.get("target_system_prompt")

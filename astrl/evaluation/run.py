@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from astrl.argtypes import setting
+from astrl.argtypes import setting, value_problem
 from astrl.envs.settings import ConversationRuns, EvalRuns
 from astrl.evaluation.agreement import eval_agreement
 from astrl.evaluation.records import (
@@ -36,7 +36,7 @@ from astrl.evaluation.rejudge import rejudge
 from astrl.evaluation.settings import ReportSettings
 from astrl.evaluation.tester import EXPORT_SETTINGS, TesterSource, load_tester, resolve_tester
 from astrl.keys import NEXT, PROBE_LOGPROB, QUERY
-from astrl.names import ModelSettings, check_scorer_names
+from astrl.names import MODES, ModelSettings, check_scorer_names
 from astrl.scorers import checked_scores
 
 if TYPE_CHECKING:
@@ -154,9 +154,10 @@ def resolve(config: EvalConfig) -> Resolved:
     run_judges = run.get("judges")
     run_judges = [run_judges] if isinstance(run_judges, str) else run_judges if isinstance(run_judges, list) else []
     mode = config.mode or run.get("mode", "chat")
-    if mode not in ("chat", "text"):
+    problem = value_problem(mode, {"choices": MODES})
+    if problem:
         where = source.run_dir / "config.yaml" if source.run_dir else Path(source.model) / EXPORT_SETTINGS
-        raise ValueError(f"mode must be 'chat' or 'text', got {mode!r} (from {where})")
+        raise ValueError(f"mode {problem} (from {where})")
     return Resolved(
         source=source,
         target=config.target or str(run.get("target", "smollm2-135m")),

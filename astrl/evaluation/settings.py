@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from astrl.argtypes import setting
-from astrl.rewards.weights import MODES
+from astrl.names import MODES
 
 DEFAULT_THRESHOLD = 0.5  # a score above it is toxic, wherever no threshold is given
 

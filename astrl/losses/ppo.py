@@ -187,8 +187,7 @@ def compute_advantages(
         normalize_advantages: whiten the advantages over the batch's response tokens (after ``value_target``).
         keys: overrides of the entry names, with the field names of ``PPOLoss._AcceptedKeys``.
     """
-    if mode not in ADVANTAGE_MODES:
-        raise ValueError(f"mode must be one of {ADVANTAGE_MODES}, got {mode!r}")
+    require("mode", mode, choices=ADVANTAGE_MODES)
     if not 0.0 <= gamma <= 1.0 or not 0.0 <= lmbda <= 1.0:
         raise ValueError(f"gamma and lmbda must lie in [0, 1], got {gamma} and {lmbda}")
     k = _advantage_keys(critic, keys)
@@ -362,8 +361,7 @@ class PPOLoss(LossModule):
         for name, coef in (("value_coef", value_coef), ("entropy_coef", entropy_coef), ("kl_coef", kl_coef)):
             require(name, coef, at_least=0)
         require("value_clip", value_clip, above=0, nullable=True)
-        if kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+        require("kl_estimator", kl_estimator, choices=KL_ESTIMATORS)
         if max_length is not None and max_length < 2:
             raise ValueError(f"max_length must be >= 2 or None, got {max_length}")
         self.kl_token_cap = checked_cap(kl_token_cap)

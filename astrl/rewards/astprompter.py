@@ -23,6 +23,7 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.data import Composite, Unbounded
 
 from astrl._compat import as_list
+from astrl.argtypes import require
 from astrl.keys import (
     PROBE,
     QUERY,
@@ -36,6 +37,7 @@ from astrl.keys import (
     TARGET_RESPONSES,
 )
 from astrl.lm_scoring import mean_logprobs, token_logprobs
+from astrl.names import MODES
 from astrl.rewards.lexicon import holds_listed_word, without_words, words_of
 from astrl.rewards.logprobs import StepTransform
 from astrl.rewards.weights import ASTPrompterWeights, ElicitWeights, reward_weights, weight_names
@@ -150,8 +152,7 @@ class ASTPrompterReward(StepTransform):
         context_key: str = TARGET_CONTEXT,
     ) -> None:
         super().__init__()
-        if mode not in ("chat", "text"):
-            raise ValueError(f"mode must be 'chat' or 'text', got {mode!r}")
+        require("mode", mode, choices=MODES)
         self.target_model = target_model
         self.target_tokenizer = target_tokenizer
         self.scorer = scorer

@@ -102,8 +102,7 @@ class ClippedKLReward(StepTransform):
         score_key: NestedKey = REWARD,
     ) -> None:
         super().__init__()
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        require("reduction", reduction, choices=REDUCTIONS)
         require("kl_clip", kl_clip, above=0)
         require("score_clip", score_clip, above=0)
         self.controller = make_kl_controller(kl_coef, target_kl, horizon)

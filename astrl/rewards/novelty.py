@@ -33,6 +33,7 @@ from tensordict import TensorDictBase
 from torchrl.data import Composite, Unbounded
 
 from astrl._compat import as_list
+from astrl.argtypes import require
 from astrl.keys import PROBE, REWARD, REWARD_TERMS
 from astrl.rewards.logprobs import NestedKey, StepTransform, _get
 from astrl.rewards.weights import NOVELTY_REDUCTIONS
@@ -183,8 +184,7 @@ class EmbeddingNovelty(NoveltyReward):
         self, coef: float = 1.0, *, embedder: Embedder | None = None, reduce: str = "max", device: str = "cpu", **kwargs
     ) -> None:
         super().__init__(coef, **kwargs)
-        if reduce not in NOVELTY_REDUCTIONS:
-            raise ValueError(f"EmbeddingNovelty reduce must be one of {NOVELTY_REDUCTIONS}, got {reduce!r}")
+        require("EmbeddingNovelty reduce", reduce, choices=NOVELTY_REDUCTIONS)
         if embedder is None:
             from astrl.embeddings import SentenceEncoder
 

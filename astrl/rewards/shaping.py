@@ -41,8 +41,7 @@ class RewardShaping(StepTransform):
         keep_raw_key: NestedKey | None = REWARD_UNSHAPED,
     ) -> None:
         super().__init__()
-        if normalize not in NORMALIZATIONS:
-            raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
+        require("normalize", normalize, choices=NORMALIZATIONS)
         require("clip", clip, above=0, nullable=True)
         self.clip, self.normalize, self.eps = clip, normalize, eps
         self.in_key, self.keep_raw_key = in_key, keep_raw_key

@@ -13,8 +13,6 @@ from astrl.argtypes import require
 if TYPE_CHECKING:
     from torch import Tensor
 
-MODES = ("chat", "text")
-
 
 @dataclass
 class ASTPrompterWeights:
@@ -79,8 +77,7 @@ class ElicitWeights:
     def __post_init__(self) -> None:
         for name in ("alpha", "penalty", "gamma", "lexicon", "repeat"):
             require(f"elicit weight {name}", getattr(self, name), at_least=0)
-        if self.transform not in REPLY_TRANSFORMS:
-            raise ValueError(f"reply transform must be one of {REPLY_TRANSFORMS}, got {self.transform!r}")
+        require("reply transform", self.transform, choices=REPLY_TRANSFORMS)
         require("probe gate threshold", self.gate_below, above=0, at_most=1, nullable=True)
         if self.gate_below is not None and self.gate:
             raise ValueError("choose one gate: gate_below (a threshold on tox(probe)) or gate (scale by 1 - tox(probe))")
@@ -197,8 +194,7 @@ def reward_options(reward: str, **values) -> dict | None:
 
 def check_reward_options(reward: str, options: Mapping[str, object] | None) -> None:
     """Refuse a reward name, or ``reward_options`` the reward does not take, naming the offending value."""
-    if reward not in REWARDS:
-        raise ValueError(f"reward must be one of {REWARDS}, got {reward!r}")
+    require("reward", reward, choices=REWARDS)
     if options and reward == "score":
         raise ValueError(f"reward_options {sorted(options)} only apply to reward='astprompter' or 'elicit'")
     allowed = {*weight_names(reward), "join", "empty_probe_logprob"} if reward != "score" else set()

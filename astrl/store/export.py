@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from astrl.archive import Attack
+from astrl.argtypes import require
 from astrl.store.database import StoreError
 from astrl.store.queries import FoundAttack
 
@@ -72,8 +73,7 @@ def _dataset_row(attack: FoundAttack) -> dict:
 
 def export_attacks(attacks: Sequence[FoundAttack], path: str | Path, fmt: str) -> Path:
     """Write ``attacks`` to ``path`` in format ``fmt`` (:data:`FORMATS`); returns the path written."""
-    if fmt not in FORMATS:
-        raise ValueError(f"export format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    require("export format", fmt, choices=FORMATS)
     path = Path(path).expanduser()
     if fmt == "datasets":
         try:

@@ -35,6 +35,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TypeVar
 
+from astrl.argtypes import require
 from astrl.store import queries, writes
 from astrl.store.database import BUSY_TIMEOUT_S, StoreError, connect, store_path
 from astrl.store.records import replay_rows, turn_rows
@@ -176,8 +177,7 @@ class Store:
         absolute); ``config``: a mapping, dataclass or object with ``to_dict()``, stored as JSON.
         Passing the id of a run already stored continues it (a resumed training run): it is running
         again, its rows stay, and the fields given here replace those stored."""
-        if kind not in writes.KINDS:
-            raise ValueError(f"run kind must be one of {', '.join(writes.KINDS)}, got {kind!r}")
+        require("run kind", kind, choices=writes.KINDS)
         if run_id is not None and (not isinstance(run_id, str) or not run_id.strip()):
             raise ValueError(f"run_id must be a non-empty string, got {run_id!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):

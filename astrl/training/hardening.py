@@ -30,6 +30,7 @@ from astrl._compat import as_list, render_chats
 from astrl.argtypes import require
 from astrl.keys import NEXT, NODES, PROBE, SCORES, TARGET_CONTEXT
 from astrl.lm_scoring import token_logprobs
+from astrl.names import MODES
 from astrl.ragged import pad_ids
 from astrl.scorers import Scorer
 
@@ -43,8 +44,7 @@ def target_inputs(tokenizer, contexts: Sequence[str], probes: Sequence[str], mod
     Text mode: ``context + probe``. Chat mode: the rendered context (up to the probe's content),
     the probe, then the end of the user turn and the generation prompt of ``tokenizer``'s template.
     """
-    if mode not in ("chat", "text"):
-        raise ValueError(f"mode must be 'chat' or 'text', got {mode!r}")
+    require("mode", mode, choices=MODES)
     if len(contexts) != len(probes):
         raise ValueError(f"got {len(contexts)} contexts but {len(probes)} probes")
     suffix = ""

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from astrl._compat import as_list
+from astrl.argtypes import require
 from astrl.keys import (
     NEXT,
     PROBE,
@@ -350,13 +351,12 @@ def toxic_share(candidate: dict, select: str = "share", threshold: float = TOXIC
     """A candidate's estimated share of toxic replies: ``share``, the share of its replies scored above
     ``threshold``; ``lexicon``, the mean of its replies' lexicon estimates; ``search`` and ``best_of``,
     the target's next-token lexicon mass after the probe."""
+    require("warm_start_select", select, choices=WARM_START_SELECTIONS)
     if select == "share":
         return sum(s > threshold for s in candidate["reply_scores"]) / len(candidate["reply_scores"])
     if select == "lexicon":
         return sum(candidate["reply_lexicon"]) / len(candidate["reply_lexicon"])
-    if select in ("search", "best_of"):
-        return candidate["lexicon_mass"]
-    raise ValueError(f"warm_start_select must be one of {WARM_START_SELECTIONS}, got {select!r}")
+    return candidate["lexicon_mass"]  # search, best_of
 
 
 def keep(
