@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-from astrl.argtypes import require
+from astrl.argtypes import check_settings, require
 from astrl.backends import BACKENDS, check_backend
+from astrl.envs.settings import DecodingSettings
 from astrl.models import LoadedModel, resolve
 from astrl.names import MODES
 from astrl.prefill import TurnCache
@@ -24,16 +25,14 @@ class GenerationSettings:
     """
 
     max_new_tokens: int = 32
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float = DecodingSettings.temperature  # the defaults and ranges are DecodingSettings'
+    top_p: float = DecodingSettings.top_p
+    top_k: int = DecodingSettings.top_k
     do_sample: bool = True
 
     def __post_init__(self) -> None:
         require("max_new_tokens", self.max_new_tokens, at_least=1)
-        require("temperature", self.temperature, above=0)
-        require("top_p", self.top_p, above=0, at_most=1)
-        require("top_k", self.top_k, at_least=0)
+        check_settings(self, DecodingSettings)
 
     def generate_kwargs(self) -> dict:
         kwargs = asdict(self)

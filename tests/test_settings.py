@@ -11,6 +11,7 @@ from astrl.envs import ConversationSpec
 from astrl.envs.settings import (
     ConversationBatch,
     ConversationSettings,
+    DecodingSettings,
     SeedSettings,
     conversation_settings,
     with_defaults,
@@ -443,6 +444,7 @@ def test_the_library_checks_its_arguments_through_the_settings_check():
         # nan passes every `value < 0`-style guard these used to be; each now names it
         (lambda: GenerationSettings(temperature=nan), "temperature must be a finite number, got nan"),
         (lambda: GenerationSettings(top_p=0), r"top_p must be in \(0, 1\], got 0"),
+        (lambda: GenerationSettings(top_k=-1), "top_k must be >= 0, got -1"),
         (lambda: make_kl_controller(nan), "kl_coef must be a finite number, got nan"),
         (lambda: make_kl_controller(0.1, target_kl=nan), "target_kl must be a finite number, got nan"),
         (lambda: ElicitWeights(alpha=nan), "elicit weight alpha must be a finite number, got nan"),
@@ -454,6 +456,8 @@ def test_the_library_checks_its_arguments_through_the_settings_check():
     ):
         with pytest.raises(ValueError, match=message):
             call()
+    decoding = dataclasses.asdict(DecodingSettings())  # GenerationSettings reads its defaults and ranges
+    assert {name: getattr(GenerationSettings(), name) for name in decoding} == decoding
     with pytest.raises(TypeError, match="at_leats"):
         require("x", 1, at_leats=0)  # a misspelt check is an error, not a check that never fails
 
