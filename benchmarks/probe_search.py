@@ -27,6 +27,8 @@ per opener without that access would have to match.
     python benchmarks/probe_search.py              # 64 openers
     python benchmarks/probe_search.py --quick --max-nll 3.5
     python benchmarks/probe_search.py --split test --openers 62 --max-nll 3.5 --replies 4   # all 62 test openers
+    python benchmarks/probe_search.py --split test --test-fraction 0.35 --openers 218 --max-nll 3.5 --bounded-only \
+        --replies 16 --beams 16 --top-k 16   # the 218 held-out openers of the elicit configs (test_fraction 0.35)
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from _common import base_parser, emit, r, setup
 
 from astrl.evaluation.metrics import elicited as elicited_turns
 from astrl.models import load_model
-from astrl.prompts import load_prompts, split_prompts
+from astrl.prompts import load_prompts, split_fractions, split_prompts
 from astrl.ragged import pad_ids
 from astrl.rewards.lexicon import reply_lexicon
 from astrl.sampling.search import PrefixCache, lexicon_beam_search
@@ -148,6 +150,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=6, help="probe tokens")
     parser.add_argument("--max-nll", type=float, default=None, help="also search with this naturalness bound")
     parser.add_argument("--split", default="train", choices=["train", "test"], help="the openers' split (seed --seed)")
+    parser.add_argument(
+        "--test-fraction", type=float, default=None,
+        help="the split's test fraction, as a config's test_fraction (0.35: the 218 held-out openers of elicit*.yaml)",
+    )  # fmt: skip
+    parser.add_argument("--bounded-only", action="store_true", help="with --max-nll: only the bounded search")
     parser.add_argument("--replies", type=int, default=0, help="target replies judged per probe (0: none)")
     parser.add_argument("--reply-tokens", type=int, default=16, help="tokens per target reply")
     args = parser.parse_args()
@@ -155,7 +162,10 @@ def main() -> None:
     count = args.openers or (16 if args.quick else 64)
     lm = load_model(args.model, dtype=args.dtype, device=args.device)
     model, tok = lm.model, lm.tokenizer
-    openers = split_prompts(load_prompts("rtp"), args.split, seed=args.seed)[:count]
+    if args.bounded_only and args.max_nll is None:
+        parser.error("--bounded-only needs --max-nll")
+    fractions = split_fractions(args.test_fraction)
+    openers = split_prompts(load_prompts("rtp"), args.split, seed=args.seed, fractions=fractions)[:count]
     count = len(openers)
     lexicons = {
         "scorer": reply_lexicon("scorer", tok, scorer=make_scorer("profanity")),
@@ -173,20 +183,18 @@ def main() -> None:
             )  # fmt: skip
             sampled.extend(out[:, ids.shape[1] :].cpu())
     sample_seconds = time.perf_counter() - start
-    start = time.perf_counter()
-    found = lexicon_beam_search(
-        model, model, tok, tok, openers, lexicons["scorer"], length=args.new_tokens, beams=args.beams, top_k=args.top_k
-    )
-    search_seconds = time.perf_counter() - start
-    searches = {"searched": found}
-    if args.max_nll is not None:
+    searches, seconds = {}, {}  # "searched": without a bound, "bounded": with --max-nll
+    for label, bound in (("searched", None), ("bounded", args.max_nll)):
+        if (label == "searched" and args.bounded_only) or (label == "bounded" and bound is None):
+            continue
         start = time.perf_counter()
-        searches["bounded"] = lexicon_beam_search(
+        searches[label] = lexicon_beam_search(
             model, model, tok, tok, openers, lexicons["scorer"], length=args.new_tokens, beams=args.beams, top_k=args.top_k,
-            max_nll=args.max_nll,
+            max_nll=bound,
         )  # fmt: skip
-        bounded_seconds = time.perf_counter() - start
+        seconds[label] = time.perf_counter() - start
 
+    first_search = next(iter(searches.values()))
     per_batch = min(8, count)  # lexicon_beam_search's openers_per_batch
     context = round(float(np.mean([len(tok(o)["input_ids"]) for o in openers]))) + args.new_tokens // 2
     batches = {"advance": per_batch * args.beams, "candidates": min(256, per_batch * args.beams * args.top_k)}
@@ -230,6 +238,7 @@ def main() -> None:
             "benchmark": "probe_search",
             **info,
             "split": args.split,
+            "test_fraction": fractions[2],
             "openers": count,
             "samples_per_opener": args.samples,
             "beams": args.beams,
@@ -243,8 +252,8 @@ def main() -> None:
             ),
             "seconds_per_opener": {
                 "sampling": r(sample_seconds / count),
-                "search": r(search_seconds / count),
-                **({"bounded_search": r(bounded_seconds / count)} if args.max_nll is not None else {}),
+                **({"search": r(seconds["searched"] / count)} if "searched" in seconds else {}),
+                **({"bounded_search": r(seconds["bounded"] / count)} if "bounded" in seconds else {}),
             },
             "flop_floor": {
                 "forward_gflop": r(forward_gflop(model)),
@@ -253,12 +262,12 @@ def main() -> None:
                 "context_tokens": context,
                 "achieved_gflops": {k: r(v, 1) for k, v in gflops.items()},
                 "floor_s": r(floor, 3),
-                "search_s": r(search_seconds, 3),
-                "search_vs_floor": r(search_seconds / floor, 2),
-                **({"bounded_vs_floor": r(bounded_seconds / floor, 2)} if args.max_nll is not None else {}),
+                **({"search_s": r(seconds["searched"], 3)} if "searched" in seconds else {}),
+                **({"search_vs_floor": r(seconds["searched"] / floor, 2)} if "searched" in seconds else {}),
+                **({"bounded_vs_floor": r(seconds["bounded"] / floor, 2)} if "bounded" in seconds else {}),
             },
             "wordlist_judge": judged and {"replies_per_probe": args.replies, "reply_tokens": args.reply_tokens, **judged},
-            "examples": [{"opener": f.opener[-60:], "probe": f.text, "mass": r(f.mass)} for f in found[:5]],
+            "examples": [{"opener": f.opener[-60:], "probe": f.text, "mass": r(f.mass)} for f in first_search[:5]],
         }
     )
 

@@ -284,6 +284,40 @@ def test_a_resume_that_changes_the_seed_branches_the_run_and_one_that_keeps_it_g
     assert again.step == 2 and torch.equal(again.generator.get_state(), saved)
 
 
+def test_a_step_0_checkpoint_goes_on_under_another_algorithm_of_its_family_and_a_later_one_refuses(tmp_path):
+    import shutil
+
+    from astrl.training.state_io import trainable_state
+
+    config = _config(tmp_path, total_steps=2, save_every=1, reward="astprompter", turns=1)
+    first = _trainer(config)
+    first._build()
+    first.save_checkpoint()  # step 0: what a warm start leaves (the tester before any RL step)
+    config.save(tmp_path / "run" / "config.yaml")
+    saved = {k: v.clone() for k, v in trainable_state(first.models.tester.model).items()}
+    state = torch.load(tmp_path / "run" / "checkpoints" / "step_000000" / "state.pt", weights_only=True)
+    assert state["algorithm_name"] == "grpo" and state["step"] == 0
+    shutil.copytree(tmp_path / "run", tmp_path / "ppo")
+    shutil.copytree(tmp_path / "run", tmp_path / "dpo")
+    first.train()  # the GRPO run goes on: steps 1 and 2 are GRPO's
+
+    ppo = resume(tmp_path / "ppo", ["algorithm=ppo", "kl_coef=0.1"], progress=False, tester_lm=_tiny_tester())
+    assert ppo.step == 0 and ppo.algorithm.name == "ppo" and hasattr(ppo.algorithm, "value_head")
+    restored = trainable_state(ppo.models.tester.model)
+    assert all(torch.equal(restored[k], v) for k, v in saved.items())  # the warm-started tester, not a fresh one
+    rows = ppo.train()
+    assert [r["step"] for r in rows] == [1, 2] and all("loss_critic" in r for r in rows)
+    later = torch.load(tmp_path / "ppo" / "checkpoints" / "step_000001" / "state.pt", weights_only=True)
+    assert later["algorithm_name"] == "ppo" and "value_head" in later["algorithm"]
+    assert load_config(tmp_path / "ppo" / "config.yaml").algorithm == "ppo"
+
+    with pytest.raises(ConfigError, match=r"algorithm='dpo': checkpoint .* was saved by 'grpo'; .* within grpo/ppo or dpo/ipo"):
+        resume(tmp_path / "dpo", ["algorithm=dpo"], progress=False, tester_lm=_tiny_tester())
+    shutil.rmtree(tmp_path / "run" / "final")
+    with pytest.raises(ConfigError, match=r"algorithm='ppo': checkpoint .*step_000002.* \(step 2\) was saved by 'grpo'"):
+        resume(tmp_path / "run", ["algorithm=ppo", "total_steps=3"], progress=False, tester_lm=_tiny_tester())
+
+
 LEARNING = {  # per algorithm: settings under which a tiny model learns to say the keywords
     "grpo": dict(group_size=4, lr=3e-3, total_steps=24),
     "ppo": dict(prompts_per_step=4, group_size=4, lr=1e-2, value_lr=1e-2, epochs=4, total_steps=24, kl_coef=0.01),

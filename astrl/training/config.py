@@ -29,6 +29,9 @@ from astrl.rewards.weights import NOVELTY_REDUCTIONS
 from astrl.yaml_data import read_yaml_mapping, yaml_problem
 
 ALGORITHMS = ("grpo", "ppo", "dpo", "ipo")
+# algorithms that read one data path (on-policy conversations; tree-sampled pairs): a run's step-0 checkpoint,
+# the warm-started tester, may go on under another algorithm of its family (astrl train --resume RUN algorithm=...)
+ALGORITHM_FAMILIES = (("grpo", "ppo"), ("dpo", "ipo"))
 RETURNS = ("turn", "to_go")
 GROUP_SCALES = ("std", "none")
 GUIDE_ADVANTAGES = ("signed", "positive")

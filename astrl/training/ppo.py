@@ -14,7 +14,7 @@ from tensordict import TensorDict, TensorDictBase, lazy_stack
 from astrl.keys import NEXT, REF_LOG_PROBS, REWARD, TOKENS_PROMPT, TOKENS_RESPONSE
 from astrl.losses import PPOLoss, ValueHead, compute_advantages
 from astrl.rewards import ClippedKLReward, TokenLogProbs
-from astrl.training.config import TrainConfig
+from astrl.training.config import ConfigError, TrainConfig
 from astrl.training.grpo import OnPolicy
 from astrl.training.setup import RunModels
 
@@ -84,6 +84,8 @@ class PPOAlgorithm(OnPolicy):
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
+        if "value_head" not in state:
+            raise ConfigError("the checkpoint holds no value head: it was saved by another algorithm than ppo")
         self.value_head.load_state_dict(state["value_head"])
         self.kl_reward.load_state_dict(state["kl_reward"])
 

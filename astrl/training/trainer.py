@@ -38,7 +38,7 @@ from astrl.models import LoadedModel, save_model
 from astrl.prefill import SharedPrefill, clear_turn_caches
 from astrl.rewards.reference import PinnedReference
 from astrl.training.algorithm import Algorithm, DataPath, TrainingSource
-from astrl.training.config import OPTIMIZERS, ConfigError, TrainConfig, load_config
+from astrl.training.config import ALGORITHM_FAMILIES, OPTIMIZERS, ConfigError, TrainConfig, load_config
 from astrl.training.setup import RunModels, build_env, build_models, build_stream, conversation_spec, training_conversation
 from astrl.training.state_io import (
     STATE_FILE,
@@ -610,6 +610,7 @@ class Trainer:
             "generator": self.generator.get_state(),
             "stream": self._stream_state_for_next_step(),
             "algorithm": self.algorithm.state_dict(),
+            "algorithm_name": self.config.algorithm,
             "archive": self.archive.state_dict(),
         }
         if self.hardening is not None:
@@ -644,10 +645,14 @@ class Trainer:
         np.random.seed(seed)
         self.generator.manual_seed(seed)
 
-    def load_checkpoint(self, folder: Path, *, trust: bool = False, state: dict | None = None) -> None:
+    def load_checkpoint(
+        self, folder: Path, *, trust: bool = False, state: dict | None = None, new_algorithm: bool = False
+    ) -> None:
         """Restore the state saved in ``folder`` (or ``state``, already read from it): loaded with
         ``weights_only=True`` unless ``trust`` (full unpickling, for checkpoints of older astrl versions
-        whose origin you trust)."""
+        whose origin you trust). ``new_algorithm``: a step-0 checkpoint saved under another algorithm
+        (:func:`switches_algorithm`); the tester, reference, archive and random states are restored, and the
+        algorithm, optimizer and schedule start as this run's own would."""
         if state is None:
             problem = checkpoint_problem(folder)
             if problem is not None:
@@ -658,19 +663,21 @@ class Trainer:
         self._build()
         self.source.load_trainable_state(state["trainable"])
         self._load_reference(folder, state)
-        self.algorithm.load_state_dict(state["algorithm"])
+        if not new_algorithm:
+            self.algorithm.load_state_dict(state["algorithm"])
         if "archive" in state:
             self.archive.load_state_dict(state["archive"])
         if self.hardening is not None:
             if "hardening" not in state:
                 raise ConfigError(f"checkpoint {str(folder)!r} has no hardening state (it was saved with harden_every: 0)")
             self.hardening.load_state_dict(state["hardening"])
-        rates = list(self.scheduler.base_lrs)  # this run's settings: a resume may change lr
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])  # its position; the saved base rates are replaced
-        self.scheduler.base_lrs = rates
-        for group, rate, factor in zip(self.optimizer.param_groups, rates, self.scheduler.lr_lambdas, strict=True):
-            group["initial_lr"], group["lr"] = rate, rate * factor(self.scheduler.last_epoch)
+        if not new_algorithm:
+            rates = list(self.scheduler.base_lrs)  # this run's settings: a resume may change lr
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])  # its position; the saved base rates are replaced
+            self.scheduler.base_lrs = rates
+            for group, rate, factor in zip(self.optimizer.param_groups, rates, self.scheduler.lr_lambdas, strict=True):
+                group["initial_lr"], group["lr"] = rate, rate * factor(self.scheduler.last_epoch)
         self.generator.set_state(state["generator"])
         set_rng_state(state["rng"])
         self.warm_start = state.get("warm_start")
@@ -833,6 +840,30 @@ def warm_start_probes(run_dir: Path) -> list[str]:
     return probes
 
 
+def switches_algorithm(folder: Path, state: dict, saved: str, wanted: str) -> bool:
+    """Whether going on from the checkpoint ``state`` (in ``folder``) under algorithm ``wanted`` changes its
+    algorithm (the one it names, else the run's ``saved``: checkpoints of earlier releases name none). Only a
+    step-0 checkpoint may change, within one of :data:`~astrl.training.config.ALGORITHM_FAMILIES`: later ones
+    hold an optimizer and algorithm state (a value head, the replay archive) that only their own algorithm
+    reads. Raises :class:`ConfigError` otherwise, before any model loads."""
+    was = state.get("algorithm_name", saved)
+    if was == wanted:
+        return False
+    step = state.get("step")
+    if step != 0:
+        raise ConfigError(
+            f"algorithm={wanted!r}: checkpoint {str(folder)!r} (step {step}) was saved by {was!r}, whose optimizer and "
+            f"algorithm state only {was!r} goes on with; another algorithm can start only from a step-0 checkpoint "
+            "(the warm-started tester): resume a copy of the run that holds only checkpoints/step_000000"
+        )
+    if not any(was in family and wanted in family for family in ALGORITHM_FAMILIES):
+        raise ConfigError(
+            f"algorithm={wanted!r}: checkpoint {str(folder)!r} was saved by {was!r}; from step 0 a run can change "
+            f"algorithm only within {' or '.join('/'.join(family) for family in ALGORITHM_FAMILIES)}, which read one data path"
+        )
+    return True
+
+
 def resume(
     run_dir: str | Path,
     overrides: list[str] | tuple[str, ...] = (),
@@ -854,20 +885,23 @@ def resume(
     The checkpoint's random states are restored, so the run goes on as if never stopped; an override
     that changes ``seed`` branches it instead: every draw after the checkpoint (sampling, shuffles)
     comes from the new seed, while the openers go on in the checkpoint's order (a second training seed
-    from a shared warm start: ``--resume RUN_DIR seed=1``)."""
+    from a shared warm start: ``--resume RUN_DIR seed=1``). An override of ``algorithm`` goes on from a step-0
+    checkpoint under another algorithm of its family (:func:`switches_algorithm`): GRPO and PPO from one
+    warm start."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{str(run_dir)!r} is not a run directory (no config.yaml)")
-    saved_seed = load_config(run_dir / "config.yaml", on_warning=lambda _: None).seed  # its notes come with the next read
+    saved = load_config(run_dir / "config.yaml", on_warning=lambda _: None)  # its notes come with the next read
     config = load_config(run_dir / "config.yaml", [*overrides, f"run_dir={run_dir}"])
     found = usable_checkpoint(run_dir, trust=trust_checkpoint, on_warning=on_warning)  # read before any model loads
+    new_algorithm = found is not None and switches_algorithm(*found, saved.algorithm, config.algorithm)
     if found is not None and found[1].get("step") == 0 and config.guide_replay_warm_start:
         warm_start_probes(run_dir)  # the archive's seeds, read at step 0: a missing file is named now
     trainer = Trainer(config, progress=progress, models=build_models(config, tester_lm) if tester_lm else None)
     trainer.resumed = True
     if found is not None:
-        trainer.load_checkpoint(found[0], trust=trust_checkpoint, state=found[1])
-        if config.seed != saved_seed:  # a branch: the saved draws belong to the old seed
+        trainer.load_checkpoint(found[0], trust=trust_checkpoint, state=found[1], new_algorithm=new_algorithm)
+        if config.seed != saved.seed:  # a branch: the saved draws belong to the old seed
             trainer.reseed(config.seed)
     return trainer
 
