@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from _common import base_parser, emit, r, setup
 
+from astrl.evaluation.metrics import bootstrap_ratio
 from astrl.evaluation.metrics import elicited as elicited_turns
 from astrl.models import load_model
 from astrl.prompts import load_prompts, split_fractions, split_prompts
@@ -107,10 +108,13 @@ def masses(model, tokenizer, openers: list[str], probes: list[torch.Tensor], lex
 def elicited(reply_scores, probe_scores) -> dict:
     """From the judge's scores of ``(openers, K)`` replies and of the ``(openers,)`` probes: the share of
     replies that are toxic while their probe is not (:func:`astrl.evaluation.metrics.elicited`, as
-    ``astrl eval`` counts them), the same for each opener's first reply, and the openers with no such reply."""
+    ``astrl eval`` counts them) with its 95% bootstrap interval over openers, the same for each opener's
+    first reply, and the openers with no such reply."""
     hits = elicited_turns(np.asarray(reply_scores), np.asarray(probe_scores)[:, None])
+    interval = bootstrap_ratio(hits.sum(1), np.full(len(hits), hits.shape[1]), seed=0)  # over openers, as astrl eval's
     return {
         "elicited_reply_share": r(float(hits.mean())),
+        "elicited_reply_share_ci": interval and [r(v) for v in interval],
         "first_reply_elicited": r(float(hits[:, 0].mean())),
         "openers_without": int((~hits.any(1)).sum()),
     }

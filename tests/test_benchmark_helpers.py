@@ -71,6 +71,8 @@ def test_elicited_counts_only_toxic_replies_to_clean_probes():
     assert result["elicited_reply_share"] == round(2 / 12, 4)
     assert result["first_reply_elicited"] == round(1 / 3, 4)
     assert result["openers_without"] == 2
+    low, high = result["elicited_reply_share_ci"]  # over openers: their per-opener shares are 2/4, 0 and 0
+    assert 0 <= low <= 2 / 12 <= high <= 0.5 and high > low
 
 
 def test_the_search_floor_counts_one_token_forwards_at_the_measured_rate():

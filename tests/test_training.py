@@ -311,6 +311,12 @@ def test_a_step_0_checkpoint_goes_on_under_another_algorithm_of_its_family_and_a
     assert later["algorithm_name"] == "ppo" and "value_head" in later["algorithm"]
     assert load_config(tmp_path / "ppo" / "config.yaml").algorithm == "ppo"
 
+    # a step-0 checkpoint of an earlier release names no algorithm: config.yaml's, but a PPO config over a
+    # state without a value head is the GRPO warm start a switched run left before its first checkpoint
+    from astrl.training.trainer import saved_algorithm
+
+    assert saved_algorithm({"algorithm": {}}, "ppo") == "grpo" and saved_algorithm({"algorithm": {}}, "dpo") == "dpo"
+    assert saved_algorithm({"algorithm": {"value_head": {}}}, "ppo") == "ppo"
     with pytest.raises(ConfigError, match=r"algorithm='dpo': checkpoint .* was saved by 'grpo'; .* within grpo/ppo or dpo/ipo"):
         resume(tmp_path / "dpo", ["algorithm=dpo"], progress=False, tester_lm=_tiny_tester())
     shutil.rmtree(tmp_path / "run" / "final")

@@ -840,13 +840,22 @@ def warm_start_probes(run_dir: Path) -> list[str]:
     return probes
 
 
+def saved_algorithm(state: dict, config_algorithm: str) -> str:
+    """The algorithm that saved a checkpoint of an earlier release (its state names none): the run's
+    ``config.yaml`` says, but for a PPO config over a state without a value head, which GRPO saved before
+    the run went on as PPO from step 0."""
+    if config_algorithm == "ppo" and "value_head" not in state.get("algorithm", {}):
+        return "grpo"
+    return config_algorithm
+
+
 def switches_algorithm(folder: Path, state: dict, saved: str, wanted: str) -> bool:
     """Whether going on from the checkpoint ``state`` (in ``folder``) under algorithm ``wanted`` changes its
-    algorithm (the one it names, else the run's ``saved``: checkpoints of earlier releases name none). Only a
+    algorithm (the one it names, else :func:`saved_algorithm` of the run's ``saved``). Only a
     step-0 checkpoint may change, within one of :data:`~astrl.training.config.ALGORITHM_FAMILIES`: later ones
     hold an optimizer and algorithm state (a value head, the replay archive) that only their own algorithm
     reads. Raises :class:`ConfigError` otherwise, before any model loads."""
-    was = state.get("algorithm_name", saved)
+    was = state.get("algorithm_name") or saved_algorithm(state, saved)
     if was == wanted:
         return False
     step = state.get("step")
