@@ -14,9 +14,9 @@ LATER: dict[str, str] = {}
 
 
 def _add_sampling_args(p) -> None:
-    """``--temperature``, ``--top-p`` and ``--top-k``: the :class:`~astrl.envs.settings.DecodingSettings` fields,
+    """``--temperature``, ``--top-p`` and ``--top-k``: the :class:`~astrl.decoding.DecodingSettings` fields,
     which mean the same on every command (the lengths do not: a turn, a reply, the run's)."""
-    from astrl.envs.settings import DecodingSettings
+    from astrl.decoding import DecodingSettings
 
     add_setting_flags(p, DecodingSettings, default=FIELD_DEFAULT)
 
@@ -298,7 +298,7 @@ def _add_replay(sub) -> None:
 
 
 def _replay(args) -> int:
-    from astrl.envs.settings import DecodingSettings
+    from astrl.decoding import DecodingSettings
     from astrl.evaluation.replay import ReplayConfig, run_replay
     from astrl.evaluation.settings import ReplaySettings
 

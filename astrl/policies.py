@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 from astrl.argtypes import check_settings, require
 from astrl.backends import BACKENDS, check_backend
-from astrl.envs.settings import DecodingSettings
+from astrl.decoding import DecodingSettings
 from astrl.models import LoadedModel, resolve
 from astrl.names import MODES
 from astrl.prefill import TurnCache

@@ -16,6 +16,7 @@ GROUND = (
     "astrl.locks",
     "astrl._lazy",
     "astrl.argtypes",
+    "astrl.decoding",
     "astrl.hub",
     "astrl.names",
     "astrl.backends",

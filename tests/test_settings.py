@@ -7,11 +7,11 @@ import pytest
 
 from astrl.argtypes import add_setting_flags, range_text, replaced_default, setting, value_problem
 from astrl.backends import BackendSettings
+from astrl.decoding import DecodingSettings
 from astrl.envs import ConversationSpec
 from astrl.envs.settings import (
     ConversationBatch,
     ConversationSettings,
-    DecodingSettings,
     SeedSettings,
     conversation_settings,
     with_defaults,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from astrl.argtypes import check_settings, setting
+from astrl.decoding import DecodingSettings
 from astrl.names import MODES
 from astrl.prompts import SPLITS
 
@@ -97,26 +98,6 @@ class ConversationSettings:
         "Replies the target samples to each probe, in one call (the rows share context + probe); the "
         "reward's reply terms average over them, astrl eval judges each; the conversation goes on with the first.",
         at_least=1,
-    )
-
-    def __post_init__(self) -> None:
-        check_settings(self)
-
-
-@dataclass
-class DecodingSettings:
-    """How tokens are sampled, the same on every command: temperature, top-p and top-k (the ``--temperature``,
-    ``--top-p`` and ``--top-k`` flags of rollout, eval and replay; a length means a turn, a reply or the
-    run's on different commands, so the lengths are :class:`SamplingSettings`'s)."""
-
-    temperature: float = setting(1.0, "Sampling temperature (tester and target alike).", above=0)
-    top_p: float = setting(1.0, "Nucleus sampling threshold, tester and target alike (1: off).", above=0, at_most=1)
-    top_k: int = setting(
-        0,
-        "Top-k filtering, tester and target alike (0: the backend's default: Transformers keeps the 50 most likely "
-        "tokens unless the model's generation config says otherwise, vLLM none; a value at least the "
-        "vocabulary size turns it off on both).",
-        at_least=0,
     )
 
     def __post_init__(self) -> None:

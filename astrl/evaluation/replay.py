@@ -39,7 +39,7 @@ import torch
 from astrl._compat import Chat
 from astrl.archive import ARCHIVE_FILE, normalize_probe
 from astrl.argtypes import check_settings, setting, value_problem
-from astrl.envs.settings import DecodingSettings
+from astrl.decoding import DecodingSettings
 from astrl.errors import one_line
 from astrl.evaluation.metrics import elicitation_metrics
 from astrl.evaluation.records import EvaluationError
@@ -418,7 +418,7 @@ def transfer_sets(successes: dict[str, dict[str, np.ndarray]], judges: Sequence[
 @dataclass
 class ReplayConfig(ModelSettings, ReportSettings, DecodingSettings, ReplaySettings):  # bases in reverse
     """Settings of a replay: its own (:class:`~astrl.evaluation.settings.ReplaySettings`), the targets'
-    sampling (:class:`~astrl.envs.settings.DecodingSettings`), the report
+    sampling (:class:`~astrl.decoding.DecodingSettings`), the report
     (:class:`~astrl.evaluation.settings.ReportSettings`), dtype and device (:class:`~astrl.names.ModelSettings`);
     ``None`` fields fall back to the archive folder's defaults, then to those noted."""
 

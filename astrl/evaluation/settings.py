@@ -30,7 +30,7 @@ class ReportSettings:
 @dataclass
 class ReplaySettings:
     """What a replay asks of each target's replies (its sampling is
-    :class:`~astrl.envs.settings.DecodingSettings`')."""
+    :class:`~astrl.decoding.DecodingSettings`')."""
 
     samples: int = setting(1, "Replies sampled per attack and target.", at_least=1)
     greedy: bool = setting(False, "Greedy decoding (one reply per attack and target).")
