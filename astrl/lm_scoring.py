@@ -369,6 +369,41 @@ def shared_prefix_logprobs(
     return out  # type: ignore[return-value]
 
 
+def nest_rows(rows: Sequence[torch.Tensor], adopters: set[int]) -> tuple[list[int], list[int]]:
+    """Which rows begin which: ``(roots, owner)``, ``owner[i]`` the root whose row begins with row ``i``.
+
+    Rows are taken longest first; a row joins the first root so far (in that order) among ``adopters``
+    whose row begins with it, and otherwise becomes a root itself. Roots come back in the rows' order.
+    A root files every prefix of the lengths the rows have under its hash, so a row finds the roots that
+    may begin with it in one lookup and is compared token by token only with those: linear in the rows,
+    where comparing each row with every root is quadratic (a step of 640 conversations has about 700 roots)."""
+    lengths = [len(row) for row in rows]
+    flat = torch.cat([row.reshape(-1) for row in rows]).cpu().numpy() if rows else None  # one copy from a GPU
+    ends = [0]
+    for n in lengths:
+        ends.append(ends[-1] + n)
+    tokens = [flat[ends[i] : ends[i + 1]] for i in range(len(rows))] if rows else []
+    sizes = sorted(set(lengths))
+    filed: dict[tuple[int, int], list[int]] = {}  # (length, hash of a root's prefix of that length) -> roots
+    roots: list[int] = []
+    owner = [0] * len(rows)
+    for i in sorted(range(len(rows)), key=lambda i: -lengths[i]):
+        row = tokens[i]
+        candidates = filed.get((lengths[i], hash(row.tobytes())), ())
+        home = next((r for r in candidates if (tokens[r][: lengths[i]] == row).all()), None)
+        if home is None:
+            home = i
+            roots.append(i)
+            if i in adopters:
+                for n in sizes:
+                    if n > lengths[i]:
+                        break
+                    filed.setdefault((n, hash(tokens[i][:n].tobytes())), []).append(i)
+        owner[i] = home
+    roots.sort()  # scored in the callers' order: with nothing nested, exactly token_logprobs
+    return roots, owner
+
+
 def nested_token_logprobs(
     model: torch.nn.Module,
     prefixes: Sequence[torch.Tensor],
@@ -397,16 +432,7 @@ def nested_token_logprobs(
     prefixes = [p.reshape(-1).long() for p in prefixes]
     rows = [torch.cat([p, c.reshape(-1).long()]) for p, c in zip(prefixes, continuations, strict=True)]
     whole = {i for i, row in enumerate(rows) if max_length is None or len(row) <= max_length}  # never clipped
-    roots: list[int] = []  # longest rows first; each row joins the first root it begins
-    owner = [0] * len(rows)
-    for i in sorted(range(len(rows)), key=lambda i: -len(rows[i])):
-        row = rows[i]
-        home = next((r for r in roots if r in whole and torch.equal(rows[r][: len(row)], row)), None)
-        if home is None:
-            roots.append(i)
-            home = i
-        owner[i] = home
-    roots.sort()  # scored in the callers' order: with nothing nested, exactly token_logprobs
+    roots, owner = nest_rows(rows, whole)
     start = {r: min(len(prefixes[i]) for i in range(len(rows)) if owner[i] == r) for r in roots}
     scored = token_logprobs(
         model,

@@ -8,6 +8,7 @@ from conftest import make_gpt2, make_llama, make_tokenizer
 
 from astrl.lm_scoring import (
     head_gives_logits,
+    nest_rows,
     nested_token_logprobs,
     score_tokens,
     shared_prefix_logprobs,
@@ -191,6 +192,46 @@ def test_nested_rows_read_from_the_longer_row_equal_rows_scored_alone(tok, arch)
     assert nested_token_logprobs(model, [], []) == []
     with pytest.raises(ValueError, match="got 1 prefixes but 2 continuations"):
         nested_token_logprobs(model, [a], [b, c])
+
+
+def brute_nesting(rows, adopters):
+    """The rule compared row by row with every root: longest first, a row joins the first root so far
+    among the adopters that begins with it."""
+    roots, owner = [], [0] * len(rows)
+    for i in sorted(range(len(rows)), key=lambda i: -len(rows[i])):
+        home = next((r for r in roots if r in adopters and torch.equal(rows[r][: len(rows[i])], rows[i])), None)
+        if home is None:
+            roots.append(i)
+            home = i
+        owner[i] = home
+    return sorted(roots), owner
+
+
+def test_rows_nest_in_the_first_longer_row_that_begins_with_them():
+    a, b, c = torch.tensor([5, 6, 7]), torch.tensor([8, 9]), torch.tensor([5, 6, 1])
+    rows = [a, torch.cat([a, b]), c, a.clone(), torch.cat([a, b, b]), torch.cat([c, b])]
+    # by hand: the longest (4, [5 6 7 8 9 8 9]) begins rows 0, 1 and 3; row 5 ([5 6 1 8 9]) begins row 2
+    assert nest_rows(rows, set(range(6))) == ([4, 5], [4, 4, 5, 4, 4, 5])
+    # a row that may not adopt (clipped) stays a root, and the rows it begins join the next that may
+    assert nest_rows(rows, {1, 2, 5}) == ([1, 4, 5], [1, 1, 5, 1, 4, 5])
+    assert nest_rows([a, a.clone()], {0, 1}) == ([0], [0, 0])  # equal rows: the first taken owns both
+
+
+def test_nesting_by_hashed_prefixes_is_the_row_by_row_rule():
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for _ in range(60):  # conversations of one to three turns over a few shared openers
+        turn = torch.randint(0, 4, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g)
+        for _ in range(int(torch.randint(1, 4, (1,), generator=g))):
+            rows.append(turn)
+            turn = torch.cat([turn, torch.randint(0, 4, (int(torch.randint(0, 3, (1,), generator=g)),), generator=g)])
+    order = torch.randperm(len(rows), generator=g).tolist()
+    rows = [rows[i] for i in order]
+    adopters = {i for i in range(len(rows)) if int(torch.randint(0, 5, (1,), generator=g))}
+    roots, owner = nest_rows(rows, adopters)
+    assert (roots, owner) == brute_nesting(rows, adopters)
+    assert len(roots) < len(rows)  # rows did nest
+    assert all(torch.equal(rows[owner[i]][: len(row)], row) for i, row in enumerate(rows))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
