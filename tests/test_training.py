@@ -324,6 +324,31 @@ def test_a_step_0_checkpoint_goes_on_under_another_algorithm_of_its_family_and_a
         resume(tmp_path / "run", ["algorithm=ppo", "total_steps=3"], progress=False, tester_lm=_tiny_tester())
 
 
+def test_a_dpo_step_0_checkpoint_goes_on_as_ipo_and_not_as_grpo(tmp_path):
+    import shutil
+
+    from astrl.training.state_io import trainable_state
+
+    trees = dict(prompts_per_step=2, tree_width=2, tree_depth=1, beta=0.1, epochs=1)
+    config = _config(tmp_path, algorithm="dpo", total_steps=1, save_every=1, reward="astprompter", turns=1, **trees)
+    first = _trainer(config)
+    first._build()
+    first.save_checkpoint()  # the warm-started tester, before any preference step
+    config.save(tmp_path / "run" / "config.yaml")
+    saved = {k: v.clone() for k, v in trainable_state(first.models.tester.model).items()}
+    shutil.copytree(tmp_path / "run", tmp_path / "grpo")
+
+    ipo = resume(tmp_path / "run", ["algorithm=ipo"], progress=False, tester_lm=_tiny_tester())
+    assert ipo.step == 0 and ipo.algorithm.name == "ipo"
+    restored = trainable_state(ipo.models.tester.model)
+    assert all(torch.equal(restored[k], v) for k, v in saved.items())
+    assert [r["step"] for r in ipo.train()] == [1]
+    later = torch.load(tmp_path / "run" / "checkpoints" / "step_000001" / "state.pt", weights_only=True)
+    assert later["algorithm_name"] == "ipo" and load_config(tmp_path / "run" / "config.yaml").algorithm == "ipo"
+    with pytest.raises(ConfigError, match=r"algorithm='grpo': checkpoint .* was saved by 'dpo'; .* within grpo/ppo or dpo/ipo"):
+        resume(tmp_path / "grpo", ["algorithm=grpo"], progress=False, tester_lm=_tiny_tester())
+
+
 LEARNING = {  # per algorithm: settings under which a tiny model learns to say the keywords
     "grpo": dict(group_size=4, lr=3e-3, total_steps=24),
     "ppo": dict(prompts_per_step=4, group_size=4, lr=1e-2, value_lr=1e-2, epochs=4, total_steps=24, kl_coef=0.01),
