@@ -68,6 +68,7 @@ def make_policy(
     vllm_options: dict | None = None,
     turn_cache: bool = True,
     keep_prompt_states: bool = False,
+    renders_chats: bool = False,
 ):
     """Wrap a loaded model as a generating TorchRL LLM policy.
 
@@ -90,12 +91,21 @@ def make_policy(
         keep_prompt_states: with ``turn_cache``, also keep the last hidden state of every prompt position
             the model reads, so that log-probs of what it has just read (the likelihood term of a target)
             cost one LM-head application instead of a forward (:class:`astrl.lm_scoring.PromptStates`).
+        renders_chats: a chat model fed its chats already rendered (``input_mode="text"``, Transformers
+            backend): the caller renders each chat as the wrappers would (:func:`astrl._compat.render_chats`)
+            and the wrapper tokenizes the text without adding special tokens, so the model reads the same
+            tokens as from a ``History``, without the wrapper rendering each row and parsing each reply
+            back into messages. The target of a chat conversation, which needs only its replies' tokens.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
     if input_mode not in ("history", "text"):
         raise ValueError(f"input_mode must be 'history' or 'text', got {input_mode!r}")
-    if input_mode == "history" and not getattr(loaded.tokenizer, "chat_template", None):
+    if renders_chats and (input_mode != "text" or backend != "transformers"):
+        raise ValueError(
+            f"renders_chats needs input_mode 'text' and the transformers backend, got {input_mode!r} and {backend!r}"
+        )
+    if (input_mode == "history" or renders_chats) and not getattr(loaded.tokenizer, "chat_template", None):
         raise ValueError(
             f"model {loaded.name!r} has no chat template, which chat mode needs: use mode 'text' (--mode text) "
             "for base models, or a chat model"
@@ -109,6 +119,8 @@ def make_policy(
         return_log_probs=return_log_probs,
         pad_output=False,
     )
+    if renders_chats:  # the rendered template holds its own special tokens, as History's tokenization reads it
+        wrapper_options["tokenizer_kwargs"] = {"add_special_tokens": False}
     if backend == "vllm":
         policy = _vllm_policy(loaded, wrapper_options, vllm_memory, vllm_options)
     else:
@@ -122,6 +134,7 @@ def make_policy(
         policy = TransformersWrapper(loaded.model, **wrapper_options, device=None if device.type == "cpu" else device)
     policy.context_window = loaded.context_window
     policy.generation = generation
+    policy.renders_chats = renders_chats
     return policy
 
 

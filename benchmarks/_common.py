@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:  # after PYTHONPATH: a checkout put there first is the one measured
+    sys.path.append(str(ROOT))
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:

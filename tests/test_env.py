@@ -89,6 +89,45 @@ def test_target_sees_roles_swapped_and_its_own_system_prompt():
         assert target_msgs[-1]["role"] == "user"
 
 
+def test_a_target_fed_rendered_chats_reads_the_same_tokens_and_replies_as_one_fed_histories():
+    """The chat target renders each chat once for its reply samples (``renders_chats``): its model reads
+    the very token ids a History-fed wrapper tokenizes, so a seeded rollout is the same to the token."""
+    from tokenizers import processors
+
+    runs = {}
+    for mode in ("history", "rendered"):
+        tok_a, tok_b = make_tokenizer(), make_tokenizer()
+        unk = tok_b.convert_tokens_to_ids("<unk>")  # a tokenizer that adds a special token to plain text (as BOS)
+        tok_b._tokenizer.post_processor = processors.TemplateProcessing(single="<unk> $A", special_tokens=[("<unk>", unk)])
+        assert tok_b("hello")["input_ids"][0] == unk
+        tester = make_policy(loaded(make_llama(tok_a), tok_a), GenerationSettings(6), input_mode="history")
+        target = make_policy(
+            loaded(make_llama(tok_b, seed=3), tok_b),
+            GenerationSettings(5),
+            input_mode="text" if mode == "rendered" else "history",
+            renders_chats=mode == "rendered",
+        )
+        read = []
+
+        def recording(*args, _read=read, _generate=target.model.generate, **kw):
+            _read.append(kw["input_ids"][kw["attention_mask"].bool()].tolist())
+            return _generate(*args, **kw)
+
+        target.model.generate = recording
+        env = make_redteam_env(
+            tester, target, [KeywordScorer(["damn"])], OPENERS, batch_size=2, max_turns=2, reply_samples=3,
+            target_system_prompt="Be kind.",
+        )  # fmt: skip
+        torch.manual_seed(0)
+        ro = env.rollout(2, tester)
+        runs[mode] = (read, ro["next", "target_tokens"], _strings(ro[:, 1]["next", "target_response"]), ro["next", "reward"])
+    (read_h, tokens_h, replies_h, reward_h), (read_r, tokens_r, replies_r, reward_r) = runs["history"], runs["rendered"]
+    assert len(read_h) == len(read_r) == 2 and read_h == read_r  # 2 turns x 2 conversations x 3 samples, the same ids
+    assert torch.equal(tokens_h, tokens_r) and replies_h == replies_r and torch.equal(reward_h, reward_r)
+    with pytest.raises(ValueError, match="renders_chats needs input_mode 'text' and the transformers backend"):
+        make_policy(loaded(make_llama(make_tokenizer()), make_tokenizer()), input_mode="history", renders_chats=True)
+
+
 def test_target_runs_without_gradients():
     tester, target = _policies()
     grad_flags = []

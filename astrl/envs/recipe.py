@@ -201,8 +201,16 @@ def build_conversation(
     tester_policy = make_policy(tester, spec.tester_generation, input_mode=mode, backend=spec.backend, **engine)
     # the likelihood term scores the probe the target has just read: from the states its prefill keeps
     reads_probe = spec.reward in LIKELIHOOD_REWARDS
+    # a chat target on the Transformers backend reads its chats rendered once each (not once per reply sample)
+    renders = spec.mode == "chat" and spec.target_backend == "transformers"
     target_policy = make_policy(
-        target, spec.target_generation, input_mode=mode, backend=spec.target_backend, keep_prompt_states=reads_probe, **engine
+        target,
+        spec.target_generation,
+        input_mode="text" if renders else mode,
+        backend=spec.target_backend,
+        keep_prompt_states=reads_probe,
+        renders_chats=renders,
+        **engine,
     )
     scorers = dict(scorers) if scorers is not None else make_scorers(spec.scorers, device=spec.device)
     if not env:

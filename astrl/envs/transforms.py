@@ -247,6 +247,8 @@ class TargetTurn(Transform):
         """The target's replies to ``inputs`` (chats or texts) written at ``key``, ``reply_samples`` per
         input in one call: the replies of input i are rows ``i*K .. i*K+K-1``."""
         k = self.reply_samples
+        if key == HISTORY and getattr(self.target, "renders_chats", False):  # each chat rendered once, for k rows
+            inputs, key = render_chats(self.target_tokenizer, inputs), TEXT
         rows = [item for item in inputs for _ in range(k)]
         if key == HISTORY:
             from torchrl.modules.llm.policies import ChatHistory
