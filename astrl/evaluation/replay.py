@@ -309,7 +309,7 @@ def generate_replies(
     """
     from tensordict import TensorDict
 
-    from astrl._compat import chats_to_history
+    from astrl._compat import chats_to_history, render_chats
     from astrl.envs.transforms import clean_responses, policy_limits
     from astrl.envs.truncation import fit_chats, fit_texts
 
@@ -327,11 +327,16 @@ def generate_replies(
         for start in range(0, len(group), batch_size):
             chunk = group[start : start + batch_size]
             n = len(chunk)
-            if mode == "chat":
+            if mode == "chat" and not getattr(policy, "renders_chats", False):
                 from torchrl.modules.llm.policies import ChatHistory
 
                 chats = fit_chats([inputs[i] for i, _ in chunk], tokenizer, budget)
                 td = TensorDict({HISTORY: ChatHistory(prompt=chats_to_history(chats), batch_size=(n,))}, batch_size=(n,))
+            elif mode == "chat":  # a target fed rendered chats (make_policy's renders_chats): the same tokens
+                from torchrl.modules.llm.policies import Text
+
+                texts = render_chats(tokenizer, fit_chats([inputs[i] for i, _ in chunk], tokenizer, budget))
+                td = TensorDict({TEXT: Text(prompt=texts, batch_size=(n,))}, batch_size=(n,))
             else:
                 from torchrl.modules.llm.policies import Text
 
@@ -517,7 +522,7 @@ def _target_replies(
     on_rows: Callable[[int], object],
 ) -> dict[str, list[list[str]]]:
     """Each target's replies to every attack (``config.samples`` each), one target model in memory at a time."""
-    from astrl.policies import input_mode, make_policy
+    from astrl.policies import make_policy
 
     replies: dict[str, list[list[str]]] = {}
     cache: dict[str, object] = {}
@@ -525,7 +530,8 @@ def _target_replies(
         if target.model not in cache:
             cache.clear()  # one target model in memory at a time
             cache[target.model] = load_target(target, dtype=config.dtype, device=config.device)
-        policy = make_policy(cache[target.model], generation, input_mode=input_mode(mode))
+        # text, or a chat rendered here (renders_chats): the tokens a History-fed wrapper reads, less per-row work
+        policy = make_policy(cache[target.model], generation, input_mode="text", renders_chats=mode == "chat")
         torch.manual_seed(config.seed)  # every target draws from the same random stream
         replies[target.label] = generate_replies(
             policy,
