@@ -378,11 +378,8 @@ def nest_rows(rows: Sequence[torch.Tensor], adopters: set[int]) -> tuple[list[in
     may begin with it in one lookup and is compared token by token only with those: linear in the rows,
     where comparing each row with every root is quadratic (a step of 640 conversations has about 700 roots)."""
     lengths = [len(row) for row in rows]
-    flat = torch.cat([row.reshape(-1) for row in rows]).cpu().numpy() if rows else None  # one copy from a GPU
-    ends = [0]
-    for n in lengths:
-        ends.append(ends[-1] + n)
-    tokens = [flat[ends[i] : ends[i + 1]] for i in range(len(rows))] if rows else []
+    flat = torch.cat([row.reshape(-1) for row in rows]).cpu() if rows else torch.zeros(0)  # one copy from a GPU
+    tokens = [part.numpy() for part in flat.split(lengths)]
     sizes = sorted(set(lengths))
     filed: dict[tuple[int, int], list[int]] = {}  # (length, hash of a root's prefix of that length) -> roots
     roots: list[int] = []

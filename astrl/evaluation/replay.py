@@ -308,6 +308,7 @@ def generate_replies(
     mode only conversations of one message count share a call.
     """
     from tensordict import TensorDict
+    from torchrl.modules.llm.policies import ChatHistory, Text
 
     from astrl._compat import chats_to_history, render_chats
     from astrl.envs.transforms import clean_responses, policy_limits
@@ -327,20 +328,16 @@ def generate_replies(
         for start in range(0, len(group), batch_size):
             chunk = group[start : start + batch_size]
             n = len(chunk)
+            batch = [inputs[i] for i, _ in chunk]
             if mode == "chat" and not getattr(policy, "renders_chats", False):
-                from torchrl.modules.llm.policies import ChatHistory
-
-                chats = fit_chats([inputs[i] for i, _ in chunk], tokenizer, budget)
-                td = TensorDict({HISTORY: ChatHistory(prompt=chats_to_history(chats), batch_size=(n,))}, batch_size=(n,))
-            elif mode == "chat":  # a target fed rendered chats (make_policy's renders_chats): the same tokens
-                from torchrl.modules.llm.policies import Text
-
-                texts = render_chats(tokenizer, fit_chats([inputs[i] for i, _ in chunk], tokenizer, budget))
-                td = TensorDict({TEXT: Text(prompt=texts, batch_size=(n,))}, batch_size=(n,))
-            else:
-                from torchrl.modules.llm.policies import Text
-
-                texts = fit_texts([inputs[i] for i, _ in chunk], tokenizer, budget)
+                prompt = ChatHistory(prompt=chats_to_history(fit_chats(batch, tokenizer, budget)), batch_size=(n,))
+                td = TensorDict({HISTORY: prompt}, batch_size=(n,))
+            else:  # text, or chats rendered here for a target fed them so (make_policy's renders_chats)
+                texts = (
+                    render_chats(tokenizer, fit_chats(batch, tokenizer, budget))
+                    if mode == "chat"
+                    else fit_texts(batch, tokenizer, budget)
+                )
                 td = TensorDict({TEXT: Text(prompt=texts, batch_size=(n,))}, batch_size=(n,))
             with torch.no_grad():
                 out = policy(td)
