@@ -302,13 +302,8 @@ class TurnCache:
         device = ids.device
         old_tokens, old_positions, old_count = _compact(seqs[:, :length], seen[:, :length].bool(), fill=-1)
         new_tokens, _, new_count = _compact(ids, mask.bool(), fill=-2)
-        width = min(old_tokens.shape[1], new_tokens.shape[1])
-        same = old_tokens[None, :, :width] == new_tokens[:, None, :width]  # (new row, old row, token)
-        differs = ~same
-        everything = torch.full(differs.shape[:2], width, dtype=torch.long, device=device)
-        matched = torch.where(differs.any(-1), differs.byte().argmax(-1), everything)  # common prefix lengths
-        source = matched.argmax(1)  # the old row with the longest common prefix (first on ties)
-        reused = torch.minimum(matched.gather(1, source[:, None])[:, 0], new_count - 1)  # one token left to run
+        source, matched = longest_prefix_sources(old_tokens, old_count, new_tokens, new_count)
+        reused = torch.minimum(matched, new_count - 1)  # one token left to run
         rest = new_count - reused
         prefix_width, rest_width = int(reused.max()), int(rest.max())
         if prefix_width == 0 or rest_width > (1 - self.min_saving) * ids.shape[1]:
@@ -333,6 +328,78 @@ class TurnCache:
         full_ids = torch.cat([prefix_ids, rest_ids], dim=1)
         full_mask = torch.cat([cached, live], dim=1).to(mask.dtype)
         return full_ids, full_mask, cache, reused
+
+
+_HASH_PRIMES = (2_147_483_629, 2_147_483_587)  # two moduli below 2**31: a product with the base fits in int64
+_HASH_BASE = 1_000_003
+
+
+def _prefix_keys(tokens: torch.Tensor) -> torch.Tensor:
+    """``keys[i, n - 1]``: a 62-bit hash of row ``i``'s first ``n`` tokens (two polynomial hashes side by side)."""
+    values = tokens.long()
+    keys = torch.empty_like(values)
+    hashes = [torch.zeros(len(values), dtype=torch.long, device=values.device) for _ in _HASH_PRIMES]
+    for n in range(values.shape[1]):
+        hashes = [(h * _HASH_BASE + values[:, n]) % p for h, p in zip(hashes, _HASH_PRIMES, strict=True)]
+        keys[:, n] = (hashes[0] << 31) | hashes[1]
+    return keys
+
+
+def longest_prefix_sources(
+    old: torch.Tensor, old_count: torch.Tensor, new: torch.Tensor, new_count: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each new row, the old row sharing the longest common prefix with it (the first such on ties) and
+    that prefix's length: ``(source, matched)``, rows' tokens packed at the front (``count`` each).
+
+    Linear in the rows: each old row files the hashes of its prefixes, and each new row finds by a binary
+    search over lengths the longest of its prefixes some old row has, then the first old row with it (a
+    stable sort keeps old rows in order among equal keys). The answer is checked token by token, and a
+    hash collision (never seen; about one in 2**62 per lookup) falls back to comparing every pair."""
+    device = new.device
+    width = min(old.shape[1], new.shape[1])
+    old_keys = _prefix_keys(old[:, :width])
+    new_keys = _prefix_keys(new[:, :width])
+    lengths = torch.arange(1, width + 1, device=device)
+    valid = lengths[None, :] <= old_count[:, None]  # a prefix the old row has
+    sorted_keys, order = torch.sort(old_keys[valid], stable=True)  # row-major: earlier old rows first on ties
+    owners = valid.nonzero()[:, 0][order]
+
+    def lookup(n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whether some old row begins with each new row's first ``n`` tokens, and the first such row."""
+        if not len(sorted_keys):
+            return torch.zeros_like(n, dtype=torch.bool), torch.zeros_like(n)
+        key = new_keys.gather(1, (n - 1).clamp(min=0)[:, None])[:, 0]
+        at = torch.searchsorted(sorted_keys, key).clamp(max=len(sorted_keys) - 1)
+        return (sorted_keys[at] == key) & (n > 0), owners[at]
+
+    low = torch.zeros_like(new_count)  # a length every new row shares (the empty prefix)
+    high = new_count.clamp(max=width) + 1  # a length no new row shares
+    while bool((high - low > 1).any()):
+        middle = (low + high) // 2
+        found, _ = lookup(middle)
+        low, high = torch.where(found, middle, low), torch.where(found, high, middle)
+    found, source = lookup(low)
+    source = torch.where(found, source, torch.zeros_like(source))  # nothing shared: the first old row, as argmax
+    slot = torch.arange(width, device=device)
+    agree = (old[source, :width] == new[:, :width]) | (slot[None, :] >= low[:, None])
+    if not bool(agree.all()):  # a hash collision: compare every pair
+        return longest_prefix_sources_pairwise(old, old_count, new, new_count)
+    return source, low
+
+
+def longest_prefix_sources_pairwise(
+    old: torch.Tensor, old_count: torch.Tensor, new: torch.Tensor, new_count: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`longest_prefix_sources` by comparing every new row with every old row (quadratic memory)."""
+    width = min(old.shape[1], new.shape[1])
+    slot = torch.arange(width, device=new.device)
+    old = torch.where(slot[None, :] < old_count[:, None], old[:, :width], -1)  # past a row's end: never equal
+    new = torch.where(slot[None, :] < new_count[:, None], new[:, :width], -2)
+    differs = old[None, :, :] != new[:, None, :]  # (new row, old row, token)
+    everything = torch.full(differs.shape[:2], width, dtype=torch.long, device=new.device)
+    matched = torch.where(differs.any(-1), differs.byte().argmax(-1), everything)  # common prefix lengths
+    source = matched.argmax(1)  # first on ties
+    return source, matched.gather(1, source[:, None])[:, 0]
 
 
 def _compact(tokens: torch.Tensor, keep: torch.Tensor, fill: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

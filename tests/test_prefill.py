@@ -3,7 +3,13 @@ import torch
 from conftest import loaded, make_gpt2, make_llama, make_tokenizer
 
 from astrl import lm_scoring
-from astrl.prefill import SharedPrefill, TurnCache, clear_turn_caches
+from astrl.prefill import (
+    SharedPrefill,
+    TurnCache,
+    clear_turn_caches,
+    longest_prefix_sources,
+    longest_prefix_sources_pairwise,
+)
 from astrl.training import TrainConfig, Trainer
 from astrl.training.setup import build_models
 
@@ -338,3 +344,53 @@ def test_prompt_states_of_a_target_with_adapters_off_are_the_base_model_s():
     adapted = _direct(tester, prompts, [2, 1], tok)
     assert not torch.allclose(adapted[0], read[0], atol=1e-3)  # the tester's own log-probs are other
     assert lm_scoring._PROMPT_STATES.get(tester) is None  # nothing kept for the adapters-on model
+
+
+# -- which kept row a new row reuses: longest common prefix, first on ties ---------------------------------------
+def _packed(rows):
+    """Rows packed at the front (fill -1) and their counts."""
+    width = max(len(r) for r in rows)
+    tokens = torch.full((len(rows), width), -1)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return tokens, torch.tensor([len(r) for r in rows])
+
+
+@pytest.mark.parametrize("match", [longest_prefix_sources, longest_prefix_sources_pairwise], ids=["hashed", "pairwise"])
+def test_longest_prefix_sources_by_hand(match):
+    old = _packed([[1, 2, 3], [1, 2, 3, 4, 5], [7, 8], [1, 2, 3, 4, 9]])
+    new = _packed([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 9, 9, 9], [1, 2, 7], [7, 8, 1], [5], [1, 2, 3]])
+    source, matched = match(*old, *new)
+    # row 0 shares 5 with old 1; row 1 shares 5 with old 3; row 2 shares 2 with old 0, 1 and 3 (first: 0);
+    # row 3 shares 2 with old 2; row 4 shares nothing (the first old row, as argmax gives); row 5 shares all 3
+    # of its tokens with old 0, 1 and 3 (first: 0)
+    assert source.tolist() == [1, 3, 0, 2, 0, 0]
+    assert matched.tolist() == [5, 5, 2, 2, 0, 3]
+
+
+def test_longest_prefix_sources_match_every_pair_compared():
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        vocab = 3 if trial % 2 else 50  # a small vocabulary makes long shared prefixes and many ties
+        old_rows = [
+            torch.randint(vocab, (int(n),), generator=generator).tolist()
+            for n in torch.randint(1, 30, (40,), generator=generator)
+        ]
+        new_rows = []
+        for n in torch.randint(1, 40, (60,), generator=generator):
+            base = old_rows[int(torch.randint(len(old_rows), (), generator=generator))]
+            keep = int(torch.randint(len(base) + 1, (), generator=generator))
+            new_rows.append(base[:keep] + torch.randint(vocab, (int(n),), generator=generator).tolist())
+        old, new = _packed(old_rows), _packed(new_rows)
+        hashed, pairwise = longest_prefix_sources(*old, *new), longest_prefix_sources_pairwise(*old, *new)
+        assert torch.equal(hashed[0], pairwise[0]) and torch.equal(hashed[1], pairwise[1])
+
+
+def test_longest_prefix_sources_fall_back_on_a_hash_collision(monkeypatch):
+    from astrl import prefill
+
+    monkeypatch.setattr(prefill, "_prefix_keys", lambda tokens: torch.zeros_like(tokens, dtype=torch.long))
+    old = _packed([[4, 5], [1, 2, 3]])
+    new = _packed([[1, 2, 9], [4, 6]])
+    source, matched = longest_prefix_sources(*old, *new)  # every key equal: the check finds it, the pairs decide
+    assert source.tolist() == [1, 0] and matched.tolist() == [2, 1]
