@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -22,22 +23,15 @@ def _add_sampling_args(p) -> None:
 
 
 def _add_generation_args(p, *, from_run: bool = False) -> None:
-    """The sampling flags; ``from_run``: the lengths default to the tester's run (``astrl eval``)."""
-    default, run, reply = (None, "the run's, else ", "else the run's reply length, else 32") if from_run else (32, "", "")
-    p.add_argument(
-        "--max-new-tokens",
-        type=at_least(1),
-        default=default,
-        help=f"new tokens per tester turn, and per target turn unless set (default: {run}32)",
-    )
-    p.add_argument(
-        "--target-max-new-tokens",
-        type=at_least(1),
-        default=None,
-        help=f"new tokens per target reply (default: --max-new-tokens{' if given, ' + reply if from_run else ''})",
-    )
-    _add_sampling_args(p)
-    p.add_argument("--greedy", action="store_true", help="greedy decoding for both models")
+    """The sampling flags, one per :class:`~astrl.envs.settings.RunSampling` field; ``from_run``: the lengths
+    are :class:`~astrl.envs.settings.EvalLengths`' (the tester's run's unless given, ``astrl eval``)."""
+    from astrl.envs.settings import EvalLengths, RunSampling
+
+    lengths = [spec.name for spec in dataclasses.fields(EvalLengths)] if from_run else []
+    if from_run:
+        add_setting_flags(p, EvalLengths, default=FIELD_DEFAULT)
+    rest = [spec.name for spec in dataclasses.fields(RunSampling) if spec.name not in lengths]
+    add_setting_flags(p, RunSampling, names=rest, default=FIELD_DEFAULT)
 
 
 def _add_run_args(p) -> None:
@@ -82,13 +76,6 @@ def _add_conversation_args(p, *, from_run: bool = False) -> None:
     )  # fmt: skip
 
 
-def _generation(args, max_new: int | None):
-    from astrl.policies import GenerationSettings
-
-    max_new = max_new or GenerationSettings.max_new_tokens  # None: eval's length left to the run
-    return GenerationSettings(max_new, args.temperature, args.top_p, args.top_k, do_sample=not args.greedy)
-
-
 def _run_settings(args) -> dict:
     """The seed, dtype and device flags (:func:`_add_run_args`) as config keywords."""
     return {"seed": args.seed, "dtype": args.dtype, "device": args.device}
@@ -97,12 +84,14 @@ def _run_settings(args) -> dict:
 def _conversation_settings(args) -> dict:
     """The :class:`~astrl.envs.settings.ConversationRuns` keywords of ``astrl rollout`` and ``astrl eval``
     from their conversation, sampling and run flags."""
-    from astrl.envs.settings import ConversationRuns
+    from astrl.envs.settings import ConversationRuns, RunSampling
 
+    given = given_settings(args, RunSampling)
+    sampling = RunSampling(**{name: value for name, value in given.items() if value is not None})  # None: the run's
     return {
         **given_settings(args, ConversationRuns, names=CONVERSATION_FLAGS),
-        "tester_generation": _generation(args, args.max_new_tokens),
-        "target_generation": _generation(args, args.target_max_new_tokens or args.max_new_tokens),
+        "tester_generation": sampling.generation(),
+        "target_generation": sampling.generation(target=True),
         **_run_settings(args),
     }
 
@@ -206,12 +195,12 @@ def _add_eval(sub) -> None:
 
 
 def _eval(args) -> int:
+    from astrl.envs.settings import EvalLengths
     from astrl.evaluation.run import EvalConfig, run_eval
 
     config = EvalConfig(
         **_conversation_settings(args),
-        max_new_tokens=args.max_new_tokens,
-        target_max_new_tokens=args.target_max_new_tokens,
+        **given_settings(args, EvalLengths),
         **_report_settings(args),
         tester=args.tester,
         target=args.target,

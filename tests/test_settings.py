@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from astrl.argtypes import add_setting_flags, range_text, replaced_default, setting, value_problem
+from astrl.argtypes import add_setting_flags, given_settings, range_text, replaced_default, setting, value_problem
 from astrl.backends import BackendSettings
 from astrl.decoding import DecodingSettings
 from astrl.envs import ConversationSpec
@@ -221,7 +221,6 @@ COLLECTION_VALUES = {  # a value other than the default for each collection sett
 
 
 def test_the_collection_settings_are_declared_once_and_are_astrl_rollout_flags():
-    from astrl.argtypes import given_settings
     from astrl.backends import CollectionSettings
     from astrl.cli import build_parser
     from astrl.training.commands import train_overrides
@@ -285,12 +284,35 @@ def test_the_conversation_flags_are_the_conversation_fields_on_both_entry_points
     assert unset["turns"] is None and unset["split"] == "test"  # eval: the run's turns, the held-out split
 
 
+def test_the_sampling_flags_are_the_sampling_fields_on_both_entry_points():
+    from astrl.cli import _conversation_settings, build_parser
+    from astrl.envs.settings import EvalLengths
+    from astrl.policies import GenerationSettings
+
+    flags = ["--temperature", "0.7", "--top-p", "0.9", "--top-k", "5", "--max-new-tokens", "6", "--target-max-new-tokens", "9"]
+    for command in (["rollout"], ["eval", "--tester", "run"]):
+        for greedy in (False, True):
+            args = build_parser().parse_args([*command, *flags, *(["--greedy"] if greedy else [])])
+            settings = _conversation_settings(args)
+            assert settings["tester_generation"] == GenerationSettings(6, 0.7, 0.9, 5, do_sample=not greedy), command
+            assert settings["target_generation"] == GenerationSettings(9, 0.7, 0.9, 5, do_sample=not greedy), command
+    rollout = _conversation_settings(build_parser().parse_args(["rollout", "--max-new-tokens", "6"]))
+    assert rollout["target_generation"].max_new_tokens == 6  # the target's length unset: the tester's
+    unset = build_parser().parse_args(["eval", "--tester", "run"])
+    assert (unset.max_new_tokens, unset.target_max_new_tokens) == (None, None)  # eval: the run's lengths
+    assert EvalConfig(**_conversation_settings(unset), **given_settings(unset, EvalLengths)).max_new_tokens is None
+    assert [spec.name for spec in dataclasses.fields(EvalLengths)] == ["max_new_tokens", "target_max_new_tokens"]
+    assert _conversation_settings(unset)["tester_generation"] == GenerationSettings()  # the last fallback: 32, sampled
+
+
 @pytest.mark.parametrize(
     "command, flag, text",
     [
         (["eval", "--tester", "run"], "--turns", "Tester turns per conversation. (default: the run's, else 3)"),
         (["eval", "--tester", "run"], "--split", "(default: test)"),
         (["rollout"], "--turns", "Tester turns per conversation. (default: 3)"),
+        (["rollout"], "--greedy", "Greedy decoding for both models."),
+        (["eval", "--tester", "run"], "--target-max-new-tokens", "(null: max_new_tokens if set, else the run's reply length"),
         (["rollout"], "--test-fraction", "(null: 0.1; dev keeps 0.1, train the rest)"),
         (["train"], "--num-collectors", "Ray workers; each runs whole groups. (default: the config's, else 1)"),
     ],

@@ -2,7 +2,8 @@
 
 :class:`ConversationSettings` holds what every entry point asks of its conversations (openers, turns,
 mode, system prompts, replies per probe), :class:`SeedSettings` the seeds (of everything drawn, of
-the prompt split), :class:`SamplingSettings` the flat sampling keys of a YAML config. Each field
+the prompt split), :class:`SamplingSettings` the flat sampling keys of a YAML config (with greedy
+decoding, :class:`RunSampling`: the sampling flags of rollout and eval). Each field
 carries its help and its check (:func:`astrl.argtypes.setting`), so that one field is one declaration:
 :class:`~astrl.training.TrainConfig`, :class:`~astrl.rollout.RolloutConfig`,
 :class:`~astrl.evaluation.run.EvalConfig` and :class:`~astrl.envs.ConversationSpec` inherit them
@@ -123,6 +124,18 @@ class SamplingSettings(DecodingSettings):
         return GenerationSettings(max_new, self.temperature, self.top_p, self.top_k, do_sample=True)
 
 
+@dataclass
+class RunSampling(SamplingSettings):
+    """:class:`SamplingSettings` and greedy decoding: the sampling flags of ``astrl rollout`` and ``astrl eval``
+    (a training config always samples: a group's probes must differ)."""
+
+    greedy: bool = setting(False, "Greedy decoding for both models.")
+
+    def generation(self, target: bool = False) -> GenerationSettings:
+        """The tester's (or the target's) sampling settings, greedy with ``greedy``."""
+        return dataclasses.replace(super().generation(target), do_sample=not self.greedy)
+
+
 def _generation_settings() -> GenerationSettings:
     from astrl.policies import GenerationSettings
 
@@ -170,3 +183,19 @@ class ConversationRuns(ConversationBatch):
 # astrl eval's conversations: the held-out split, more conversations, and None (the tester's run's value,
 # else the default replaced) for what a training run sets; astrl.evaluation.run.EvalConfig inherits it
 EvalRuns = with_defaults(ConversationRuns, prompts=None, split="test", mode=None, num_conversations=32, turns=None)
+
+
+@dataclass
+class EvalLengths:
+    """The lengths of ``astrl eval``'s turns: ``None`` is the tester's run's, so that a run is measured in the
+    setting it was trained in (:class:`~astrl.evaluation.run.EvalConfig` inherits them)."""
+
+    max_new_tokens: int | None = setting(
+        None, "New tokens per tester turn (null: the run's, else the tester's generation settings', 32 unless set).", at_least=1
+    )
+    target_max_new_tokens: int | None = setting(
+        None,
+        "New tokens per target reply (null: max_new_tokens if set, else the run's reply length, else the target's "
+        "generation settings', 32 unless set).",
+        at_least=1,
+    )

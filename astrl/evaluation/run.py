@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from astrl.argtypes import setting, value_problem
-from astrl.envs.settings import ConversationRuns, EvalRuns
+from astrl.argtypes import value_problem
+from astrl.envs.settings import ConversationRuns, EvalLengths, EvalRuns
 from astrl.evaluation.agreement import eval_agreement
 from astrl.evaluation.records import (
     EvaluationError,
@@ -52,7 +52,7 @@ DEFAULT_TURNS: int = ConversationRuns.__dataclass_fields__["turns"].default  # w
 
 
 @dataclass
-class EvalConfig(ModelSettings, ReportSettings, EvalRuns):  # bases in reverse: the conversation settings first
+class EvalConfig(ModelSettings, ReportSettings, EvalLengths, EvalRuns):  # bases in reverse: the conversation settings first
     """Settings of an evaluation (the conversation settings are those of
     :class:`~astrl.envs.settings.ConversationRuns` with eval's defaults, ``EvalRuns``; the report settings
     :class:`~astrl.evaluation.settings.ReportSettings`'s; dtype and device
@@ -68,12 +68,6 @@ class EvalConfig(ModelSettings, ReportSettings, EvalRuns):  # bases in reverse: 
     tester: str = "smollm2-135m"
     target: str | None = None  # run's target, else smollm2-135m
     judges: list[str] | None = None  # run's judges, else profanity
-    max_new_tokens: int | None = setting(
-        None, "New tokens per tester turn (null: the run's, else tester_generation's).", at_least=1
-    )
-    target_max_new_tokens: int | None = setting(
-        None, "New tokens per target reply (null: max_new_tokens if set, else the run's, else target_generation's).", at_least=1
-    )
     checkpoint: str | None = None
     embeddings: bool = True
 
