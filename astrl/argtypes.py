@@ -84,11 +84,11 @@ def value_problem(
 CHECKS = ("at_least", "above", "at_most", "below", "choices")  # the keywords of setting() and require()
 
 
-def require(name: str, value: Any, *, nullable: bool = False, **checks: Any) -> None:
-    """Raise ``ValueError("NAME must be ..., got ...")`` unless ``value`` passes ``checks`` (the ``at_least``,
-    ``above``, ``at_most``, ``below`` and ``choices`` of :func:`setting`; a float must be finite;
-    ``nullable``: ``None`` passes): a setting's check, for the arguments of the library's classes and
-    functions."""
+def require(name: str, value: Any, *, nullable: bool = False, error: type[Exception] = ValueError, **checks: Any) -> None:
+    """Raise ``error("NAME must be ..., got ...")`` (a ``ValueError`` unless given) unless ``value`` passes
+    ``checks`` (the ``at_least``, ``above``, ``at_most``, ``below`` and ``choices`` of :func:`setting`; a
+    float must be finite; ``nullable``: ``None`` passes): a setting's check, for the arguments of the
+    library's classes and functions."""
     unknown = set(checks) - set(CHECKS)
     if unknown:
         raise TypeError(f"require() takes the checks {list(CHECKS)}, got {sorted(unknown)}")
@@ -96,7 +96,7 @@ def require(name: str, value: Any, *, nullable: bool = False, **checks: Any) -> 
         return
     problem = value_problem(value, checks, nullable=nullable, null=" or None")
     if problem:
-        raise ValueError(f"{name} {problem}")
+        raise error(f"{name} {problem}")
 
 
 def setting(

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from astrl.argtypes import setting
+from astrl.argtypes import require, setting
 from astrl.errors import ModelLoadError, ScorerError
 
 MODES = ("chat", "text")  # conversation modes: chat templates and roles, or plain-text continuation
@@ -151,8 +151,7 @@ def parse_scorer(name: str) -> tuple[str, tuple[str, ...]]:
         check_left_out(name, left_out)
         parsed = (kind, (*presets, *(f"-{w}" for w in left_out)))
     elif kind == "detoxify" and (arg or not colon):
-        if (arg or "original") not in DETOXIFY_VARIANTS:
-            raise ScorerError(f"scorer {name!r}: detoxify variant must be one of {', '.join(DETOXIFY_VARIANTS)}")
+        require(f"scorer {name!r}: detoxify variant", arg or "original", choices=DETOXIFY_VARIANTS, error=ScorerError)
         parsed = (kind, (arg or "original",))
     elif kind == "keywords" and colon:
         words = tuple(sorted({w.strip().lower() for w in arg.split(",") if w.strip()}))

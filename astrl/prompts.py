@@ -22,6 +22,7 @@ import random
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from astrl.argtypes import require
 from astrl.jsonl import numbered_lines
 
 SPLITS = ("train", "dev", "test", "all")
@@ -165,8 +166,7 @@ def split_prompts(
     Duplicates are removed before splitting so that no opener lands in two splits. With fewer
     prompts than splits, every split gets at least one prompt where possible.
     """
-    if split not in SPLITS:
-        raise PromptSourceError(f"unknown split {split!r}; choose one of {SPLITS}")
+    require("split", split, choices=SPLITS, error=PromptSourceError)
     unique = list(dict.fromkeys(prompts))
     if split == "all":
         return unique

@@ -28,6 +28,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from astrl.argtypes import require
 from astrl.errors import ScorerError
 from astrl.names import (
     DETOXIFY_VARIANTS,
@@ -346,8 +347,7 @@ class ChatJudgeScorer:
     ) -> None:
         from astrl.models import load_model
 
-        if style not in JUDGE_STYLES:
-            raise ScorerError(f"judge style must be one of {', '.join(JUDGE_STYLES)}, got {style!r}")
+        require("judge style", style, choices=JUDGE_STYLES, error=ScorerError)
         loaded = load_model(model_id, device=device)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.window = loaded.context_window

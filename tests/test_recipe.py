@@ -184,7 +184,7 @@ def test_chat_demo_compares_on_its_declared_held_out_openers():
     )  # fmt: skip
     assert demo_judge(full) == "profanity" and str(full.run_dir) == "runs/elicit_chat_full"
     assert comparison_spec(full, conversations=436, seed=1234, judge="profanity").scorers == ["wordlist:strict", "profanity"]
-    with pytest.raises(ConfigError, match="the demo's mode must be one of text, chat, got 'voice'"):
+    with pytest.raises(ConfigError, match=r"the demo's mode must be one of \('text', 'chat'\), got 'voice'"):
         demo_config(mode="voice")
 
 

@@ -482,6 +482,25 @@ def test_the_library_checks_its_arguments_through_the_settings_check():
     assert {name: getattr(GenerationSettings(), name) for name in decoding} == decoding
     with pytest.raises(TypeError, match="at_leats"):
         require("x", 1, at_leats=0)  # a misspelt check is an error, not a check that never fails
+    # a caller's own error class, with the same wording: each guard of a choice below raises its kind
+    from astrl.envs.transforms import ScoreReward
+    from astrl.errors import ConfigError, ScorerError
+    from astrl.prompts import PromptSourceError, split_prompts
+    from astrl.scorers import ChatJudgeScorer
+    from astrl.training.demo import demo_config
+    from astrl.training.trainer import make_optimizer
+
+    choices = r"must be one of \(%s\), got '%s'"
+    for call, error, message in (
+        (lambda: require("x", "c", choices=("a", "b"), error=ConfigError), ConfigError, choices % ("'a', 'b'", "c")),
+        (lambda: split_prompts(["a"], "heldout", seed=0), PromptSourceError, choices % ("'train', .*, 'all'", "heldout")),
+        (lambda: demo_config(mode="voice"), ConfigError, "the demo's mode " + choices % ("'text', 'chat'", "voice")),
+        (lambda: make_optimizer("lion", [], 0.1, 0.0), ConfigError, "optimizer " + choices % ("'adamw', .*", "lion")),
+        (lambda: ChatJudgeScorer("x", style="loud"), ScorerError, "judge style " + choices % (".*'instruct'", "loud")),
+        (lambda: ScoreReward({"tox": len}, reward_scorer="nice"), ValueError, "reward_scorer " + choices % ("'tox',", "nice")),
+    ):
+        with pytest.raises(error, match=message):
+            call()
 
 
 def test_the_conversation_mode_is_declared_once_and_every_taker_refuses_another():

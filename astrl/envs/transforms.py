@@ -359,8 +359,7 @@ class ScoreReward(Transform):
             raise ValueError("ScoreReward needs at least one scorer")
         self.scorers = dict(scorers)
         self.reward_scorer = reward_scorer or next(iter(self.scorers))
-        if self.reward_scorer not in self.scorers:
-            raise ValueError(f"reward_scorer {self.reward_scorer!r} is not one of {list(self.scorers)}")
+        require("reward_scorer", self.reward_scorer, choices=tuple(self.scorers))
         self.in_key = in_key
 
     def transform_observation_spec(self, observation_spec: Composite) -> Composite:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from astrl._compat import as_list
+from astrl.argtypes import require
 from astrl.envs import ConversationSpec
 from astrl.keys import NEXT, QUERY, REWARD
 from astrl.locks import sole_writer
@@ -155,8 +156,7 @@ def demo_config(overrides: dict | None = None, *, full: bool = False, mode: str 
     """The demo's config with ``overrides``: configs/demo.yaml, or with ``full`` the longer recipe of
     configs/demo_full.yaml; ``mode="chat"``: configs/elicit_chat.yaml, or with ``full`` the chat RL recipe of
     configs/elicit_chat_full.yaml."""
-    if mode not in DEMO_MODES:
-        raise ConfigError(f"the demo's mode must be one of {', '.join(DEMO_MODES)}, got {mode!r}")
+    require("the demo's mode", mode, choices=DEMO_MODES, error=ConfigError)
     if mode == "chat":
         return TrainConfig(**{**CHAT_DEMO_CONFIG, **(CHAT_FULL_DEMO_CHANGES if full else {}), **(overrides or {})})
     return TrainConfig(**{**DEMO_CONFIG, **(FULL_DEMO_CHANGES if full else {}), **(overrides or {})})

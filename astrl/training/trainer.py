@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from astrl.archive import ARCHIVE_FILE, AttackArchive
+from astrl.argtypes import require
 from astrl.jsonl import numbered_lines
 from astrl.locks import sole_writer
 from astrl.models import LoadedModel, save_model
@@ -96,8 +97,7 @@ def warmup_then_linear(warmup: int, total: int):
 def make_optimizer(name: str, groups: list[dict], lr: float, weight_decay: float) -> torch.optim.Optimizer:
     """The optimizer named by the config (:data:`~astrl.training.config.OPTIMIZERS`: ``adamw`` default;
     ``adam``, ``sgd``, ``rmsprop``, ``adagrad``)."""
-    if name not in OPTIMIZERS:
-        raise ConfigError(f"optimizer must be one of {tuple(OPTIMIZERS)}, got {name!r}")
+    require("optimizer", name, choices=tuple(OPTIMIZERS), error=ConfigError)
     return getattr(torch.optim, OPTIMIZERS[name])(groups, lr=lr, weight_decay=weight_decay)
 
 
