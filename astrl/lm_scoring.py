@@ -147,6 +147,7 @@ def score_tokens(
     entropy_grad: bool = True,
     hidden: bool = False,
     share_prefix: bool = False,
+    nested: bool = False,
     **forward_kwargs,
 ) -> TokenScores:
     """``log p(continuation_t | prefix, continuation_<t)`` of every continuation token, from one forward.
@@ -164,11 +165,20 @@ def score_tokens(
     goes on from (gradients flow back through it), then one forward over the rows' tails. The
     log-probs are those of the row-by-row forward up to float rounding; when no two prefixes are
     identical, the row-by-row forward runs.
+
+    With ``nested``, rows contained in longer rows are read from the longer row's forward, as
+    :func:`nested_token_logprobs` reads them (a conversation's earlier turns inside its later ones): the
+    same outputs, hidden states included, up to float rounding, from a forward over the longest rows only.
     """
     if len(prefixes) != len(continuations):
         raise ValueError(f"got {len(prefixes)} prefixes but {len(continuations)} continuations")
     if not len(prefixes):
         raise ValueError("nothing to score: no prefixes and continuations")
+    if nested:
+        nesting = Nesting.of(prefixes, continuations, max_length)
+        options = dict(pad_token_id=pad_token_id, max_length=max_length, entropy=entropy, entropy_grad=entropy_grad)
+        options.update(hidden=hidden, share_prefix=share_prefix, **forward_kwargs)
+        return nesting.scores(score_tokens(model, nesting.root_prefixes(), nesting.root_continuations(), **options))
     device = next(model.parameters()).device
     rows, starts, lengths = _joined(prefixes, continuations, max_length)
     steps = torch.arange(max(max(lengths), 1), device=device)
@@ -401,6 +411,66 @@ def nest_rows(rows: Sequence[torch.Tensor], adopters: set[int]) -> tuple[list[in
     return roots, owner
 
 
+@dataclass
+class Nesting:
+    """Rows read inside longer rows (:func:`nest_rows`): each root is scored from ``start[root]`` (the shortest
+    prefix among the rows it holds), and row ``i``'s continuation is the ``span[i] = (offset, length)`` slice of
+    its root's continuation."""
+
+    rows: list[torch.Tensor]
+    roots: list[int]
+    owner: list[int]
+    start: dict[int, int]
+    span: list[tuple[int, int]]
+
+    @classmethod
+    def of(cls, prefixes: Sequence[torch.Tensor], continuations: Sequence[torch.Tensor], max_length: int | None) -> Nesting:
+        if len(prefixes) != len(continuations):
+            raise ValueError(f"got {len(prefixes)} prefixes but {len(continuations)} continuations")
+        prefixes = [p.reshape(-1).long() for p in prefixes]
+        rows = [torch.cat([p, c.reshape(-1).long()]) for p, c in zip(prefixes, continuations, strict=True)]
+        whole = {i for i, row in enumerate(rows) if max_length is None or len(row) <= max_length}  # never clipped
+        roots, owner = nest_rows(rows, whole)
+        start = {r: min(len(prefixes[i]) for i in range(len(rows)) if owner[i] == r) for r in roots}
+        span = [(len(prefixes[i]) - start[owner[i]], len(row) - len(prefixes[i])) for i, row in enumerate(rows)]
+        return cls(rows, roots, owner, start, span)
+
+    def root_prefixes(self) -> list[torch.Tensor]:
+        return [self.rows[r][: self.start[r]] for r in self.roots]
+
+    def root_continuations(self) -> list[torch.Tensor]:
+        return [self.rows[r][self.start[r] :] for r in self.roots]
+
+    def read(self, per_root: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Each row's continuation entries, sliced from its root's (one 1-D or more tensor per root)."""
+        by_root = dict(zip(self.roots, per_root, strict=True))
+        return [by_root[self.owner[i]][offset : offset + n] for i, (offset, n) in enumerate(self.span)]
+
+    def read_padded(self, padded: torch.Tensor) -> torch.Tensor:
+        """Each row's continuation entries from the roots' right-padded ``(roots, T, ...)`` tensor, as one
+        right-padded ``(rows, T', ...)`` tensor (one gather: gradients flow back to the roots' entries)."""
+        index = {r: j for j, r in enumerate(self.roots)}
+        width = max((n for _, n in self.span), default=0)
+        device = padded.device
+        steps = torch.arange(max(width, 1), device=device)
+        roots = torch.tensor([index[self.owner[i]] for i in range(len(self.rows))], device=device)
+        offsets = torch.tensor([offset for offset, _ in self.span], device=device)
+        columns = (offsets[:, None] + steps[None]).clamp(max=padded.shape[1] - 1)
+        return padded[roots[:, None], columns]
+
+    def scores(self, roots: TokenScores) -> TokenScores:
+        """Each row's :class:`TokenScores` read from its root's."""
+        lengths = [n for _, n in self.span]
+        steps = torch.arange(max(max(lengths), 1), device=roots.valid.device)
+        return TokenScores(
+            self.read_padded(roots.log_probs),
+            None if roots.entropy is None else self.read_padded(roots.entropy),
+            None if roots.hidden is None else self.read_padded(roots.hidden),
+            steps[None] < torch.tensor(lengths, device=steps.device)[:, None],
+            lengths,
+        )
+
+
 def nested_token_logprobs(
     model: torch.nn.Module,
     prefixes: Sequence[torch.Tensor],
@@ -422,31 +492,19 @@ def nested_token_logprobs(
     with the same prefix (a GRPO group's system prompt and opener) read it once (:func:`score_tokens`).
     Returns what :func:`token_logprobs` returns (with ``entropy``, the entropies read the same way).
     """
-    if len(prefixes) != len(continuations):
-        raise ValueError(f"got {len(prefixes)} prefixes but {len(continuations)} continuations")
-    if not len(prefixes):
+    nesting = Nesting.of(prefixes, continuations, max_length)
+    if not nesting.rows:
         return ([], []) if entropy else []
-    prefixes = [p.reshape(-1).long() for p in prefixes]
-    rows = [torch.cat([p, c.reshape(-1).long()]) for p, c in zip(prefixes, continuations, strict=True)]
-    whole = {i for i, row in enumerate(rows) if max_length is None or len(row) <= max_length}  # never clipped
-    roots, owner = nest_rows(rows, whole)
-    start = {r: min(len(prefixes[i]) for i in range(len(rows)) if owner[i] == r) for r in roots}
     scored = token_logprobs(
         model,
-        [rows[r][: start[r]] for r in roots],
-        [rows[r][start[r] :] for r in roots],
+        nesting.root_prefixes(),
+        nesting.root_continuations(),
         pad_token_id=pad_token_id,
         max_length=max_length,
         share_prefix=share_prefix,
         entropy=entropy,
     )
-
-    def read(per_root: list[torch.Tensor]) -> list[torch.Tensor]:  # each row's continuation from its root's row
-        by_root = dict(zip(roots, per_root, strict=True))
-        spans = [(len(prefixes[i]) - start[owner[i]], len(row) - len(prefixes[i])) for i, row in enumerate(rows)]
-        return [by_root[owner[i]][offset : offset + n] for i, (offset, n) in enumerate(spans)]
-
-    return (read(scored[0]), read(scored[1])) if entropy else read(scored)
+    return (nesting.read(scored[0]), nesting.read(scored[1])) if entropy else nesting.read(scored)
 
 
 # -- hidden states a model kept from reading a prompt ---------------------------------------------------------

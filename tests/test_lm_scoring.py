@@ -194,6 +194,41 @@ def test_nested_rows_read_from_the_longer_row_equal_rows_scored_alone(tok, arch)
         nested_token_logprobs(model, [a], [b, c])
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_nested_scoring_gives_the_same_outputs_and_gradients_from_the_longest_rows(tok, arch):
+    model = make_llama(tok) if arch == "llama" else make_gpt2(tok, n_positions=40)
+    a, b, c, d, e = ragged(tok, [6, 4, 5, 3, 7], seed=6)
+    turn1, turn2 = (a, b), (torch.cat([a, b, c]), d)  # turn 2's row begins with turn 1's
+    other = (e, c)
+    long_ = (torch.cat([a, b, c, d, e, a, b]), torch.cat([c, d]))  # 41 tokens: clipped at max_length=36
+    inside_long = (torch.cat([a, b, c, d, e, a]), b)  # begins the long row: scored on its own
+    rows = [turn2, other, turn1, long_, inside_long]
+    prefixes, conts = [p for p, _ in rows], [q for _, q in rows]
+    kw = dict(pad_token_id=tok.pad_token_id, max_length=36, entropy=True, hidden=True)
+    calls, original = [], model.forward
+    model.forward = lambda *args, **k: calls.append(k["input_ids"].shape) or original(*args, **k)
+    outputs, grads = {}, {}
+    for name in ("nested", "alone"):
+        model.zero_grad()
+        out = score_tokens(model, prefixes, conts, nested=name == "nested", **kw)
+        per_token = out.log_probs.nan_to_num() + out.entropy + (out.hidden**2).mean(-1)  # what lies past valid is junk
+        loss = torch.where(out.valid, per_token, 0.0).sum()
+        loss.backward()
+        outputs[name] = out
+        grads[name] = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+    assert calls[0][0] == 3 and calls[1][0] == 5  # turns 1 and 2 read inside inside_long's row, which begins with them
+    nested, alone = outputs["nested"], outputs["alone"]
+    assert nested.lengths == alone.lengths == [3, 5, 4, 8, 4]
+    assert torch.equal(nested.valid, alone.valid) and nested.log_probs.shape == alone.log_probs.shape
+    for field in ("log_probs", "entropy", "hidden"):
+        x, y = getattr(nested, field), getattr(alone, field)
+        torch.testing.assert_close(x[nested.valid], y[alone.valid], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(nested.log_probs[2, :4], plain(model, a, b)[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads["nested"], grads["alone"], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="nothing to score"):
+        score_tokens(model, [], [], nested=True)
+
+
 def brute_nesting(rows, adopters):
     """The rule compared row by row with every root: longest first, a row joins the first root so far
     among the adopters that begins with it."""
