@@ -27,11 +27,11 @@ def _add_generation_args(p, *, from_run: bool = False) -> None:
     are :class:`~astrl.envs.settings.EvalLengths`' (the tester's run's unless given, ``astrl eval``)."""
     from astrl.envs.settings import EvalLengths, RunSampling
 
-    lengths = [spec.name for spec in dataclasses.fields(EvalLengths)] if from_run else []
-    if from_run:
+    names = [spec.name for spec in dataclasses.fields(RunSampling)]
+    if from_run:  # eval: lengths of their own, the run's unless given
         add_setting_flags(p, EvalLengths, default=FIELD_DEFAULT)
-    rest = [spec.name for spec in dataclasses.fields(RunSampling) if spec.name not in lengths]
-    add_setting_flags(p, RunSampling, names=rest, default=FIELD_DEFAULT)
+        names = [name for name in names if name not in EvalLengths.__dataclass_fields__]
+    add_setting_flags(p, RunSampling, names=names, default=FIELD_DEFAULT)
 
 
 def _add_run_args(p) -> None:

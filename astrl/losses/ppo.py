@@ -416,8 +416,8 @@ class PPOLoss(LossModule):
 
     def evaluate(self, td: TensorDictBase, *, entropy: bool = True, entropy_grad: bool = True) -> TokenOutputs:
         """Log-probs, entropies and values of every response token, from ONE batched forward of the tester
-        (:func:`astrl.lm_scoring.score_tokens`, prompts clipped from the left to ``max_length``; ``nested``:
-        a conversation's earlier turns begin its later ones, so they are read inside the later rows' forward).
+        (:func:`astrl.lm_scoring.score_tokens` with ``nested``: a conversation's earlier turns begin its later
+        ones, so they are read inside the later rows' forward; prompts clipped from the left to ``max_length``).
 
         Token ``t`` of sample ``i`` is read at the position that predicts it: the LM head and the value
         head both apply to the gathered last hidden states only, so the full-vocabulary logits exist for
