@@ -159,7 +159,7 @@ def score_tokens(
     (without a graph when ``entropy_grad`` is False); with ``hidden``, the last hidden state there.
     Gradients follow the caller's grad mode. ``forward_kwargs`` go to the model's forward.
 
-    With ``share_prefix`` (and neither ``hidden`` nor ``forward_kwargs``), rows whose prefixes are
+    With ``share_prefix`` (and no ``forward_kwargs`` but ``use_cache``), rows whose prefixes are
     identical (a GRPO group's conversations: system prompt and opener) read that prefix once: one
     forward over each distinct prefix but its last token, whose KV cache every row of the group
     goes on from (gradients flow back through it), then one forward over the rows' tails. The
@@ -182,7 +182,8 @@ def score_tokens(
     device = next(model.parameters()).device
     rows, starts, lengths = _joined(prefixes, continuations, max_length)
     steps = torch.arange(max(max(lengths), 1), device=device)
-    heads = _shared_heads(rows, starts) if share_prefix and not hidden and not forward_kwargs else None
+    other_kwargs = {key: value for key, value in forward_kwargs.items() if key != "use_cache"}
+    heads = _shared_heads(rows, starts) if share_prefix and not other_kwargs else None
     if heads is None:
         ids, mask = pad_ids(rows, pad_token_id, device=device)
         starts_t = torch.tensor(starts, device=device)
@@ -190,8 +191,7 @@ def score_tokens(
         positions = (starts_t[:, None] - 1 + steps[None]).clamp(0, ids.shape[1] - 1)
         logits, last, _ = forward_at(model, ids, mask, positions, hidden=hidden, **forward_kwargs)
     else:  # each distinct head read once; the rows go on from its KV cache with their own tails
-        ids, starts_t, logits = _tails_after_heads(model, rows, starts, heads, steps, pad_token_id, device)
-        last = None
+        ids, starts_t, logits, last = _tails_after_heads(model, rows, starts, heads, steps, pad_token_id, device, hidden)
     log_softmax = torch.log_softmax(logits.float(), dim=-1)  # (B, T, vocab), continuation positions only
     targets = ids.gather(1, (starts_t[:, None] + steps[None]).clamp(max=ids.shape[1] - 1))
     log_probs = log_softmax.gather(-1, targets[..., None]).squeeze(-1)
@@ -222,13 +222,14 @@ def _tails_after_heads(
     steps: torch.Tensor,
     pad_token_id: int,
     device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    hidden: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Each row's tail (its prefix's last token and its continuation) read after its head's KV cache.
 
     One forward over the distinct heads (right-padded), their cache gathered to the rows, one forward
     over the tails at their true positions. Returns the tails' ids (right-padded), each continuation's
-    start within its tail (1) and the logits at the positions predicting continuation token ``t``
-    (``(B, T, vocab)``), as :func:`score_tokens` reads them."""
+    start within its tail (1), the logits at the positions predicting continuation token ``t``
+    (``(B, T, vocab)``), as :func:`score_tokens` reads them, and with ``hidden`` the last hidden states there."""
     first = {}
     for row, head in enumerate(heads):
         first.setdefault(head, row)
@@ -243,8 +244,8 @@ def _tails_after_heads(
     mask = torch.cat([head_mask[inverse], tail_mask], dim=1)
     starts_t = torch.ones(len(rows), dtype=torch.long, device=device)
     positions = (starts_t[:, None] - 1 + steps[None]).clamp(0, ids.shape[1] - 1)
-    logits = logits_at(model, ids, mask, positions, past_key_values=cache, position_ids=position_ids)
-    return ids, starts_t, logits
+    logits, last, _ = forward_at(model, ids, mask, positions, hidden=hidden, past_key_values=cache, position_ids=position_ids)
+    return ids, starts_t, logits, last
 
 
 def mean_logprobs(rows: Sequence[torch.Tensor], empty_value: float) -> torch.Tensor:

@@ -301,6 +301,18 @@ def test_rows_with_one_prefix_read_it_once_and_equal_rows_scored_alone(tok, arch
         token_logprobs(model, [opener, other], conts[:2], share_prefix=True)
         token_logprobs(model, [opener[:1], opener[:1]], conts[:2], share_prefix=True)
         assert [c[0] for c in calls] == [2, 2]
+    # the hidden states a value head reads come from the tails' forward too (PPO passes use_cache=False)
+    outputs = {}
+    with torch.no_grad():
+        for share in (False, True):
+            calls.clear()
+            kw = dict(pad_token_id=tok.pad_token_id, entropy=True, hidden=True, use_cache=False)
+            outputs[share] = score_tokens(model, prefixes, conts, share_prefix=share, **kw)
+            assert [c[0] for c in calls] == ([4, 6] if share else [6])
+    for field in ("log_probs", "entropy", "hidden"):
+        a, b = getattr(outputs[True], field), getattr(outputs[False], field)
+        torch.testing.assert_close(a[outputs[True].valid], b[outputs[False].valid], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outputs[True].hidden[3, :3], plain(model, opener, conts[3])[2], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("share", [False, True])

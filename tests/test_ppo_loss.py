@@ -180,27 +180,34 @@ def test_log_probs_values_and_entropy_match_a_plain_forward(tok):
     assert head_gives_logits(model) is True
 
 
-def test_a_conversation_s_first_turn_is_read_inside_its_second(tok):
+@pytest.mark.parametrize("share", [False, True])
+def test_a_conversation_s_first_turn_is_read_inside_its_second(tok, share):
     model = make_llama(tok, seed=2)
     head = ValueHead.for_model(model, hidden_dim=16)
     torch.nn.init.normal_(head.net[-1].weight)
-    loss = PPOLoss(model, head)
+    loss = PPOLoss(model, head, share_prefix=share)
     g = torch.Generator().manual_seed(4)
-    opener, probe1, reply, probe2 = (torch.randint(5, len(tok), (n,), generator=g) for n in (6, 3, 4, 5))
-    first = TensorDict(tokens=TensorDict(prompt=opener, response=probe1), reward=torch.tensor([0.0]))
-    second = TensorDict(tokens=TensorDict(prompt=torch.cat([opener, probe1, reply]), response=probe2), reward=torch.tensor([1.0]))
-    td = LazyStackedTensorDict(first, second)
+    opener = torch.randint(5, len(tok), (6,), generator=g)
+    samples = []  # a group: two conversations of one opener, two turns each
+    for _ in range(2):
+        probe1, reply, probe2 = (torch.randint(5, len(tok), (n,), generator=g) for n in (3, 4, 5))
+        second = torch.cat([opener, probe1, reply])
+        samples += [(opener, probe1), (second, probe2)]
+    td = LazyStackedTensorDict(
+        *(TensorDict(tokens=TensorDict(prompt=p, response=r), reward=torch.tensor([0.0])) for p, r in samples)
+    )
     calls, original = [], model.forward
     model.forward = lambda *args, **kw: calls.append(kw["input_ids"].shape[0]) or original(*args, **kw)
     with torch.no_grad():
         out = loss.evaluate(td)
     model.forward = original
-    assert calls == [1]  # one row: turn 2's, turn 1's tokens read at their positions there
-    for i, (p, r) in enumerate(((opener, probe1), (second["tokens", "prompt"], probe2))):
+    # each first turn read inside its second; with share_prefix the opener but its last token once, then the tails
+    assert calls == ([1, 2] if share else [2])
+    for i, (p, r) in enumerate(samples):
         logp, values = plain_forward(model, head, p, r)
         torch.testing.assert_close(out.log_probs[i, : len(r)], logp, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(out.values[i, : len(r)], values, atol=1e-5, rtol=1e-5)
-    assert out.lengths == [3, 5]
+    assert out.lengths == [3, 5, 3, 5]
 
 
 class ScaledLogits(torch.nn.Module):

@@ -493,6 +493,19 @@ def test_token_logprobs_transform_gives_grad_free_values_for_response_tokens_onl
     torch.testing.assert_close(rows[0][:2], expected, atol=1e-5, rtol=1e-5)
     assert rows[0][2] == 0.0 and not rows[0].requires_grad
     torch.testing.assert_close(rows[1], manual_logprobs(model, [20, 21, 22, 23, 31, 32, 33], 4), atol=1e-5, rtol=1e-5)
+    # rows of one prompt (a group's opener), nested or not, read it once with share_prefix: the same values
+    group = TensorDict(
+        tokens=TensorDict(prompt=torch.tensor([[20, 21, 22, 23]] * 2), response=torch.tensor([[31, 32, 33], [34, 35, 36]])),
+        batch_size=[2],
+    )
+    calls, original = [], model.forward
+    model.forward = lambda *args, **kw: calls.append(kw["input_ids"].shape[0]) or original(*args, **kw)
+    for nested in (False, True):
+        calls.clear()
+        shared = TokenLogProbs(model, tok, out_key="lp", nested=nested, share_prefix=True)(group.clone()).get("lp", as_list=True)
+        assert calls == [1, 2]  # the opener but its last token once, then each row's tail
+        torch.testing.assert_close(shared[0], rows[1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(shared[1], manual_logprobs(model, [20, 21, 22, 23, 34, 35, 36], 4), atol=1e-5, rtol=1e-5)
 
 
 # -- shaping ----------------------------------------------------------------------------------------

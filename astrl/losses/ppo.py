@@ -319,6 +319,9 @@ class PPOLoss(LossModule):
         max_length: clip each prompt from the left so that prompt + response fits, as ``TokenLogProbs`` does.
         kl_token_cap: the most one token's k3 term counts (default 10; None: no cap): it grows like
             ``exp(d_t)`` (:func:`astrl.losses.kl.k3`).
+        share_prefix: rows whose prompts begin the same way (a group's system prompt and opener) read that
+            prompt once in the forward and backward (:func:`astrl.lm_scoring.score_tokens`); the trainer sets
+            it in chat mode. A conversation's earlier turns are always read inside its later ones.
     """
 
     @dataclass
@@ -351,6 +354,7 @@ class PPOLoss(LossModule):
         detach_value_input: bool = False,
         max_length: int | None = None,
         kl_token_cap: float | None = KL_TOKEN_CAP,
+        share_prefix: bool = False,
     ) -> None:
         super().__init__()
         if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
@@ -369,6 +373,7 @@ class PPOLoss(LossModule):
         self.clip_epsilon, self.value_coef, self.entropy_coef = float(clip_epsilon), float(value_coef), float(entropy_coef)
         self.kl_coef, self.kl_estimator, self.value_clip = float(kl_coef), kl_estimator, value_clip
         self.detach_value_input, self.max_length = detach_value_input, max_length
+        self.share_prefix = share_prefix
 
     @property
     def functional(self) -> bool:
@@ -417,7 +422,8 @@ class PPOLoss(LossModule):
     def evaluate(self, td: TensorDictBase, *, entropy: bool = True, entropy_grad: bool = True) -> TokenOutputs:
         """Log-probs, entropies and values of every response token, from ONE batched forward of the tester
         (:func:`astrl.lm_scoring.score_tokens` with ``nested``: a conversation's earlier turns begin its later
-        ones, so they are read inside the later rows' forward; prompts clipped from the left to ``max_length``).
+        ones, so they are read inside the later rows' forward; prompts clipped from the left to ``max_length``;
+        with ``share_prefix``, the rows that begin with one prompt, a group's opener, read it once).
 
         Token ``t`` of sample ``i`` is read at the position that predicts it: the LM head and the value
         head both apply to the gathered last hidden states only, so the full-vocabulary logits exist for
@@ -434,6 +440,7 @@ class PPOLoss(LossModule):
             entropy_grad=entropy_grad,
             hidden=True,
             nested=True,
+            share_prefix=self.share_prefix,
             use_cache=False,
         )
         hidden = scores.hidden.detach() if self.detach_value_input else scores.hidden

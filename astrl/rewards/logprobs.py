@@ -126,7 +126,9 @@ class TokenLogProbs(StepTransform):
     otherwise under ``torch.no_grad`` (behaviour log-probs for the loss's importance ratio).
     Build a reference with :func:`astrl.rewards.reference.make_reference`. ``nested=True`` reads rows
     that begin longer rows (earlier turns of a conversation) from the longer row's forward
-    (:func:`astrl.lm_scoring.nested_token_logprobs`; equal up to float rounding).
+    (:func:`astrl.lm_scoring.nested_token_logprobs`; equal up to float rounding); ``share_prefix`` reads
+    a prompt that several rows begin with (a group's system prompt and opener) once
+    (:func:`astrl.lm_scoring.score_tokens`).
     """
 
     def __init__(
@@ -141,10 +143,11 @@ class TokenLogProbs(StepTransform):
         frozen: bool = True,
         max_length: int | None = None,
         nested: bool = False,
+        share_prefix: bool = False,
     ) -> None:
         super().__init__()
         self.model = model
-        self.nested = nested
+        self.nested, self.share_prefix = nested, share_prefix
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.stop_token_ids = stop_ids(tokenizer, model)
         self.out_key, self.mask_key = out_key, mask_key
@@ -159,7 +162,8 @@ class TokenLogProbs(StepTransform):
         context = torch.inference_mode() if self.frozen else torch.no_grad()
         with context:
             score = nested_token_logprobs if self.nested else token_logprobs
-            rows = score(self.model, prompts, responses, pad_token_id=self.pad_token_id, max_length=self.max_length)
+            options = dict(pad_token_id=self.pad_token_id, max_length=self.max_length, share_prefix=self.share_prefix)
+            rows = score(self.model, prompts, responses, **options)
         rows = [torch.where(m.to(r.device), r, torch.zeros_like(r)).clone().cpu() for r, m in zip(rows, masks, strict=True)]
         outputs = {self.out_key: rows}
         if self.mask_key is not None:
