@@ -313,6 +313,22 @@ def test_minibatches_of_groups_keep_them_whole_and_reduce_to_plain_ones():
             assert members == sorted(members) and len(members) == 3
 
 
+def test_ppo_minibatches_keep_a_conversation_s_turns_together(tmp_path):
+    config = _config(tmp_path, algorithm="ppo", prompts_per_step=2, group_size=2, turns=3, minibatches=2)
+    trainer = _trainer(config)
+    trainer._build()
+    batch, _ = trainer.algorithm.collect()
+    n = batch.batch_size[0]
+    conversations = batch.get("conversation").reshape(-1)
+    assert conversations.tolist() == [i // 3 for i in range(n)]  # trajectory-contiguous: 3 turns each
+    parts = list(trainer.algorithm.minibatches(batch, torch.Generator().manual_seed(0)))
+    assert len(parts) == 2 * config.epochs
+    for part in parts:  # whole conversations only, so that the loss forward nests their turns
+        ids = part.get("conversation").reshape(-1)
+        assert all(int((ids == c).sum()) == 3 for c in ids.unique())
+    trainer.algorithm.loss(parts[0])  # the loss reads a minibatch holding the conversation key
+
+
 def test_a_conversation_s_turns_share_one_loss_forward_with_the_same_gradient(tmp_path, monkeypatch):
     import astrl.training.grpo as grpo_module
     from astrl import lm_scoring

@@ -340,8 +340,18 @@ class OnPolicy(Algorithm):
         return [{"params": [p for p in self.models.tester.model.parameters() if p.requires_grad], "lr": lr}]
 
     def minibatches(self, batch: TensorDictBase, generator: torch.Generator) -> Iterator[TensorDictBase]:
+        """Shuffled minibatches; a batch that holds each turn's conversation index keeps a conversation's
+        turns in one minibatch, so that its loss forward reads the earlier turns inside the later ones."""
         config = self.config
-        return shuffled_minibatches(batch, generator, epochs=config.epochs, count=config.minibatches, size=config.minibatch_size)
+        conversations = batch.get(CONVERSATION) if CONVERSATION in batch.keys() else None
+        options = dict(epochs=config.epochs, count=config.minibatches, size=config.minibatch_size, groups=conversations)
+        return shuffled_minibatches(batch, generator, **options)
+
+    @staticmethod
+    def conversation_index(*parts: TensorDictBase) -> torch.Tensor:
+        """Each turn's conversation, counted over flat, trajectory-contiguous rollouts ``parts`` in order."""
+        done = torch.cat([part[NEXT, DONE].reshape(-1).long() for part in parts])
+        return done.cumsum(0) - done
 
     @staticmethod
     def metrics(data: TensorDictBase) -> dict:
@@ -503,8 +513,7 @@ class GRPOAlgorithm(OnPolicy):
         parts = (data, *guided)
         prompts = [p for part in parts for p in part.get(TOKENS_PROMPT, as_list=True)]
         responses = [r for part in parts for r in part.get(TOKENS_RESPONSE, as_list=True)]
-        done = torch.cat([part[NEXT, DONE].reshape(-1).long() for part in parts])
-        conversations = done.cumsum(0) - done  # each rollout is flat and trajectory-contiguous
+        conversations = self.conversation_index(*parts)
         items = []
         for prompt, response, advantage, conversation in zip(prompts, responses, advantages, conversations, strict=True):
             response = until_stop(response, self.stops)
@@ -537,11 +546,7 @@ class GRPOAlgorithm(OnPolicy):
         """Shuffled minibatches of whole conversations (:func:`~astrl.training.batches.shuffled_minibatches` over conversations);
         the behaviour log-probs of every row outside the first minibatch are computed here (before any
         update), those of the first come from its own loss forward."""
-        config = self.config
-        # a conversation's turns in one minibatch: its loss forward is shared
-        conversations = batch.get(CONVERSATION) if CONVERSATION in batch.keys() else None
-        options = dict(epochs=config.epochs, count=config.minibatches, size=config.minibatch_size, groups=conversations)
-        parts = list(shuffled_minibatches(batch, generator, **options))
+        parts = list(super().minibatches(batch, generator))
         due = self._behaviour_due
         if due is not None and due.batch is batch and parts:
             first = {id(td) for td in parts[0].tensordicts}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 
-from astrl.keys import NEXT, REF_LOG_PROBS, REWARD, TOKENS_PROMPT, TOKENS_RESPONSE
+from astrl.keys import CONVERSATION, NEXT, REF_LOG_PROBS, REWARD, TOKENS_PROMPT, TOKENS_RESPONSE
 from astrl.losses import PPOLoss, ValueHead, compute_advantages
 from astrl.rewards import ClippedKLReward, TokenLogProbs
 from astrl.training.config import ConfigError, TrainConfig
@@ -72,10 +72,11 @@ class PPOAlgorithm(OnPolicy):
         prompts = data.get(TOKENS_PROMPT, as_list=True)
         responses = data.get(TOKENS_RESPONSE, as_list=True)
         scores = data[NEXT, REWARD].reshape(-1, 1).float()
+        conversations = self.conversation_index(data)  # a conversation's turns share a minibatch (minibatches())
         batch = lazy_stack(
             [
-                TensorDict().set(TOKENS_PROMPT, p).set(TOKENS_RESPONSE, r).set(REWARD, s)
-                for p, r, s in zip(prompts, responses, scores, strict=True)
+                TensorDict().set(TOKENS_PROMPT, p).set(TOKENS_RESPONSE, r).set(REWARD, s).set(CONVERSATION, c)
+                for p, r, s, c in zip(prompts, responses, scores, conversations, strict=True)
             ]
         )
         self.reference(batch)  # ref_log_probs and response_mask
