@@ -260,6 +260,9 @@ class OnPolicy(Algorithm):
         self.novelty = novelty_transforms(env) if env is not None else []  # Ray workers keep their own
         self.tokenizer = models.tester.tokenizer
         self.stops = stop_ids(self.tokenizer, models.tester.model)
+        # chat mode: a group's rows begin with one system prompt and opener, read once per forward. Text mode
+        # keeps the row-by-row forward (equal up to float rounding), whose numbers its published results have.
+        self.share_prefix = config.mode == "chat"
         self.stream = stream
         self.vllm_engine = None  # backend 'vllm': the engine the tester's weights are pushed to
         self._version_offset = 0
@@ -415,9 +418,6 @@ class GRPOAlgorithm(OnPolicy):
     def __init__(self, config: TrainConfig, models: RunModels, env, policy, stream=None) -> None:
         super().__init__(config, models, env, policy, stream)
         self._behaviour_due: BehaviourDue | None = None
-        # chat mode: a group's rows begin with one system prompt and opener, read once per forward. Text mode
-        # keeps the row-by-row forward (equal up to float rounding), whose numbers its published results have.
-        self.share_prefix = config.mode == "chat"
 
         def scorer(model):  # parameters for the loss module; entropy bonus path
             return TransformersWrapper(

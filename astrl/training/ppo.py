@@ -34,7 +34,6 @@ class PPOAlgorithm(OnPolicy):
         model = models.tester.model
         self.value_head = ValueHead.for_model(model).to(next(model.parameters()).device)
         window = models.tester.context_window
-        share = config.mode == "chat"  # a group's system prompt and opener read once a forward, as GRPO does
         self.loss_module = PPOLoss(
             model,
             self.value_head,
@@ -43,7 +42,7 @@ class PPOAlgorithm(OnPolicy):
             entropy_coef=config.entropy_coef,
             max_length=window,
             kl_token_cap=config.kl_token_cap,
-            share_prefix=share,
+            share_prefix=self.share_prefix,
         )
         self.reference = TokenLogProbs(
             models.reference,
@@ -52,7 +51,7 @@ class PPOAlgorithm(OnPolicy):
             frozen=True,
             max_length=window,
             nested=True,
-            share_prefix=share,
+            share_prefix=self.share_prefix,
         )
         self.kl_reward = ClippedKLReward(
             kl_coef=config.kl_coef, kl_clip=config.kl_clip, score_clip=config.score_clip, target_kl=config.target_kl
