@@ -326,7 +326,9 @@ def test_ppo_minibatches_keep_a_conversation_s_turns_together(tmp_path):
     for part in parts:  # whole conversations only, so that the loss forward nests their turns
         ids = part.get("conversation").reshape(-1)
         assert all(int((ids == c).sum()) == 3 for c in ids.unique())
-    trainer.algorithm.loss(parts[0])  # the loss reads a minibatch holding the conversation key
+    out = trainer.algorithm.loss(parts[0])  # the loss reads a minibatch holding the conversation key
+    terms = [k for k in out.keys() if k.startswith("loss_")]
+    assert "loss_critic" in terms and all(torch.isfinite(out[k]).all() for k in terms)
 
 
 def test_a_conversation_s_turns_share_one_loss_forward_with_the_same_gradient(tmp_path, monkeypatch):
