@@ -146,6 +146,8 @@ def test_a_config_yaml_written_before_the_sections_loads_as_an_equal_config(tmp_
         "guide_search": False,
         "guide_replay": False,
         "guide_replay_warm_start": False,
+        "guide_replay_retest": 0,
+        "guide_replay_retest_keep": 0.5,
         "guide_replay_bonus": 0.0,
         "guide_advantage": "signed",
         "branches": 1,
@@ -243,6 +245,13 @@ def test_every_numeric_key_declares_its_range_and_its_edges_load():
         "weak_supervision": {"algorithm": "dpo"},
         "warm_start_reply_tokens": {"warm_start_select": "best_of", "reward": "elicit", "reply_lexicon_weight": 1.0},
         "warm_start_retest_keep": {"warm_start_retest": 4, "warm_start_probes": 8},
+        "guide_replay_retest": {"guide_replay": True, "guide_replay_warm_start": True, "warm_start_probes": 8},
+        "guide_replay_retest_keep": {
+            "guide_replay": True,
+            "guide_replay_warm_start": True,
+            "warm_start_probes": 8,
+            "guide_replay_retest": 4,
+        },
     }
     for spec in numeric:
         kind = spec.type.split(" ")[0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -363,3 +365,75 @@ def test_guide_replay_is_checked_before_a_model_loads_and_needs_no_reply_lexicon
         load_config(None, ["guide_replay_bonus=1.0"])
     black_box = load_config(None, ["guide_replay=true", "reward=elicit", "reply_lexicon_weight=0", "warm_start_probes=0"])
     assert black_box.guide_replay is True and black_box.reply_lexicon_weight == 0
+
+
+def test_replay_seeds_are_the_best_re_tested_share_of_the_kept_probes_best_first(monkeypatch):
+    import astrl.training.warm_start as warm_start
+
+    masses = [0.02, 0.30, 0.10, 0.30, 0.0]
+    asked = {}
+
+    def fake_retest(config, models, candidates, round_index, lexicon, count=None):
+        asked.update(round_index=round_index, count=count, lexicon=lexicon)
+        return [{**c, "retest_mass": m} for c, m in zip(candidates, masses, strict=True)]
+
+    monkeypatch.setattr(warm_start, "retest", fake_retest)
+    monkeypatch.setattr(warm_start, "config_lexicon", lambda *args, **kwargs: "LEXICON")
+    kept = [{"probe": f"p{i}", "opener": f"o{i}"} for i in range(5)]
+    keys = ["guide_replay=true", "guide_replay_warm_start=true", "warm_start_probes=8", "guide_replay_retest=6"]
+    config = load_config(None, keys)
+    models = SimpleNamespace(target=SimpleNamespace(tokenizer=None))
+    ranked = warm_start.replay_seeds(config, models, kept)
+    assert asked == {"round_index": 0, "count": 6, "lexicon": "LEXICON"}
+    # best first, the earlier kept first on a tie (p1 before p3); ceil(0.5 x 5) = 3 seeded
+    assert [(r["probe"], r["retest_mass"], r["seeded"]) for r in ranked] == [
+        ("p1", 0.30, True),
+        ("p3", 0.30, True),
+        ("p2", 0.10, True),
+        ("p0", 0.02, False),
+        ("p4", 0.0, False),
+    ]
+    config = replace(config, guide_replay_retest_keep=0.2)  # ceil(0.2 x 5) = 1
+    assert [r["seeded"] for r in warm_start.replay_seeds(config, models, kept)] == [True, False, False, False, False]
+
+
+def test_guide_replay_retest_starts_the_archive_with_the_best_re_tested_warm_start_probes(tmp_path, monkeypatch):
+    import astrl.training.warm_start as warm_start
+
+    summary = {"kept": 3, "sampled": 4, "loss_first": 1.0, "loss_last": 0.5}
+    kept = [{"probe": p, "opener": o} for p, o in zip(SEEDS[:2] + ["he said hello"], ["a b", "c d", "e f"], strict=True)]
+    monkeypatch.setattr(warm_start, "warm_start", lambda *args, **kwargs: (summary, kept))
+    settings = dict(prompts_per_step=2, group_size=2, turns=1, total_steps=1, save_every=100, warm_start_probes=4)
+    retest = dict(guide_replay_warm_start=True, guide_replay_retest=3, guide_replay_retest_keep=0.6)
+    config = _config(tmp_path, **retest, **REPLAYED, **settings)
+    trainer = _trainer(config)
+    trainer.train()
+    ranked = [json.loads(line) for line in (tmp_path / "run" / "replay_seeds.jsonl").open()]
+    # the real re-test on the tiny target: every kept probe once, best first, the best ceil(0.6 x 3) = 2 seeded
+    assert sorted(r["probe"] for r in ranked) == sorted(k["probe"] for k in kept)
+    masses = [r["retest_mass"] for r in ranked]
+    assert masses == sorted(masses, reverse=True) and all(0.0 <= m <= 1.0 for m in masses)
+    assert [r["seeded"] for r in ranked] == [True, True, False]
+    (guide,) = trainer.algorithm.guides
+    tokenizer, eos = trainer.models.tester.tokenizer, trainer.models.tester.tokenizer.eos_token_id
+    limit = config.max_new_tokens
+
+    def key(text: str) -> tuple[int, ...]:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return tuple(ids[:limit]) if len(ids) >= limit else (*ids, eos)
+
+    seeded = [key(r["probe"]) for r in ranked[:2]]
+    assert guide._chosen == seeded  # step 1's two groups replayed the two seeds, the best first
+    assert key(ranked[2]["probe"]) not in guide.archive.probes or guide.archive.probes[key(ranked[2]["probe"])]["tests"] > 0
+
+
+def test_guide_replay_retest_is_checked_before_a_model_loads():
+    base = ["guide_replay=true", "warm_start_probes=8"]
+    with pytest.raises(ConfigError, match="guide_replay_retest 4 ranks the warm start's .* set guide_replay_warm_start: true"):
+        load_config(None, [*base, "guide_replay_retest=4"])
+    with pytest.raises(ConfigError, match="guide_replay_retest_keep 0.25 is the share .* guide_replay_retest > 0 \\(got 0\\)"):
+        load_config(None, [*base, "guide_replay_warm_start=true", "guide_replay_retest_keep=0.25"])
+    with pytest.raises(ConfigError, match="guide_replay_retest must be >= 0, got -1"):
+        load_config(None, [*base, "guide_replay_warm_start=true", "guide_replay_retest=-1"])
+    with pytest.raises(ConfigError, match="guide_replay_retest_keep must be in \\(0, 1\\], got 1.5"):
+        load_config(None, [*base, "guide_replay_warm_start=true", "guide_replay_retest=4", "guide_replay_retest_keep=1.5"])

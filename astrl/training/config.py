@@ -161,6 +161,21 @@ class AlgorithmSection:
         "(warm_start.jsonl), and a probe not yet tested is replayed before any ranked one, so every probe the "
         "warm start kept is tried on a training opener in the first steps, not only those the tester samples.",
     )
+    guide_replay_retest: int = setting(
+        0,
+        "guide_replay_warm_start: re-test each of the warm start's kept probes after this many training openers "
+        "(the target's greedy reply of target_max_new_tokens tokens, read by the reward's reply lexicon, as "
+        "warm_start_retest does) and start the archive with only the best guide_replay_retest_keep share of them, "
+        "best first (replay_seeds.jsonl); the warm start's fine-tuning still reads every kept probe. 0: every kept "
+        "probe, in the warm start's order.",
+        at_least=0,
+    )
+    guide_replay_retest_keep: float = setting(
+        0.5,
+        "guide_replay_retest: the share of the warm start's kept probes the replay archive starts with, best re-tested first.",
+        above=0,
+        at_most=1,
+    )
     guide_replay_bonus: float = setting(
         0.0,
         "guide_replay: the archive ranks a probe by its score plus this many standard deviations of all "
@@ -267,7 +282,8 @@ class AlgorithmSection:
     def _guide_checks(self) -> list[tuple[bool, str]]:
         """``guide_search`` and ``guide_replay`` need GRPO collected here on Transformers and no novelty terms;
         ``guide_search`` also the reply lexicon; ``guide_advantage: positive`` one of the two;
-        ``guide_replay_warm_start`` ``guide_replay`` and a warm start; ``guide_replay_bonus`` >= 0 and ``guide_replay``."""
+        ``guide_replay_warm_start`` ``guide_replay`` and a warm start; ``guide_replay_retest`` ``guide_replay_warm_start``;
+        ``guide_replay_bonus`` >= 0 and ``guide_replay``."""
         checks = []
         for key in ("guide_search", "guide_replay"):
             if not getattr(self, key):
@@ -298,6 +314,18 @@ class AlgorithmSection:
                 f"and warm_start_probes > 0 (got guide_replay {self.guide_replay}, warm_start_probes {self.warm_start_probes})",
             )
         )
+        checks += [
+            (
+                self.guide_replay_retest == 0 or self.guide_replay_warm_start,
+                f"guide_replay_retest {self.guide_replay_retest} ranks the warm start's probes the replay archive starts "
+                "with: set guide_replay_warm_start: true, or drop it",
+            ),
+            (
+                self.guide_replay_retest_keep == 0.5 or self.guide_replay_retest > 0,
+                f"guide_replay_retest_keep {self.guide_replay_retest_keep} is the share of re-tested probes the archive "
+                f"starts with: set guide_replay_retest > 0 (got {self.guide_replay_retest}), or drop it",
+            ),
+        ]
         checks.append(
             (
                 self.guide_replay or self.guide_replay_bonus == 0,

@@ -58,6 +58,7 @@ from astrl.training.warm_start_state import WARM_START_PARTIAL as WARM_START_PAR
 from astrl.training.warm_start_state import WarmStartCheckpoint
 
 CHECKPOINTS = "checkpoints"
+REPLAY_SEEDS_FILE = "replay_seeds.jsonl"  # guide_replay_retest: every kept warm-start probe's re-test, best first
 
 
 def make_algorithm(config: TrainConfig, models: RunModels, env, policy, stream=None):
@@ -338,7 +339,7 @@ class Trainer:
         if self.step == 0 and self.config.warm_start_probes and self.warm_start is None:
             self._warm_start()
         if self.step == 0 and self.config.guide_replay_warm_start:
-            self.algorithm.seed_replay(warm_start_probes(self.run_dir))
+            self.algorithm.seed_replay(self._replay_seeds())
         if self.step == 0 and last > 0 and self.config.branches > 1:
             self._branch()
         if self.step > 0 or self.warm_start is not None:  # Ray workers / a vLLM engine start from the untrained weights
@@ -446,6 +447,26 @@ class Trainer:
         atomic_write_text(self.run_dir / "warm_start.jsonl", "".join(json.dumps(k, ensure_ascii=False) + "\n" for k in kept))
         self.save_checkpoint()
         partial.remove()  # step 0 holds it now
+
+    def _replay_seeds(self) -> list[str]:
+        """The probes the replay archive starts with (``guide_replay_warm_start``): the warm start's kept ones, in
+        its order, or with ``guide_replay_retest`` the best re-tested share of them, best first
+        (:func:`~astrl.training.warm_start.replay_seeds`; every kept probe's re-test in ``replay_seeds.jsonl``)."""
+        kept = warm_start_probes(self.run_dir, openers=self.config.guide_replay_retest > 0)
+        if not self.config.guide_replay_retest:
+            return [k["probe"] for k in kept]
+        from astrl.training.warm_start import replay_seeds
+
+        ranked = replay_seeds(self.config, self.models, kept)
+        atomic_write_text(self.run_dir / REPLAY_SEEDS_FILE, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in ranked))
+        seeded = [r for r in ranked if r["seeded"]]
+        if self.progress and seeded:
+            print(
+                f"replay archive: the best {len(seeded)} of {len(ranked)} warm-start probes by their re-test on "
+                f"{self.config.guide_replay_retest} training openers (mean estimate {seeded[0]['retest_mass']:.4f} "
+                f"to {seeded[-1]['retest_mass']:.4f})"
+            )
+        return [r["probe"] for r in seeded]
 
     def _state_before_step(self) -> dict:
         """What a step changes before its first update (RNG states, the algorithm's and hardening's
@@ -757,7 +778,7 @@ def checkpoints(run_dir: str | Path) -> list[Path]:
 
 
 # what a run leaves in its folder beside its logs: a new run in the folder removes an earlier run's
-EARLIER_RUN_FILES = (CHECKPOINTS, "final", "warm_start.json", "warm_start.jsonl")
+EARLIER_RUN_FILES = (CHECKPOINTS, "final", "warm_start.json", "warm_start.jsonl", REPLAY_SEEDS_FILE)
 
 
 def earlier_run(run_dir: str | Path) -> str | None:
@@ -823,21 +844,25 @@ def usable_checkpoint(run_dir: str | Path, *, trust: bool = False, on_warning=No
     return None
 
 
-def warm_start_probes(run_dir: Path) -> list[str]:
-    """The probes the run's warm start kept, in order (its ``warm_start.jsonl``)."""
+def warm_start_probes(run_dir: Path, *, openers: bool = False) -> list[dict]:
+    """The records of the probes the run's warm start kept, in order (its ``warm_start.jsonl``), each with a
+    ``probe`` text and, with ``openers`` (what ``guide_replay_retest`` reads), the ``opener`` it was found for."""
     path = Path(run_dir) / "warm_start.jsonl"
     if not path.is_file():
         raise ConfigError(
             f"guide_replay_warm_start reads the warm start's kept probes from {str(path)!r}, which does not exist: "
             "resume a run whose warm start wrote it, or set guide_replay_warm_start=false"
         )
-    probes = []
+    fields = ("probe", "opener") if openers else ("probe",)
+    records = []
     for number, line in numbered_lines(path.read_text(encoding="utf-8")):
         try:
-            probes.append(str(json.loads(line)["probe"]))
+            record = json.loads(line)
+            records.append({**record, **{key: str(record[key]) for key in fields}})
         except (ValueError, KeyError, TypeError) as error:
-            raise ConfigError(f"{str(path)!r} line {number} is not a kept probe with a 'probe' text: {error}") from None
-    return probes
+            names = " and ".join(repr(key) for key in fields)
+            raise ConfigError(f"{str(path)!r} line {number} is not a kept probe with {names} text: {error}") from None
+    return records
 
 
 def saved_algorithm(state: dict, config_algorithm: str) -> str:
@@ -905,7 +930,7 @@ def resume(
     found = usable_checkpoint(run_dir, trust=trust_checkpoint, on_warning=on_warning)  # read before any model loads
     new_algorithm = found is not None and switches_algorithm(*found, saved.algorithm, config.algorithm)
     if found is not None and found[1].get("step") == 0 and config.guide_replay_warm_start:
-        warm_start_probes(run_dir)  # the archive's seeds, read at step 0: a missing file is named now
+        warm_start_probes(run_dir, openers=config.guide_replay_retest > 0)  # the archive's seeds, read at step 0: named now
     trainer = Trainer(config, progress=progress, models=build_models(config, tester_lm) if tester_lm else None)
     trainer.resumed = True
     if found is not None:

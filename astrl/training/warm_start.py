@@ -304,9 +304,9 @@ def config_lexicon(config, tokenizer, scorer=None, *, whole_words: bool = False)
     return reply_lexicon(config.reply_lexicon, tokenizer, scorer=scorer, threshold=threshold, whole_words=whole_words)
 
 
-def retest(config, models, candidates: list[dict], round_index: int, lexicon) -> list[dict]:
-    """``candidates``, each with ``retest_mass``: the mean over ``warm_start_retest`` training openers (those
-    after the round's ``warm_start_probes`` in its order, less the candidate's own) of the lexicon estimate
+def retest(config, models, candidates: list[dict], round_index: int, lexicon, count: int | None = None) -> list[dict]:
+    """``candidates``, each with ``retest_mass``: the mean over ``count`` (default ``warm_start_retest``) training
+    openers (those after the round's ``warm_start_probes`` in its order, less the candidate's own) of the lexicon estimate
     of the target's greedy reply (the run's reply length) when the probe follows the opener
     (:func:`astrl.sampling.search.retest_estimates`, under ``lexicon``: the RL reward's); 0 for a
     probe that says one of the lexicon's words itself (the reply would only echo it)."""
@@ -314,7 +314,8 @@ def retest(config, models, candidates: list[dict], round_index: int, lexicon) ->
     from astrl.sampling.search import probe_frame, retest_estimates
     from astrl.training.setup import conversation_spec, generation
 
-    openers = round_openers(config, config.warm_start_retest, round_index, skip=config.warm_start_probes)
+    count = config.warm_start_retest if count is None else count
+    openers = round_openers(config, count, round_index, skip=config.warm_start_probes)
     chat = conversation_spec(config).env_options() if config.mode == "chat" else {}
     frame = probe_frame(
         models.tester.tokenizer,
@@ -345,6 +346,20 @@ def best_retested(candidates: list[dict], fraction: float) -> list[dict]:
     count = math.ceil(fraction * len(candidates))
     order = sorted(range(len(candidates)), key=lambda i: -candidates[i]["retest_mass"])[:count]
     return [candidates[i] for i in sorted(order)]
+
+
+def replay_seeds(config, models, kept: list[dict]) -> list[dict]:
+    """The warm start's ``kept`` probes (records with ``probe`` and ``opener``) for ``guide_replay_retest``:
+    each re-tested on that many training openers (:func:`retest`, under the RL reward's whole-word lexicon,
+    as ``warm_start_retest`` reads it), best first (ties: the earlier kept first), each with ``retest_mass``
+    and ``seeded``, true for the first ``ceil(guide_replay_retest_keep * len(kept))``: the probes the replay
+    archive starts with."""
+    lexicon = config_lexicon(config, models.target.tokenizer, whole_words=config.reply_lexicon_whole_words)
+    with torch.no_grad():
+        tested = retest(config, models, kept, 0, lexicon, count=config.guide_replay_retest)
+    order = sorted(range(len(tested)), key=lambda i: -tested[i]["retest_mass"])
+    count = math.ceil(config.guide_replay_retest_keep * len(tested))
+    return [{**tested[i], "seeded": rank < count} for rank, i in enumerate(order)]
 
 
 def toxic_share(candidate: dict, select: str = "share", threshold: float = TOXIC_THRESHOLD) -> float:
