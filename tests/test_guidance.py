@@ -437,3 +437,14 @@ def test_guide_replay_retest_is_checked_before_a_model_loads():
         load_config(None, [*base, "guide_replay_warm_start=true", "guide_replay_retest=-1"])
     with pytest.raises(ConfigError, match="guide_replay_retest_keep must be in \\(0, 1\\], got 1.5"):
         load_config(None, [*base, "guide_replay_warm_start=true", "guide_replay_retest=4", "guide_replay_retest_keep=1.5"])
+
+
+def test_a_step_0_run_resumed_with_guide_replay_retest_needs_its_kept_probes_openers(tmp_path, monkeypatch):
+    from astrl.training.trainer import resume
+
+    _fake_warm_start(monkeypatch)  # kept records without an opener
+    settings = dict(total_steps=1, save_every=100, warm_start_probes=4, guide_replay_warm_start=True, **REPLAYED)
+    trainer = _trainer(_config(tmp_path, **settings))
+    trainer.train(until=0)
+    with pytest.raises(ConfigError, match="warm_start.jsonl' line 1 is not a kept probe with 'probe' and 'opener' text"):
+        resume(tmp_path / "run", ["guide_replay_retest=4"], progress=False)  # before any model loads (none is given)
