@@ -401,7 +401,8 @@ def test_guide_replay_retest_starts_the_archive_with_the_best_re_tested_warm_sta
     import astrl.training.warm_start as warm_start
 
     summary = {"kept": 3, "sampled": 4, "loss_first": 1.0, "loss_last": 0.5}
-    kept = [{"probe": p, "opener": o} for p, o in zip(SEEDS[:2] + ["he said hello"], ["a b", "c d", "e f"], strict=True)]
+    probes = ["nice green frog", "tall brown bear sat", "quick silver fish"]  # no listed word: none re-tests at 0 for it
+    kept = [{"probe": p, "opener": o} for p, o in zip(probes, ["a b", "c d", "e f"], strict=True)]
     monkeypatch.setattr(warm_start, "warm_start", lambda *args, **kwargs: (summary, kept))
     settings = dict(prompts_per_step=2, group_size=2, turns=1, total_steps=1, save_every=100, warm_start_probes=4)
     retest = dict(guide_replay_warm_start=True, guide_replay_retest=3, guide_replay_retest_keep=0.6)
@@ -413,6 +414,7 @@ def test_guide_replay_retest_starts_the_archive_with_the_best_re_tested_warm_sta
     assert sorted(r["probe"] for r in ranked) == sorted(k["probe"] for k in kept)
     masses = [r["retest_mass"] for r in ranked]
     assert masses == sorted(masses, reverse=True) and all(0.0 <= m <= 1.0 for m in masses)
+    assert len(set(masses)) == 3 and [r["probe"] for r in ranked] != probes  # a real ranking, not the kept order
     assert [r["seeded"] for r in ranked] == [True, True, False]
     (guide,) = trainer.algorithm.guides
     tokenizer, eos = trainer.models.tester.tokenizer, trainer.models.tester.tokenizer.eos_token_id
