@@ -340,12 +340,18 @@ def retest_means(estimates: torch.Tensor, own: list[str], openers: list[str]) ->
     return (totals / other.sum(1).clamp(min=1)).tolist()
 
 
+def retest_ranking(candidates: list[dict], fraction: float) -> tuple[list[int], int]:
+    """The candidates' indices by ``retest_mass``, highest first (ties: the earlier first), and how many of
+    them the best ``fraction`` holds, ``ceil(fraction * len(candidates))``."""
+    order = sorted(range(len(candidates)), key=lambda i: -candidates[i]["retest_mass"])
+    return order, math.ceil(fraction * len(candidates))
+
+
 def best_retested(candidates: list[dict], fraction: float) -> list[dict]:
     """The ``ceil(fraction * len(candidates))`` candidates with the highest ``retest_mass`` (ties: the earlier
     first), in their own order."""
-    count = math.ceil(fraction * len(candidates))
-    order = sorted(range(len(candidates)), key=lambda i: -candidates[i]["retest_mass"])[:count]
-    return [candidates[i] for i in sorted(order)]
+    order, count = retest_ranking(candidates, fraction)
+    return [candidates[i] for i in sorted(order[:count])]
 
 
 def replay_seeds(config, models, kept: list[dict]) -> list[dict]:
@@ -355,10 +361,8 @@ def replay_seeds(config, models, kept: list[dict]) -> list[dict]:
     and ``seeded``, true for the first ``ceil(guide_replay_retest_keep * len(kept))``: the probes the replay
     archive starts with."""
     lexicon = config_lexicon(config, models.target.tokenizer, whole_words=config.reply_lexicon_whole_words)
-    with torch.no_grad():
-        tested = retest(config, models, kept, 0, lexicon, count=config.guide_replay_retest)
-    order = sorted(range(len(tested)), key=lambda i: -tested[i]["retest_mass"])
-    count = math.ceil(config.guide_replay_retest_keep * len(tested))
+    tested = retest(config, models, kept, 0, lexicon, count=config.guide_replay_retest)
+    order, count = retest_ranking(tested, config.guide_replay_retest_keep)
     return [{**tested[i], "seeded": rank < count} for rank, i in enumerate(order)]
 
 
