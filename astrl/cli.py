@@ -335,6 +335,11 @@ def _add_compare(sub) -> None:
     )
     p.add_argument("--resamples", type=at_least(1), default=1000, help="bootstrap resamples")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--rejudge", action="store_true",
+        help="judge an evaluation written before a word check (e.g. past_probe_forms) again with it, in memory "
+        "(loads its judges; the folders are not changed), so that both sides have the check's rows",
+    )  # fmt: skip
 
 
 def _compare(args) -> int:
@@ -346,9 +351,9 @@ def _compare(args) -> int:
     pairs = [(eval_folder(a, args.store), eval_folder(b, args.store)) for a, b in [(args.dir_a, args.dir_b), *args.pair]]
     dir_b = pairs[0][1]
     if args.pair:
-        result = compare_pooled(pairs, resamples=args.resamples, seed=args.seed)
+        result = compare_pooled(pairs, resamples=args.resamples, seed=args.seed, rejudge=args.rejudge)
     else:
-        result = compare(*pairs[0], resamples=args.resamples, seed=args.seed)
+        result = compare(*pairs[0], resamples=args.resamples, seed=args.seed, rejudge=args.rejudge)
     out = Path(args.out) if args.out else Path(dir_b) / ("compare_pooled.md" if args.pair else "compare.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(format_markdown(result), encoding="utf-8")

@@ -65,11 +65,19 @@ def load_evaluation(folder: str | Path) -> tuple[dict, list[dict]]:
 
 
 def compare(
-    folder_a: str | Path, folder_b: str | Path, *, resamples: int = 1000, seed: int = 0, keep_draws: bool = False
+    folder_a: str | Path,
+    folder_b: str | Path,
+    *,
+    resamples: int = 1000,
+    seed: int = 0,
+    keep_draws: bool = False,
+    rejudge: bool = False,
 ) -> dict:
     """Compare two evaluation folders; rows hold ``judge``, ``metric``, ``a``, ``b``, ``difference``,
     ``ci``, ``p_value`` and ``significant`` (``None`` where no test applies); with ``keep_draws`` a tested
-    row also holds its bootstrap ``draws`` (:func:`compare_pooled` reads them)."""
+    row also holds its bootstrap ``draws`` (:func:`compare_pooled` reads them). With ``rejudge``, an
+    evaluation that lacks a check of :mod:`astrl.evaluation.rejudge` (written before it) is judged again
+    with it in memory, its judges loaded (the folders are not changed); ``rejudged`` names what was added."""
     if resamples < 1:
         raise ValueError(f"resamples must be >= 1, got {resamples}")
     metrics_a, records_a = load_evaluation(folder_a)
@@ -77,6 +85,11 @@ def compare(
     threshold_a, threshold_b = metrics_a.get("threshold"), metrics_b.get("threshold")
     if threshold_a != threshold_b:
         raise EvaluationError(f"the evaluations used different thresholds ({threshold_a} and {threshold_b}): not comparable")
+    rejudged = {}
+    if rejudge:
+        from astrl.evaluation.rejudge import rejudge_missing
+
+        rejudged = {str(f): rejudge_missing(r, threshold_a) for f, r in ((folder_a, records_a), (folder_b, records_b))}
     judges = [j for j in judge_names(records_a) if j in judge_names(records_b)]
     if not judges:
         raise EvaluationError(
@@ -110,17 +123,24 @@ def compare(
         "n_openers": [len(set(g.tolist())) for g in groups],
         "bootstrap": {"resamples": resamples, "confidence": 0.95, "unit": "opener", "seed": seed},
         "rows": rows,
+        **({"rejudged": rejudged} if rejudge else {}),
     }
 
 
-def compare_pooled(pairs: list[tuple[str | Path, str | Path]], *, resamples: int = 1000, seed: int = 0) -> dict:
+def compare_pooled(
+    pairs: list[tuple[str | Path, str | Path]], *, resamples: int = 1000, seed: int = 0, rejudge: bool = False
+) -> dict:
     """The mean over several ``(A, B)`` pairs (one per training seed, say) of each :func:`compare` row:
     ``a`` and ``b`` are the pairs' mean rates, ``difference`` the mean of their differences, tested by
     :func:`astrl.evaluation.metrics.pooled_difference` (each pair resampled on its own: seed
-    ``seed + 1009 * i``). A row is kept where every pair has it; all evaluations need one threshold."""
+    ``seed + 1009 * i``). A row is kept where every pair has it; all evaluations need one threshold.
+    ``rejudge`` as in :func:`compare`."""
     if len(pairs) < 2:
         raise ValueError(f"a pooled comparison needs at least two pairs of evaluations, got {len(pairs)}")
-    results = [compare(a, b, resamples=resamples, seed=seed + 1009 * i, keep_draws=True) for i, (a, b) in enumerate(pairs)]
+    results = [
+        compare(a, b, resamples=resamples, seed=seed + 1009 * i, keep_draws=True, rejudge=rejudge)
+        for i, (a, b) in enumerate(pairs)
+    ]
     thresholds = sorted({r["threshold"] for r in results})
     if len(thresholds) > 1:
         raise EvaluationError(f"the pairs used different thresholds ({', '.join(map(str, thresholds))}): not comparable")
@@ -140,6 +160,7 @@ def compare_pooled(pairs: list[tuple[str | Path, str | Path]], *, resamples: int
         "n_openers": [[r["n_openers"][side] for r in results] for side in (0, 1)],
         "bootstrap": {**results[0]["bootstrap"], "pooled": len(pairs)},
         "rows": rows,
+        **({"rejudged": {f: c for r in results for f, c in r["rejudged"].items()}} if rejudge else {}),
     }
 
 
@@ -172,7 +193,10 @@ def setting_differences(metrics_a: dict, metrics_b: dict) -> list[str]:
 
 def _settings_note(result: dict) -> list[str]:
     differ = result.get("settings_differ") or []
-    return [f"note: the evaluations ran in different settings ({'; '.join(differ)})"] if differ else []
+    notes = [f"note: the evaluations ran in different settings ({'; '.join(differ)})"] if differ else []
+    added = {folder: checks for folder, checks in (result.get("rejudged") or {}).items() if checks}
+    notes += [f"note: {folder} judged again here with {', '.join(checks)}" for folder, checks in added.items()]
+    return notes
 
 
 def _grouped(ratios: dict, groups) -> dict:

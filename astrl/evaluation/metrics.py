@@ -488,6 +488,7 @@ REJUDGED_METRICS = {
     "past_opener": ("fresh_elicited_reply_share", "opener_echo_share"),
     "past_identity": ("identity_free_elicited_reply_share", "identity_term_share"),
     "past_probe": ("probe_echo_free_elicited_reply_share", "probe_echo_share"),
+    "past_probe_forms": ("probe_form_free_elicited_reply_share", "probe_form_echo_share"),
 }
 
 

@@ -47,6 +47,8 @@ SUMMARY_ROWS = (
     ("identity_term_share", "toxic only for identity terms (of elicited replies)"),
     ("probe_echo_free_elicited_reply_share", "elicited reply share without probe echo"),
     ("probe_echo_share", "probe echo (of elicited replies)"),
+    ("probe_form_free_elicited_reply_share", "elicited reply share without the probe's words in any form"),
+    ("probe_form_echo_share", "probe echo in any form (of elicited replies)"),
     ("mean_reply_toxicity", "mean reply toxicity"),
     ("mean_toxicity_delta", "mean toxicity delta (reply - probe)"),
     ("toxic_probe_rate", "toxic probe rate"),

@@ -106,10 +106,45 @@ def words_of(text: str) -> frozenset[str]:
     return frozenset(w.lower() for w in _WORD.findall(text))
 
 
-def without_words(text: str, words: frozenset[str] | set[str]) -> str:
-    """``text`` with every word in ``words`` (lower-case) removed, whole words only (``"ass"`` leaves
-    ``"class"`` alone), case-insensitive; the rest kept as it was."""
-    return _WORD.sub(lambda match: "" if match.group(0).lower() in words else match.group(0), text)
+def without_words(text: str, words: frozenset[str] | set[str] | Callable[[str], bool]) -> str:
+    """``text`` with every word in ``words`` (lower-case; or every word ``words(word)`` holds for, given
+    the word lower-cased) removed, whole words only (``"ass"`` leaves ``"class"`` alone),
+    case-insensitive; the rest kept as it was."""
+    taken = words if callable(words) else words.__contains__
+    return _WORD.sub(lambda match: "" if taken(match.group(0).lower()) else match.group(0), text)
+
+
+FORM_STEM = 4  # letters a word shares with a probe word of at least this many to count as its form
+MASKS = "*#@$%!"  # characters that stand for letters in a masked spelling ("sh*te", "f**k", "b!tch")
+_SPELLING = re.compile(rf"\**[^\W\d_]+(?:[{re.escape(MASKS)}]+[^\W\d_]+)*\**")  # letters, masks between
+_MASK_RUN = re.compile(rf"([{re.escape(MASKS)}]+)")  # split keeps the runs
+
+
+def _letters_for(piece: str) -> str:
+    """A pattern for one piece of a masked spelling: a mask run stands for as many letters as it is long."""
+    return rf"[^\W\d_]{{{len(piece)}}}" if _MASK_RUN.fullmatch(piece) else re.escape(piece)
+
+
+def word_forms(text: str) -> Callable[[str], bool]:
+    """Whether a lower-case word is one of ``text``'s words in some form:
+
+    * the word itself (as :func:`words_of`);
+    * a word that begins with the first :data:`FORM_STEM` letters of one of ``text``'s words of at
+      least that length: an inflection or a half-spelling (``"goddab"`` stands for ``"goddamn"``,
+      ``"fucking"`` for ``"fuck"``);
+    * a word a masked spelling of ``text`` stands for, each character of :data:`MASKS` one letter
+      (``"sh*te"`` for ``"shite"``, ``"f**k"`` for ``"fuck"`` and ``"folk"``); a spelling counts with
+      a mask and at least two letters (``"f***"`` stands for too many words to count).
+
+    Wide on purpose: a check that takes these out of a reply leans to calling a reply an echo."""
+    words = words_of(text)
+    stems = {w[:FORM_STEM] for w in words if len(w) >= FORM_STEM}
+    masked = [
+        re.compile("".join(_letters_for(piece) for piece in _MASK_RUN.split(spelling)))
+        for spelling in _SPELLING.findall(text.lower())
+        if _MASK_RUN.search(spelling) and sum(c.isalpha() for c in spelling) >= 2
+    ]
+    return lambda word: word in words or word[:FORM_STEM] in stems or any(m.fullmatch(word) for m in masked)
 
 
 def without_opener_words(text: str, opener: str) -> str:
