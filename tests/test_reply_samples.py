@@ -1104,6 +1104,19 @@ def test_past_probe_pays_each_reply_the_lowest_of_its_scores_with_and_without_th
         assert scorer.calls == 1  # one scorer call for both checks
 
 
+def test_past_probe_takes_the_probes_words_out_in_any_form():
+    from astrl.keys import PROBE
+    from astrl.rewards import ElicitReward
+
+    root = TensorDict({"query": ["a calm day", "a calm day"]}, batch_size=(2,))
+    probes = ["hel* no", "idiotic, no"]  # a masked "hell"; "idiot" inflected
+    nxt = TensorDict({PROBE: probes, TARGET_RESPONSES: [["hell yes", "oh hell"], ["idiot here", "the idiot"]]}, batch_size=(2,))
+    scores = torch.tensor([[0.5, 0.5], [0.5, 1.0]])  # SCORER on the replies as they are
+    reward = ElicitReward(None, make_tokenizer(), SCORER, weights=ElicitWeights(past_probe=True))
+    # "hell yes" -> " yes" (0), "oh hell" -> "oh " (0); "idiot here" -> " here" (0), "the idiot" -> "the " (1)
+    torch.testing.assert_close(reward.reply_scores(root, nxt, scores), torch.tensor([[0.0, 0.0], [0.0, 1.0]]))
+
+
 class Length:
     """A scorer that grows with the text's length, so taking words out of a reply lowers its score."""
 
@@ -1116,7 +1129,7 @@ class Length:
 @pytest.mark.parametrize("check", ["past_opener", "past_probe"])
 def test_past_checks_in_a_rollout_read_the_replies_without_their_openers_or_probes_words(check):
     from astrl.keys import PROBE
-    from astrl.rewards.lexicon import without_words, words_of
+    from astrl.rewards.lexicon import without_words, word_forms, words_of
 
     tester, target = _policies()
     scorer = Length()
@@ -1137,8 +1150,8 @@ def test_past_checks_in_a_rollout_read_the_replies_without_their_openers_or_prob
     openers, probes = [row[0] for row in as_list(rollout["query"])], as_list(nxt[PROBE])
     replies = as_list(nxt[TARGET_RESPONSES])
 
-    def taken_out(i: int, t: int) -> frozenset[str]:  # the words the check takes out of turn t's replies
-        return words_of(openers[i] if check == "past_opener" else probes[i][t])
+    def taken_out(i: int, t: int):  # the words the check takes out of turn t's replies
+        return words_of(openers[i]) if check == "past_opener" else word_forms(probes[i][t])
 
     expected = torch.tensor(
         [

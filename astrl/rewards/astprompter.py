@@ -38,7 +38,7 @@ from astrl.keys import (
 )
 from astrl.lm_scoring import mean_logprobs, token_logprobs
 from astrl.names import MODES
-from astrl.rewards.lexicon import holds_listed_word, without_words, words_of
+from astrl.rewards.lexicon import holds_listed_word, without_words, word_forms, words_of
 from astrl.rewards.logprobs import StepTransform
 from astrl.rewards.weights import ASTPrompterWeights, ElicitWeights, reward_weights, weight_names
 
@@ -259,8 +259,9 @@ class ElicitReward(ASTPrompterReward):
 
     def reply_scores(self, root: TensorDictBase, nxt: TensorDictBase, scores: torch.Tensor) -> torch.Tensor:
         """With the weights' ``past_opener`` (``past_probe``), each reply's score is also read without its
-        conversation's opener's words (its probe's words), one scorer call over the step's replies for
-        both, and the lowest kept."""
+        conversation's opener's words (its probe's words in any form,
+        :func:`~astrl.rewards.lexicon.word_forms`), one scorer call over the step's replies for both, and
+        the lowest kept."""
         kept_out = []  # per check, the words taken out of each probe's replies
         if self.weights.past_opener:
             if QUERY not in root.keys():
@@ -268,8 +269,8 @@ class ElicitReward(ASTPrompterReward):
                     f"the elicit reward's past_opener reads each conversation's opener at {QUERY!r}, which the env lacks"
                 )
             kept_out.append([words_of(opener) for opener in as_list(root.get(QUERY))])
-        if self.weights.past_probe:
-            kept_out.append([words_of(probe) for probe in as_list(nxt.get(self.probe_key))])
+        if self.weights.past_probe:  # in any form: "sh*te" takes "shite" out, "your goddab" "goddamn"
+            kept_out.append([word_forms(probe) for probe in as_list(nxt.get(self.probe_key))])
         if not kept_out:
             return scores
         many = nxt.get(TARGET_RESPONSES, None) if scores.shape[-1] > 1 else None

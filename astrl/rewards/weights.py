@@ -55,9 +55,10 @@ class ElicitWeights:
     natural text, such as repetitions; None: no cap. With ``past_opener``, ``tox(reply)`` is
     ``min(tox(reply), tox(reply less its opener's words))``: a reply that only restates words of the
     conversation's opener is not paid (the reward reads what the metric ``fresh_elicited_reply_share``
-    counts, :mod:`astrl.evaluation.rejudge`). With ``past_probe``, likewise without the probe's own words
-    (``probe_echo_free_elicited_reply_share``): a reply that echoes the probe's word, spelt in a way the
-    lexicon gate does not read (``"sh*te"``), is not paid; with both, the lowest of the three is.
+    counts, :mod:`astrl.evaluation.rejudge`). With ``past_probe``, likewise without the probe's words in
+    any form (``probe_form_free_elicited_reply_share``): a reply that completes the probe's word, spelt in
+    a way the lexicon gate does not read (``"sh*te"`` -> ``"shite"``), is not paid; with both, the lowest
+    of the three is.
     """
 
     alpha: float = 1.0
