@@ -144,6 +144,16 @@ def test_k3_is_exact_below_its_cap_and_passes_no_gradient_above_it():
     value.sum().backward()
     torch.testing.assert_close(x.grad, torch.tensor([0.0, math.e - 1, math.exp(-2) - 1, 0.0]))
     assert k3(torch.tensor(14.0)).item() == pytest.approx(math.exp(14) - 15, rel=1e-5)  # no cap: ~1.2e6
+    # far above the cap exp(x) overflows float32 (x > ~88.7): the capped estimate stays the cap and its
+    # gradient 0, not 0 * inf = nan
+    far = torch.tensor([89.0, 100.0, 1e4, 2.0], requires_grad=True)
+    value = k3(far, cap=10.0)
+    value.sum().backward()
+    assert value.detach().tolist()[:3] == [10.0, 10.0, 10.0] and value[3].item() == pytest.approx(math.exp(2) - 3)
+    assert torch.isfinite(far.grad).all() and far.grad[:3].tolist() == [0.0, 0.0, 0.0]
+    small = torch.tensor([0.3, 5.0], requires_grad=True)  # a small cap: exact below it, the cap above
+    torch.testing.assert_close(k3(small, cap=0.01).detach(), torch.tensor([0.01, 0.01]))
+    torch.testing.assert_close(k3(torch.tensor([0.1]), cap=0.01), torch.tensor([math.exp(0.1) - 1.1]))
 
 
 def test_one_reference_outlier_token_counts_the_cap_not_exp_of_its_log_ratio(tmp_path):
@@ -163,6 +173,16 @@ def test_one_reference_outlier_token_counts_the_cap_not_exp_of_its_log_ratio(tmp
     trainer.algorithm.loss_module.kl_token_cap = None  # uncapped: the one token outweighs the batch
     out = trainer.algorithm.loss(batch)
     assert out["kl_to_ref"].item() == pytest.approx((math.exp(14) - 15) / hand["tokens"], rel=1e-3)
+    # a token the policy finds e^100 times less likely than the reference (a replayed probe's, after the
+    # policy moved away): capped, the loss and every gradient stay finite
+    trainer.algorithm.loss_module.kl_token_cap = 10.0
+    rows[0][prompt] += 86.0
+    batch.set(REF_LOG_PROBS_FULL, torch.nested.as_nested_tensor(rows, layout=torch.strided))
+    out = trainer.algorithm.loss(batch)
+    assert out["kl_to_ref"].item() == pytest.approx(10.0 / hand["tokens"], rel=1e-4)
+    sum(out[k] for k in out.keys() if k.startswith("loss_")).backward()
+    grads = [p.grad for p in trainer.models.tester.model.parameters() if p.requires_grad]
+    assert grads and all(torch.isfinite(g).all() for g in grads if g is not None)
 
 
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
@@ -432,3 +452,30 @@ def test_text_mode_keeps_the_row_by_row_forward(tmp_path):
     trainer = _trainer(_config(tmp_path, mode="text"))
     trainer._build()
     assert not trainer.algorithm.share_prefix and not trainer.algorithm.loss_module.share_prefix
+
+
+def test_an_update_whose_gradient_is_not_finite_is_skipped_and_counted(tmp_path, capsys):
+    trainer = _trainer(_config(tmp_path, reward="astprompter", kl_coef=0.1, epochs=2, total_steps=2))
+    trainer._build()
+    loss, calls = trainer.algorithm.loss, []
+
+    def poisoned(minibatch):  # the first update's gradient is nan in one weight: clipping spreads it to all
+        out = loss(minibatch)
+        calls.append(1)
+        if len(calls) == 1:
+            weight = next(p for p in trainer.models.tester.model.parameters() if p.requires_grad)
+            out["loss_objective"] = out["loss_objective"] + (weight.sum() * 0.0 + 1.0).sqrt() * torch.tensor(float("nan"))
+        return out
+
+    trainer.algorithm.loss = poisoned
+    weights = lambda: [p.detach().clone() for p in trainer.models.tester.model.parameters() if p.requires_grad]  # noqa: E731
+    before = weights()
+    row = trainer.train_step()
+    after = weights()
+    assert len(calls) == 2 and row["skipped_updates"] == 1
+    assert all(torch.isfinite(w).all() for w in after)  # the nan never reached a weight
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))  # the second update was applied
+    assert math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0  # the mean over the applied update
+    assert "step 1: 1 of 2 updates had a gradient that is not finite and were skipped" in capsys.readouterr().err
+    trainer.algorithm.loss = loss
+    assert "skipped_updates" not in trainer.train_step()  # a clean step: no column of its own

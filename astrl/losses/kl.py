@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torchrl.objectives.llm import k3_kl_token_estimate
 
@@ -23,6 +25,13 @@ def k3(log_ratio: torch.Tensor, cap: float | None = None) -> torch.Tensor:
     ``q`` does (``x`` = 14: q/p = 10^6) gives 10^6 and outweighs a whole batch. With ``cap``, a token's
     estimate is at most ``cap`` and passes no gradient above it (``cap`` 10 is reached at ``x`` ~ 2.6).
     The estimate itself is TorchRL's ``k3_kl_token_estimate``; the cap is astrl's.
+
+    With ``cap``, ``x`` is first cut at ``log(1 + cap) + 2``, above which the estimate exceeds the cap
+    anyway (``(1 + cap) e^2 - log(1 + cap) - 3 > cap``): the value is the same, and ``exp(x)`` stays
+    finite. Uncut, a token with ``x`` above ~88 (a replayed probe's token the policy now finds
+    impossible) makes ``exp(x)`` infinite, and the clamp's zero gradient times it is ``nan``.
     """
+    if cap is not None:
+        log_ratio = log_ratio.clamp(max=math.log1p(cap) + 2.0)
     value = k3_kl_token_estimate(log_ratio, torch.zeros_like(log_ratio))  # d = log_ratio - 0
     return value if cap is None else value.clamp(max=cap)
