@@ -265,7 +265,6 @@ class Trainer:
         self._built = False
         self._step_start: dict | None = None  # inside train(): the state before the running step
         self._step_updates = 0  # optimizer updates made by the running step
-        self._skipped_updates = 0  # of them, those whose gradient was not finite (not applied)
         self._columns: list[str] | None = None  # the header of metrics.csv, once it has one
         self.warm_start: dict | None = None  # what the warm start did, once it ran (warm_start_probes > 0)
         self.resumed = False  # made by resume(): a stopped warm start goes on from its last round
@@ -526,7 +525,6 @@ class Trainer:
         new_attacks = self.hardening.observe(rollout) if self.hardening is not None else 0
         losses: dict[str, list[float]] = {}
         grad_norms = []
-        self._skipped_updates = 0
         self.optimizer.zero_grad(set_to_none=True)
         pending = 0
         minibatches = list(self.algorithm.minibatches(batch, self.generator))
@@ -562,13 +560,14 @@ class Trainer:
         row.update({k: sum(v) / len(v) for k, v in losses.items()})
         if not losses:  # nothing to learn from this batch (e.g. every sibling group tied)
             row["loss"] = float("nan")
-        applied = [norm for norm in grad_norms if math.isfinite(norm)]
+        applied = [norm for norm in grad_norms if math.isfinite(norm)]  # a non-finite one was skipped
         grad_norm = sum(applied) / len(applied) if applied else (math.nan if grad_norms else 0.0)
         row.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0])
-        if self._skipped_updates:  # the column appears with the first step that skips one
-            row["skipped_updates"] = self._skipped_updates
+        skipped = len(grad_norms) - len(applied)
+        if skipped:  # the column appears with the first step that skips one
+            row["skipped_updates"] = skipped
             print(
-                f"astrl: warning: step {self.step}: {self._skipped_updates} of {len(grad_norms)} updates had a gradient "
+                f"astrl: warning: step {self.step}: {skipped} of {len(grad_norms)} updates had a gradient "
                 "that is not finite and were skipped (the weights stay as they were; see skipped_updates in metrics.csv)",
                 file=sys.stderr,
             )
@@ -593,14 +592,12 @@ class Trainer:
 
         A gradient that is not finite (``nan`` or ``inf`` anywhere; clipping would spread it to every
         weight) is not applied: the weights and the optimizer's moments stay, the schedule moves on, and
-        the step's ``skipped_updates`` counts it."""
+        the step's ``skipped_updates`` counts the non-finite norms returned."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
         self._step_updates += 1
         if math.isfinite(norm):
             self.optimizer.step()
-        else:
-            self._skipped_updates += 1
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
