@@ -214,6 +214,26 @@ def _shared_heads(rows: Sequence[torch.Tensor], starts: Sequence[int]) -> list[i
     return heads if len(index) < len(heads) else None
 
 
+def select_cache_rows(cache, index: torch.Tensor) -> None:
+    """Make row ``i`` of a KV cache's batch its row ``index[i]``, in place, as ``cache.batch_select_indices``
+    does, but with ``index_select``: its backward adds a shared row's gradients in a fixed order. The
+    cache's own method indexes (``keys[index]``), whose backward on CPU adds with parallel atomics once a
+    layer's cache is large, so a training step's gradients (and a resumed run's numbers) differed between
+    two runs in the last bits. Layers with more state than keys and values keep their own method."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        cache.batch_select_indices(index)
+        return
+    for layer in layers:
+        plain = type(layer).batch_select_indices is DynamicLayer.batch_select_indices
+        if plain and isinstance(getattr(layer, "keys", None), torch.Tensor) and layer.keys.numel():
+            layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+        else:
+            layer.batch_select_indices(index)
+
+
 def _tails_after_heads(
     model: torch.nn.Module,
     rows: Sequence[torch.Tensor],
@@ -237,7 +257,7 @@ def _tails_after_heads(
     extra = {"logits_to_keep": 1} if accepts(model, "logits_to_keep") else {}
     cache = model(input_ids=head_ids, attention_mask=head_mask, use_cache=True, **extra).past_key_values
     inverse = torch.tensor(heads, device=device)
-    cache.batch_select_indices(inverse)  # every row goes on from its head's cache
+    select_cache_rows(cache, inverse)  # every row goes on from its head's cache
     ids, tail_mask = pad_ids([row[start - 1 :] for row, start in zip(rows, starts, strict=True)], pad_token_id, device=device)
     begin = torch.tensor(starts, device=device) - 1  # the tail's first position
     position_ids = begin[:, None] + torch.arange(ids.shape[1], device=device)[None]

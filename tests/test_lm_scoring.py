@@ -11,6 +11,7 @@ from astrl.lm_scoring import (
     nest_rows,
     nested_token_logprobs,
     score_tokens,
+    select_cache_rows,
     shared_prefix_logprobs,
     token_logprobs,
 )
@@ -313,6 +314,36 @@ def test_rows_with_one_prefix_read_it_once_and_equal_rows_scored_alone(tok, arch
         a, b = getattr(outputs[True], field), getattr(outputs[False], field)
         torch.testing.assert_close(a[outputs[True].valid], b[outputs[False].valid], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(outputs[True].hidden[3, :3], plain(model, opener, conts[3])[2], rtol=1e-5, atol=1e-5)
+
+
+def test_rows_read_after_a_shared_head_give_the_same_gradients_every_time(tok):
+    """The head's cache is gathered to its rows with index_select: ``keys[index]``'s backward adds a shared
+    head's gradients with parallel atomics on CPU once the cache is large, so two backward passes of one
+    batch differed in the last bits (and a resumed run parted from an uninterrupted one)."""
+    model = make_llama(tok)
+    with torch.no_grad():
+        cache = model(input_ids=torch.stack(ragged(tok, [5, 5], seed=20)), use_cache=True).past_key_values
+    keys = [layer.keys.clone() for layer in cache.layers]
+    index = torch.tensor([1, 0, 1, 1])
+    select_cache_rows(cache, index)
+    for layer, before in zip(cache.layers, keys, strict=True):
+        assert torch.equal(layer.keys, before[index])  # row i is row index[i]
+    # 64 rows on one 64-token head: each layer's gathered cache holds 64 x 2 x 64 x 16 values, past the
+    # size where the indexing backward goes parallel
+    opener = ragged(tok, [64], seed=21)[0]
+    conts = ragged(tok, [3] * 64, seed=22)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        grads = []
+        for _ in range(4):
+            model.zero_grad()
+            rows = token_logprobs(model, [opener] * 64, conts, pad_token_id=tok.pad_token_id, share_prefix=True)
+            torch.cat(rows).sum().backward()
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(grads[0], g) for g in grads[1:])
 
 
 @pytest.mark.parametrize("share", [False, True])
