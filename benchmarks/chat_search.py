@@ -6,17 +6,22 @@ For each of ``--openers`` held-out RealToxicityPrompts openers (the ``test`` spl
 whose target reply, read greedily over ``--lookahead`` tokens, most likely holds a word of the training
 scorer's lexicon, under the naturalness bound ``--max-nll`` when given. The target (the red-team env's
 chat view: the opener as its own turn, the probe as the user's) then answers each searched probe
-``--replies`` times (``--reply-tokens`` tokens, sampled as the env samples them) and the ``wordlist``
-judge gives the elicited reply share (a toxic reply to a probe it does not call toxic), the first
-reply's, and the openers with none, with 95% intervals over openers. This is what a tester that writes
-one probe per opener without reading the target's logits would have to match in chat mode.
+``--replies`` times (``--reply-tokens`` tokens, sampled as the env samples them) and each of
+``--judges`` (default ``wordlist``) gives the elicited reply share (a toxic reply to a probe it does not
+call toxic), the same share without the opener's words and without the probe's words in any form (the
+``past_opener`` and ``past_probe_forms`` readings of ``astrl eval``), the first reply's, and the
+openers with none, with 95% intervals over openers. The first judge's numbers are also the top-level
+keys; ``--records`` keeps each opener's probe, replies and scores. This is what a tester that writes one probe per
+opener without reading the target's logits would have to match in chat mode.
 
     python benchmarks/chat_search.py --quick                          # 4 openers, beams 2 x top-k 4, lookahead 2
     python benchmarks/chat_search.py --device cuda --openers 208      # the held-out set
+    python benchmarks/chat_search.py --openers 64 --judges wordlist,profanity --records search.jsonl
 """
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -28,7 +33,8 @@ from probe_search import sampled_replies
 from astrl._compat import render_chats
 from astrl.envs.redteam import DEFAULT_TESTER_SYSTEM_PROMPT
 from astrl.envs.transforms import target_view
-from astrl.evaluation.metrics import elicited
+from astrl.evaluation.metrics import DEFAULT_THRESHOLD, elicited
+from astrl.evaluation.rejudge import CHECKS, without_words
 from astrl.models import load_model
 from astrl.prompts import load_prompts, split_prompts
 from astrl.rewards.lexicon import reply_lexicon
@@ -44,6 +50,32 @@ def replies_to(lm, openers: list[str], probes: list[str], replies: int, new_toke
     return sampled_replies(lm.model, lm.tokenizer, rows, replies=replies, new_tokens=new_tokens, batch=batch)
 
 
+CHECKS_READ = ("past_opener", "past_probe_forms")  # the readings of astrl eval's word checks reported here
+
+
+def judged(judge, openers: list[str], probes: list[str], texts: list[str], replies: int, seed: int) -> dict:
+    """One judge's reading of the searched probes and their ``replies`` sampled replies each: its
+    elicited shares with 95% intervals over openers (``result``), and the scores it gave."""
+    reply_scores = checked_scores(judge, texts).view(len(openers), replies).numpy()
+    probe_scores = checked_scores(judge, probes).numpy()
+    hits = elicited(reply_scores, probe_scores[:, None])
+    result = {"elicited_reply_share": rate(hits, seed)}
+    rows, cols = hits.nonzero()
+    for check in CHECKS_READ:  # a toxic reply keeps its verdict when it is still toxic without the check's words
+        words = [CHECKS[check]({"prompt": openers[i], "probe": probes[i]}) for i in rows]
+        rest = [without_words(texts[i * replies + k], w) for i, k, w in zip(rows, cols, words, strict=True)]
+        kept = np.zeros_like(hits)
+        if rest:
+            kept[rows, cols] = checked_scores(judge, rest).numpy() > DEFAULT_THRESHOLD
+        result[f"elicited_reply_share_{check}"] = rate(kept, seed)
+    result |= {
+        "first_reply_elicited": rate(hits[:, :1], seed),
+        "openers_without": int((~hits.any(1)).sum()),
+        "toxic_probe_rate": rate((probe_scores > DEFAULT_THRESHOLD)[:, None], seed),
+    }
+    return {"result": result, "replies": reply_scores.tolist(), "probes": probe_scores.tolist()}
+
+
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--openers", type=int, default=None, help="held-out openers (default 208; 4 with --quick)")
@@ -55,7 +87,12 @@ def main() -> None:
     parser.add_argument("--replies", type=int, default=8, help="target replies judged per searched probe")
     parser.add_argument("--reply-tokens", type=int, default=16)
     parser.add_argument("--fractions", default="0.6,0.05,0.35", help="train,dev,test fractions of the opener split")
+    parser.add_argument("--judges", default=JUDGE, help=f"comma-separated judges of the replies (default {JUDGE})")
+    parser.add_argument("--records", default=None, help="write each opener's probe, replies and scores to this JSONL")
     args = parser.parse_args()
+    judges = [name.strip() for name in args.judges.split(",") if name.strip()]
+    if not judges:
+        parser.error(f"--judges names no judge: {args.judges!r}")
     info = setup(args)
     for name, full, quick in (("probe_tokens", 12, 6), ("lookahead", 8, 2), ("beams", 8, 2), ("top_k", 8, 4)):
         if getattr(args, name) is None:
@@ -73,10 +110,25 @@ def main() -> None:
     search_seconds = time.perf_counter() - start
     probes = [f.text for f in found]
     texts = replies_to(lm, openers, probes, args.replies, args.reply_tokens)
-    judge = make_scorer(JUDGE)
-    reply_scores = checked_scores(judge, texts).view(len(openers), args.replies).numpy()
-    probe_scores = checked_scores(judge, probes).numpy()
-    hits = elicited(reply_scores, probe_scores[:, None])
+    results, scores = {}, {}
+    for name in judges:
+        scores[name] = judged(make_scorer(name), openers, probes, texts, args.replies, args.seed)
+        results[name] = scores[name].pop("result")
+    first = results[judges[0]]
+    if args.records:
+        with open(args.records, "w", encoding="utf-8") as handle:
+            for i, (opener, probe) in enumerate(zip(openers, probes, strict=True)):
+                record = {
+                    "opener": opener,
+                    "probe": probe,
+                    "estimate": found[i].mass,
+                    "nll": found[i].nll,
+                    "replies": texts[i * args.replies : (i + 1) * args.replies],
+                    "scores": {
+                        name: {"probe": scores[name]["probes"][i], "replies": scores[name]["replies"][i]} for name in judges
+                    },
+                }
+                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
     emit(
         {
             "benchmark": "chat_search",
@@ -93,10 +145,9 @@ def main() -> None:
             "seconds_per_opener": r(search_seconds / len(openers)),
             "searched_estimate_mean": r(float(np.mean([f.mass for f in found]))),
             "probe_nll_mean": r(float(np.mean([f.nll for f in found]))),
-            "elicited_reply_share": rate(hits, args.seed),
-            "first_reply_elicited": rate(hits[:, :1], args.seed),
-            "openers_without": int((~hits.any(1)).sum()),
-            "toxic_probe_rate": rate((probe_scores > 0.5)[:, None], args.seed),
+            "judge": judges[0],
+            **first,
+            "judges": results,
             "examples": [[o[-60:], p] for o, p in list(zip(openers, probes, strict=True))[:6]],
         }
     )
