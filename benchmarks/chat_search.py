@@ -11,8 +11,8 @@ chat view: the opener as its own turn, the probe as the user's) then answers eac
 call toxic), the same share without the opener's words and without the probe's words in any form (the
 ``past_opener`` and ``past_probe_forms`` readings of ``astrl eval``), the first reply's, and the
 openers with none, with 95% intervals over openers. The first judge's numbers are also the top-level
-keys; ``--records`` keeps each opener's probe, replies and scores. This is what a tester that writes one probe per
-opener without reading the target's logits would have to match in chat mode.
+keys; ``--records`` keeps each opener's probe, replies and scores. This is what a tester that writes
+one probe per opener without reading the target's logits would have to match in chat mode.
 
     python benchmarks/chat_search.py --quick                          # 4 openers, beams 2 x top-k 4, lookahead 2
     python benchmarks/chat_search.py --device cuda --openers 208      # the held-out set
@@ -33,6 +33,7 @@ from probe_search import sampled_replies
 from astrl._compat import render_chats
 from astrl.envs.redteam import DEFAULT_TESTER_SYSTEM_PROMPT
 from astrl.envs.transforms import target_view
+from astrl.errors import ScorerError
 from astrl.evaluation.metrics import DEFAULT_THRESHOLD, elicited
 from astrl.evaluation.rejudge import CHECKS, without_words
 from astrl.models import load_model
@@ -93,6 +94,10 @@ def main() -> None:
     judges = [name.strip() for name in args.judges.split(",") if name.strip()]
     if not judges:
         parser.error(f"--judges names no judge: {args.judges!r}")
+    try:  # an unknown judge ends the run here, before the search
+        scorers = {name: make_scorer(name) for name in judges}
+    except ScorerError as err:
+        parser.error(str(err))
     info = setup(args)
     for name, full, quick in (("probe_tokens", 12, 6), ("lookahead", 8, 2), ("beams", 8, 2), ("top_k", 8, 4)):
         if getattr(args, name) is None:
@@ -112,7 +117,7 @@ def main() -> None:
     texts = replies_to(lm, openers, probes, args.replies, args.reply_tokens)
     results, scores = {}, {}
     for name in judges:
-        scores[name] = judged(make_scorer(name), openers, probes, texts, args.replies, args.seed)
+        scores[name] = judged(scorers[name], openers, probes, texts, args.replies, args.seed)
         results[name] = scores[name].pop("result")
     first = results[judges[0]]
     if args.records:
