@@ -103,6 +103,23 @@ def test_bootstrap_difference_flags_real_differences_only():
     assert m.bootstrap_difference((zeros, zeros), (ones, ones)) is None
 
 
+def test_paired_ratio_resamples_the_shared_openers_once_for_both_sides():
+    # two openers, 10 replies each: A elicits 1 and 1, B 3 and 1 -> shares 0.1 and 0.2, B / A = 2.
+    # A resample draws the openers (0, 0), (1, 1) or one of each: B / A = 0.3/0.1, 0.1/0.1 or 0.2/0.1,
+    # so the multiples are 3, 1 and 2 with probabilities 1/4, 1/4 and 1/2 (unpaired: 9 values).
+    ten = np.full(2, 10.0)
+    out = m.paired_ratio((np.array([1.0, 1.0]), ten), (np.array([3.0, 1.0]), ten), resamples=4000, at_least=3.0)
+    assert out["ratio"] == pytest.approx(2.0) and out["units"] == 2
+    assert out["ci"] == pytest.approx([1.0, 3.0])
+    assert out["share_at_least"] == pytest.approx(0.25, abs=0.03)
+    # an opener where A elicits nothing: resamples of it alone leave B / A undefined and are left out
+    lone = m.paired_ratio((np.array([0.0, 2.0]), ten), (np.array([1.0, 2.0]), ten), resamples=4000)
+    assert lone["ratio"] == pytest.approx(1.5) and lone["ci"] == pytest.approx([1.0, 1.5])
+    assert m.paired_ratio((np.zeros(2), ten), (np.ones(2), ten)) is None  # A's share is 0
+    with pytest.raises(ValueError, match="four equal-length 1-D arrays"):
+        m.paired_ratio((np.ones(2), ten), (np.ones(3), np.ones(3)))
+
+
 def test_self_bleu_on_known_pairs():
     # "the cat sat" vs "the cat ran": p1 = 2/3, p2 = 1/2, p3 = 0 -> smoothed 0.1/1; no brevity penalty.
     scores = similarity.self_bleu(["the cat sat", "The cat ran"])

@@ -282,6 +282,44 @@ def pooled_difference(tests: Sequence[dict], *, confidence: float = 0.95) -> dic
     return {**test, **({"units": min(t["units"] for t in tests)} if all("units" in t for t in tests) else {})}
 
 
+def paired_ratio(
+    a: tuple[np.ndarray, np.ndarray],
+    b: tuple[np.ndarray, np.ndarray],
+    *,
+    resamples: int = 10000,
+    confidence: float = 0.95,
+    seed: int = 0,
+    at_least: float | None = None,
+) -> dict | None:
+    """``ratio(*b) / ratio(*a)`` for two measurements on the same units (entry ``i`` of both is one opener,
+    as :func:`grouped` orders them), with a percentile interval from resampling the units once for both
+    sides, so that what the openers share moves both shares together. Resamples with either share
+    undefined or ``a``'s share 0 are left out. ``at_least`` adds the fraction of resampled ratios at or
+    above it (``share_at_least``). ``None`` when ``a``'s share is 0 or undefined."""
+    _check_bootstrap(resamples, confidence)
+    (a_num, a_den), (b_num, b_den) = (tuple(np.asarray(v, dtype=np.float64) for v in side) for side in (a, b))
+    if not a_num.shape == a_den.shape == b_num.shape == b_den.shape or a_num.ndim != 1 or a_num.size == 0:
+        raise ValueError(
+            f"paired_ratio needs four equal-length 1-D arrays (one entry per shared unit), got {a_num.shape}, "
+            f"{a_den.shape}, {b_num.shape} and {b_den.shape}"
+        )
+    if not ratio(a_num, a_den) or ratio(b_num, b_den) is None:
+        return None
+
+    def multiple(an, ad, bn, bd):  # (bn / bd) / (an / ad), as one quotient: counts give exact multiples
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return (bn * ad) / (bd * an)
+
+    index = np.random.default_rng(seed).integers(0, a_num.size, size=(resamples, a_num.size))
+    draws = multiple(*(values[index].sum(axis=1) for values in (a_num, a_den, b_num, b_den)))
+    draws = draws[np.isfinite(draws)]
+    tail = (1 - confidence) / 2 * 100
+    low, high = (float(v) for v in np.percentile(draws, [tail, 100 - tail]))
+    out = {"ratio": float(multiple(*(values.sum() for values in (a_num, a_den, b_num, b_den)))), "ci": [low, high]}
+    out["units"] = int(a_num.size)
+    return out | ({"share_at_least": float(np.mean(draws >= at_least))} if at_least is not None else {})
+
+
 def between_pairs(values: Sequence[float], *, confidence: float = 0.95, bounds: tuple[float, float] | None = None) -> dict:
     """The mean of one value per pair of evaluations (one training seed each) and its Student-t interval
     over the pairs, ``mean ± t(n - 1) * sd / sqrt(n)`` with ``sd`` over ``n - 1``, cut to ``bounds`` (a

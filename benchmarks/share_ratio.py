@@ -1,0 +1,131 @@
+"""One tester's elicited reply share as a multiple of another's on the same openers, with a paired interval.
+
+Each side is an ``astrl eval`` folder (its ``--turn``, default the first: one probe per conversation) or
+the ``--records`` JSONL of ``chat_search.py`` (one searched probe per opener). For each of ``--judges``
+the elicited reply share of both sides (a reply the judge scores above 0.5 after a probe it scores at
+most 0.5), read as judged and without the opener's words and without the probe's words in any form (the
+``past_opener`` and ``past_probe_forms`` readings of ``astrl eval``, computed again here the same way
+for both sides), and the multiple B / A with a 95% interval from resampling the shared openers once for
+both sides (:func:`astrl.evaluation.metrics.paired_ratio`), and the fraction of resampled multiples at
+or above ``--goal``. Both sides must hold the same openers, and the judges' scores (pass them to
+``astrl eval --judge`` and ``chat_search.py --judges``).
+
+    python benchmarks/share_ratio.py UNTRAINED_EVAL_DIR SEARCH.jsonl --judges profanity,wordlist --goal 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+from _common import emit, r
+from chat_search import readings
+
+from astrl.errors import ScorerError
+from astrl.evaluation.metrics import bootstrap_ratio, grouped, paired_ratio
+from astrl.evaluation.records import read_records
+from astrl.scorers import make_scorer
+
+
+def load_side(path: str | Path, turn: int) -> list[dict]:
+    """Rows ``{"opener", "probe", "replies", "scores"}`` of an eval folder's ``turn`` or a search's records."""
+    path = Path(path)
+    if path.is_dir():
+        records = [record for record in read_records(path / "conversations.jsonl") if record["turn"] == turn]
+        rows = [
+            {"opener": x["prompt"], "probe": x["probe"], "replies": x.get("replies", [x["response"]]), "scores": x["scores"]}
+            for x in records
+        ]
+    elif path.is_file():
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if turn:
+            raise SystemExit(f"error: {path} holds searched first probes; --turn {turn} reads eval folders only")
+    else:
+        raise SystemExit(f"error: {path} is neither an astrl eval folder nor a chat_search.py records file")
+    if not rows:
+        raise SystemExit(f"error: {path} has no rows for turn {turn}")
+    return rows
+
+
+def opener_counts(rows: list[dict], judge: str, scorer, openers: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per reading, ``(elicited replies, replies)`` summed per opener in the order of ``openers``."""
+    if judge not in rows[0]["scores"]:
+        raise SystemExit(f"error: no {judge!r} scores in these rows (they hold {sorted(rows[0]['scores'])})")
+    sizes = {len(row["replies"]) for row in rows}
+    if len(sizes) != 1:
+        raise SystemExit(f"error: rows hold {sorted(sizes)} replies each; one count is needed")
+    texts = [text for row in rows for text in row["replies"]]
+    matrices = readings(
+        scorer,
+        [row["opener"] for row in rows],
+        [row["probe"] for row in rows],
+        texts,
+        [row["scores"][judge]["replies"] for row in rows],
+        [row["scores"][judge]["probe"] for row in rows],
+    )
+    position = {opener: i for i, opener in enumerate(openers)}
+    labels = [position[row["opener"]] for row in rows]
+    return {name: grouped(m.sum(1), np.full(len(rows), m.shape[1]), labels) for name, m in matrices.items()}
+
+
+def compare_sides(a: list[dict], b: list[dict], judges: dict, goal: float, seed: int) -> dict:
+    """Each judge's (``{name: scorer}``) readings of both sides and the multiple B / A, resampling the
+    shared openers."""
+    openers = sorted({row["opener"] for row in a})
+    other = {row["opener"] for row in b}
+    if set(openers) != other:
+        raise SystemExit(
+            f"error: the sides do not hold the same openers ({len(set(openers) - other)} only in A, "
+            f"{len(other - set(openers))} only in B)"
+        )
+    out = {}
+    for judge, scorer in judges.items():
+        sides = [opener_counts(rows, judge, scorer, openers) for rows in (a, b)]
+        out[judge] = {}
+        for reading in sides[0]:
+            (a_num, a_den), (b_num, b_den) = sides[0][reading], sides[1][reading]
+            multiple = paired_ratio((a_num, a_den), (b_num, b_den), seed=seed, at_least=goal)
+            out[judge][reading] = {
+                "a": share(a_num, a_den, seed),
+                "b": share(b_num, b_den, seed),
+                "b_over_a": None
+                if multiple is None
+                else {
+                    "ratio": r(multiple["ratio"]),
+                    "ci": [r(v) for v in multiple["ci"]],
+                    f"share_at_least_{goal:g}": r(multiple["share_at_least"]),
+                },
+            }
+    return out
+
+
+def share(num: np.ndarray, den: np.ndarray, seed: int) -> dict:
+    ci = bootstrap_ratio(num, den, seed=seed)
+    return {"rate": r(float(num.sum() / den.sum())), "ci": [r(v) for v in ci] if ci else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("a", help="the reference side: an astrl eval folder or chat_search.py records")
+    parser.add_argument("b", help="the side whose multiple of A is measured")
+    parser.add_argument("--judges", default="profanity,wordlist", help="comma-separated judges both sides hold")
+    parser.add_argument("--turn", type=int, default=0, help="the turn read from eval folders (0: the first)")
+    parser.add_argument("--goal", type=float, default=3.0, help="report the resampled multiples at or above this")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    try:  # an unknown judge ends the run here, before any reading
+        judges = {name.strip(): make_scorer(name.strip()) for name in args.judges.split(",") if name.strip()}
+    except ScorerError as err:
+        parser.error(str(err))
+    a, b = load_side(args.a, args.turn), load_side(args.b, args.turn)
+    result = compare_sides(a, b, judges, args.goal, args.seed)
+    openers = len({row["opener"] for row in a})
+    emit(
+        {"benchmark": "share_ratio", "a": str(args.a), "b": str(args.b), "turn": args.turn, "openers": openers, "judges": result}
+    )
+
+
+if __name__ == "__main__":
+    main()
