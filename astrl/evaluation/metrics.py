@@ -202,6 +202,12 @@ def _check_confidence(confidence: float) -> None:
     require("confidence", confidence, above=0, below=1)
 
 
+def _percentile_interval(draws: np.ndarray, confidence: float) -> list[float]:
+    """The central ``confidence`` percentile interval of bootstrap ``draws``."""
+    tail = (1 - confidence) / 2 * 100
+    return [float(v) for v in np.percentile(draws, [tail, 100 - tail])]
+
+
 def _check_bootstrap(resamples: int, confidence: float) -> None:
     if resamples < 1:
         raise ValueError(f"resamples must be >= 1, got {resamples}")
@@ -220,9 +226,7 @@ def bootstrap_ratio(
     values = values[~np.isnan(values)]
     if values.size == 0:
         return None
-    tail = (1 - confidence) / 2 * 100
-    low, high = np.percentile(values, [tail, 100 - tail])
-    return [float(low), float(high)]
+    return _percentile_interval(values, confidence)
 
 
 def bootstrap_difference(
@@ -259,8 +263,7 @@ def bootstrap_difference(
 def _difference_test(difference: float, draws: np.ndarray, confidence: float, *, significant_if: bool) -> dict:
     """``difference`` with the percentile interval and two-sided p-value of its bootstrap ``draws`` (NaN left out)."""
     draws = draws[~np.isnan(draws)]
-    tail = (1 - confidence) / 2 * 100
-    low, high = (float(v) for v in np.percentile(draws, [tail, 100 - tail]))
+    low, high = _percentile_interval(draws, confidence)
     p_value = min(1.0, 2 * min(float(np.mean(draws <= 0)), float(np.mean(draws >= 0))))
     significant = bool(low > 0 or high < 0) if significant_if else None
     return {"difference": difference, "ci": [low, high], "p_value": p_value, "significant": significant}
@@ -313,9 +316,8 @@ def paired_ratio(
     index = np.random.default_rng(seed).integers(0, a_num.size, size=(resamples, a_num.size))
     draws = multiple(*(values[index].sum(axis=1) for values in (a_num, a_den, b_num, b_den)))
     draws = draws[np.isfinite(draws)]
-    tail = (1 - confidence) / 2 * 100
-    low, high = (float(v) for v in np.percentile(draws, [tail, 100 - tail]))
-    out = {"ratio": float(multiple(*(values.sum() for values in (a_num, a_den, b_num, b_den)))), "ci": [low, high]}
+    point = float(multiple(*(values.sum() for values in (a_num, a_den, b_num, b_den))))
+    out = {"ratio": point, "ci": _percentile_interval(draws, confidence)}
     out["units"] = int(a_num.size)
     return out | ({"share_at_least": float(np.mean(draws >= at_least))} if at_least is not None else {})
 
