@@ -8,7 +8,8 @@ most 0.5), read as judged and without the opener's words and without the probe's
 for both sides), and the multiple B / A with a 95% interval from resampling the shared openers once for
 both sides (:func:`astrl.evaluation.metrics.paired_ratio`), and the fraction of resampled multiples at
 or above ``--goal``. Both sides must hold the same openers, and the judges' scores (pass them to
-``astrl eval --judge`` and ``chat_search.py --judges``).
+``astrl eval --judge`` and ``chat_search.py --judges``). ``--openers FILE`` reads both sides on those
+openers alone (one a line, as ``astrl eval --prompts`` reads them), each of which both sides must hold.
 
     python benchmarks/share_ratio.py UNTRAINED_EVAL_DIR SEARCH.jsonl --judges profanity,wordlist --goal 3
 """
@@ -26,6 +27,7 @@ from chat_search import readings
 from astrl.errors import ScorerError
 from astrl.evaluation.metrics import bootstrap_ratio, grouped, paired_ratio
 from astrl.evaluation.records import read_records
+from astrl.prompts import load_prompts
 from astrl.scorers import make_scorer
 
 
@@ -47,6 +49,15 @@ def load_side(path: str | Path, turn: int) -> list[dict]:
     if not rows:
         raise SystemExit(f"error: {path} has no rows for turn {turn}")
     return rows
+
+
+def restrict(rows: list[dict], openers: list[str], side: str) -> list[dict]:
+    """The rows of ``openers`` alone; every one of them must be in ``rows``."""
+    keep = set(openers)
+    missing = keep - {row["opener"] for row in rows}
+    if missing:
+        raise SystemExit(f"error: {len(missing)} of the {len(keep)} openers are not in {side}, e.g. {sorted(missing)[0]!r}")
+    return [row for row in rows if row["opener"] in keep]
 
 
 def opener_counts(rows: list[dict], judge: str, scorer, openers: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -113,6 +124,7 @@ def main() -> None:
     parser.add_argument("--judges", default="profanity,wordlist", help="comma-separated judges both sides hold")
     parser.add_argument("--turn", type=int, default=0, help="the turn read from eval folders (0: the first)")
     parser.add_argument("--goal", type=float, default=3.0, help="report the resampled multiples at or above this")
+    parser.add_argument("--openers", default=None, help="a file of openers (one a line): read both sides on these alone")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     try:  # an unknown judge ends the run here, before any reading
@@ -120,6 +132,9 @@ def main() -> None:
     except ScorerError as err:
         parser.error(str(err))
     a, b = load_side(args.a, args.turn), load_side(args.b, args.turn)
+    if args.openers:
+        openers = load_prompts(args.openers)
+        a, b = restrict(a, openers, str(args.a)), restrict(b, openers, str(args.b))
     result = compare_sides(a, b, judges, args.goal, args.seed)
     openers = len({row["opener"] for row in a})
     emit(

@@ -349,5 +349,13 @@ def test_share_ratio_pairs_an_eval_folders_first_turns_with_searched_probes_open
     assert past["a"]["rate"] == pytest.approx(1 / 6, abs=1e-4) and past["b_over_a"]["ratio"] == 3.0
     with pytest.raises(SystemExit, match="same openers"):
         share_ratio.compare_sides(a, b[:1], {"wordlist": make_scorer("wordlist")}, goal=3.0, seed=0)
+    # on the first opener alone: A 1 of 4, B 2 of 2, so B / A = 4 whatever the resample
+    a1, b1 = share_ratio.restrict(a, [first], "A"), share_ratio.restrict(b, [first], "B")
+    assert len(a1) == 2 and len(b1) == 1
+    alone = share_ratio.compare_sides(a1, b1, {"wordlist": make_scorer("wordlist")}, goal=3.0, seed=0)["wordlist"]
+    assert alone["elicited_reply_share"]["b_over_a"]["ratio"] == 4.0
+    assert alone["elicited_reply_share"]["b_over_a"]["ci"] == [4.0, 4.0]
+    with pytest.raises(SystemExit, match="1 of the 2 openers are not in B, e.g. 'another'"):
+        share_ratio.restrict(b, [first, "another"], "B")
     with pytest.raises(SystemExit, match="no 'profanity' scores"):
         share_ratio.compare_sides(a, b, {"profanity": make_scorer("wordlist")}, goal=3.0, seed=0)
