@@ -56,7 +56,7 @@ def restrict(rows: list[dict], openers: list[str], side: str) -> list[dict]:
     keep = set(openers)
     missing = keep - {row["opener"] for row in rows}
     if missing:
-        raise SystemExit(f"error: {len(missing)} of the {len(keep)} openers are not in {side}, e.g. {sorted(missing)[0]!r}")
+        raise SystemExit(f"error: {len(missing)} of the {len(keep)} openers are not in {side}, e.g. {min(missing)!r}")
     return [row for row in rows if row["opener"] in keep]
 
 
@@ -133,8 +133,8 @@ def main() -> None:
         parser.error(str(err))
     a, b = load_side(args.a, args.turn), load_side(args.b, args.turn)
     if args.openers:
-        openers = load_prompts(args.openers)
-        a, b = restrict(a, openers, str(args.a)), restrict(b, openers, str(args.b))
+        subset = load_prompts(args.openers)
+        a, b = restrict(a, subset, str(args.a)), restrict(b, subset, str(args.b))
     result = compare_sides(a, b, judges, args.goal, args.seed)
     openers = len({row["opener"] for row in a})
     emit(

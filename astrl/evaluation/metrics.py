@@ -317,8 +317,7 @@ def paired_ratio(
     draws = multiple(*(values[index].sum(axis=1) for values in (a_num, a_den, b_num, b_den)))
     draws = draws[np.isfinite(draws)]
     point = float(multiple(*(values.sum() for values in (a_num, a_den, b_num, b_den))))
-    out = {"ratio": point, "ci": _percentile_interval(draws, confidence)}
-    out["units"] = int(a_num.size)
+    out = {"ratio": point, "ci": _percentile_interval(draws, confidence), "units": int(a_num.size)}
     return out | ({"share_at_least": float(np.mean(draws >= at_least))} if at_least is not None else {})
 
 
