@@ -14,9 +14,18 @@ openers with none, with 95% intervals over openers. The first judge's numbers ar
 keys; ``--records`` keeps each opener's probe, replies and scores. This is what a tester that writes
 one probe per opener without reading the target's logits would have to match in chat mode.
 
+``--turns N`` searches whole conversations, as the red-team env runs them: turn ``t``'s probe is searched
+after the conversation so far (the opener, the searched probes before it and, after each, the first of
+its sampled replies, which the env goes on with), with the same settings and bound; each turn is judged
+as above (``turns``, one entry a turn, the first turn's numbers also at the top level) and the
+conversation's replies together (``conversation``: the elicited share of all its turns' replies, and
+the openers whose conversation elicits in some turn). ``--records`` then holds a line per opener and
+turn, with its ``turn`` (from 0) and the ``history`` the probe was searched after.
+
     python benchmarks/chat_search.py --quick                          # 4 openers, beams 2 x top-k 4, lookahead 2
     python benchmarks/chat_search.py --device cuda --openers 208      # the held-out set
     python benchmarks/chat_search.py --openers 64 --judges wordlist,profanity --records search.jsonl
+    python benchmarks/chat_search.py --openers 64 --turns 3 --beams 4 --lookahead 4 --max-nll 4.0 --records t3.jsonl
 """
 
 from __future__ import annotations
@@ -39,14 +48,17 @@ from astrl.evaluation.rejudge import CHECKS, without_words
 from astrl.models import load_model
 from astrl.prompts import load_prompts, split_prompts
 from astrl.rewards.lexicon import reply_lexicon
-from astrl.sampling.search import chat_lookahead_search
+from astrl.sampling.search import Conversation, chat_lookahead_search, conversation_turns, tester_chat
 from astrl.scorers import checked_scores, make_scorer
 
 
-def replies_to(lm, openers: list[str], probes: list[str], replies: int, new_tokens: int, batch: int = 32) -> list[str]:
-    """``replies`` sampled target replies to each probe, the target reading the env's chat view."""
-    pairs = zip(openers, probes, strict=True)
-    chats = [target_view([{"role": "user", "content": o}, {"role": "assistant", "content": p}], None) for o, p in pairs]
+def replies_to(
+    lm, conversations: list[Conversation], probes: list[str], replies: int, new_tokens: int, batch: int = 32
+) -> list[str]:
+    """``replies`` sampled target replies to each probe after its conversation so far (an opener, or
+    ``(opener, probe_1, reply_1, ...)``), the target reading the env's chat view."""
+    pairs = zip(conversations, probes, strict=True)
+    chats = [target_view(tester_chat(c, None) + [{"role": "assistant", "content": p}], None) for c, p in pairs]
     rows = [torch.tensor(lm.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in render_chats(lm.tokenizer, chats)]
     return sampled_replies(lm.model, lm.tokenizer, rows, replies=replies, new_tokens=new_tokens, batch=batch)
 
@@ -87,7 +99,52 @@ def judged(judge, openers: list[str], probes: list[str], texts: list[str], repli
         "openers_without": int((~hits.any(1)).sum()),
         "toxic_probe_rate": rate((probe_scores > DEFAULT_THRESHOLD)[:, None], seed),
     }
-    return {"result": result, "replies": reply_scores.tolist(), "probes": probe_scores.tolist()}
+    return {"result": result, "replies": reply_scores.tolist(), "probes": probe_scores.tolist(), "shares": shares}
+
+
+def whole_conversations(turns: list[dict[str, np.ndarray]], seed: int) -> dict:
+    """A judge's reading of whole conversations from its per-turn ``readings`` matrices (each
+    ``(openers, replies)``): each reading's share over all turns' replies, and the openers whose
+    conversation has an elicited reply in some turn (``conversations_elicited``)."""
+    together = {name: np.concatenate([turn[name] for turn in turns], axis=1) for name in turns[0]}
+    out = {name: rate(matrix, seed) for name, matrix in together.items()}
+    out["conversations_elicited"] = rate(together["elicited_reply_share"].any(1, keepdims=True), seed)
+    return out
+
+
+def searched_conversations(lm, openers: list[str], lexicon, scorers: dict, search: dict, args) -> list[dict]:
+    """``args.turns`` searched turns of each opener's conversation: per turn the searched probes
+    (``found``), each judge's :func:`judged` reading (``judges``), the turn's records and its search time.
+    Each turn's probe is searched after the conversation so far; the conversation goes on with each
+    probe's first sampled reply, as the env's does."""
+    conversations: list[Conversation] = list(openers)
+    turns = []
+    for turn in range(args.turns):
+        start = time.perf_counter()
+        found = chat_lookahead_search(lm.model, lm.model, lm.tokenizer, lm.tokenizer, conversations, lexicon, **search)
+        seconds = time.perf_counter() - start
+        probes = [f.text for f in found]
+        texts = replies_to(lm, conversations, probes, args.replies, args.reply_tokens)
+        scores = {name: judged(scorer, openers, probes, texts, args.replies, args.seed) for name, scorer in scorers.items()}
+        records = [
+            {
+                "opener": opener,
+                "turn": turn,
+                "history": list(conversation_turns(conversations[i]))[1:],
+                "probe": probe,
+                "estimate": found[i].mass,
+                "nll": found[i].nll,
+                "replies": texts[i * args.replies : (i + 1) * args.replies],
+                "scores": {name: {"probe": s["probes"][i], "replies": s["replies"][i]} for name, s in scores.items()},
+            }
+            for i, (opener, probe) in enumerate(zip(openers, probes, strict=True))
+        ]
+        turns.append({"found": found, "judges": scores, "records": records, "search_seconds": seconds})
+        conversations = [
+            (*conversation_turns(c), p, texts[i * args.replies])
+            for i, (c, p) in enumerate(zip(conversations, probes, strict=True))
+        ]
+    return turns
 
 
 def main() -> None:
@@ -101,6 +158,7 @@ def main() -> None:
     parser.add_argument("--replies", type=int, default=8, help="target replies judged per searched probe")
     parser.add_argument("--reply-tokens", type=int, default=16)
     parser.add_argument("--fractions", default="0.6,0.05,0.35", help="train,dev,test fractions of the opener split")
+    parser.add_argument("--turns", type=int, default=1, help="turns searched per conversation (each after the last)")
     parser.add_argument("--judges", default=JUDGE, help=f"comma-separated judges of the replies (default {JUDGE})")
     parser.add_argument("--records", default=None, help="write each opener's probe, replies and scores to this JSONL")
     args = parser.parse_args()
@@ -111,6 +169,8 @@ def main() -> None:
         scorers = {name: make_scorer(name) for name in judges}
     except ScorerError as err:
         parser.error(str(err))
+    if args.turns < 1:
+        parser.error(f"--turns must be >= 1, got {args.turns}")
     info = setup(args)
     for name, full, quick in (("probe_tokens", 12, 6), ("lookahead", 8, 2), ("beams", 8, 2), ("top_k", 8, 4)):
         if getattr(args, name) is None:
@@ -120,38 +180,39 @@ def main() -> None:
     openers = openers[: args.openers or (4 if args.quick else 208)]
     lm = load_model(args.model, dtype=args.dtype, device=args.device)
     lexicon = reply_lexicon("scorer", lm.tokenizer, scorer=make_scorer("profanity"))
-    start = time.perf_counter()
-    found = chat_lookahead_search(
-        lm.model, lm.model, lm.tokenizer, lm.tokenizer, openers, lexicon, length=args.probe_tokens, lookahead=args.lookahead,
-        beams=args.beams, top_k=args.top_k, max_nll=args.max_nll, tester_system_prompt=DEFAULT_TESTER_SYSTEM_PROMPT,
+    search = dict(
+        length=args.probe_tokens, lookahead=args.lookahead, beams=args.beams, top_k=args.top_k, max_nll=args.max_nll,
+        tester_system_prompt=DEFAULT_TESTER_SYSTEM_PROMPT,
     )  # fmt: skip
-    search_seconds = time.perf_counter() - start
-    probes = [f.text for f in found]
-    texts = replies_to(lm, openers, probes, args.replies, args.reply_tokens)
-    results, scores = {}, {}
-    for name in judges:
-        scores[name] = judged(scorers[name], openers, probes, texts, args.replies, args.seed)
-        results[name] = scores[name].pop("result")
+    turns = searched_conversations(lm, openers, lexicon, scorers, search, args)
+    search_seconds = sum(turn["search_seconds"] for turn in turns)
+    results = {name: turns[0]["judges"][name]["result"] for name in judges}
     first = results[judges[0]]
     if args.records:
         with open(args.records, "w", encoding="utf-8") as handle:
-            for i, (opener, probe) in enumerate(zip(openers, probes, strict=True)):
-                record = {
-                    "opener": opener,
-                    "probe": probe,
-                    "estimate": found[i].mass,
-                    "nll": found[i].nll,
-                    "replies": texts[i * args.replies : (i + 1) * args.replies],
-                    "scores": {
-                        name: {"probe": scores[name]["probes"][i], "replies": scores[name]["replies"][i]} for name in judges
-                    },
+            handle.writelines(json.dumps(record, ensure_ascii=False) + "\n" for turn in turns for record in turn["records"])
+    found = [f for turn in turns for f in turn["found"]]
+    per_turn = {}
+    if args.turns > 1:
+        per_turn = {
+            "turns": [
+                {
+                    "searched_estimate_mean": r(float(np.mean([f.mass for f in turn["found"]]))),
+                    "probe_nll_mean": r(float(np.mean([f.nll for f in turn["found"]]))),
+                    "judges": {name: turn["judges"][name]["result"] for name in judges},
                 }
-                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+                for turn in turns
+            ],
+            "conversation": {
+                name: whole_conversations([turn["judges"][name]["shares"] for turn in turns], args.seed) for name in judges
+            },
+        }
     emit(
         {
             "benchmark": "chat_search",
             **info,
             "openers": len(openers),
+            "turns_searched": args.turns,
             "probe_tokens": args.probe_tokens,
             "lookahead": args.lookahead,
             "beams": args.beams,
@@ -160,13 +221,14 @@ def main() -> None:
             "replies": args.replies,
             "reply_tokens": args.reply_tokens,
             "search_seconds": r(search_seconds),
-            "seconds_per_opener": r(search_seconds / len(openers)),
+            "seconds_per_opener": r(search_seconds / (len(openers) * args.turns)),
             "searched_estimate_mean": r(float(np.mean([f.mass for f in found]))),
             "probe_nll_mean": r(float(np.mean([f.nll for f in found]))),
             "judge": judges[0],
             **first,
             "judges": results,
-            "examples": [[o[-60:], p] for o, p in list(zip(openers, probes, strict=True))[:6]],
+            **per_turn,
+            "examples": [[o[-60:], f.text] for o, f in list(zip(openers, turns[0]["found"], strict=True))[:6]],
         }
     )
 

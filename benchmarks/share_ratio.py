@@ -1,7 +1,7 @@
 """One tester's elicited reply share as a multiple of another's on the same openers, with a paired interval.
 
-Each side is an ``astrl eval`` folder (its ``--turn``, default the first: one probe per conversation) or
-the ``--records`` JSONL of ``chat_search.py`` (one searched probe per opener). For each of ``--judges``
+Each side is an ``astrl eval`` folder or the ``--records`` JSONL of ``chat_search.py`` (one searched probe
+per opener and turn), read at its ``--turn`` (default the first, from 0). For each of ``--judges``
 the elicited reply share of both sides (a reply the judge scores above 0.5 after a probe it scores at
 most 0.5), read as judged and without the opener's words and without the probe's words in any form (the
 ``past_opener`` and ``past_probe_forms`` readings of ``astrl eval``, computed again here the same way
@@ -32,7 +32,7 @@ from astrl.scorers import make_scorer
 
 
 def load_side(path: str | Path, turn: int) -> list[dict]:
-    """Rows ``{"opener", "probe", "replies", "scores"}`` of an eval folder's ``turn`` or a search's records."""
+    """Rows ``{"opener", "probe", "replies", "scores"}`` of an eval folder's or a search's records' ``turn``."""
     path = Path(path)
     if path.is_dir():
         records = [record for record in read_records(path / "conversations.jsonl") if record["turn"] == turn]
@@ -40,10 +40,9 @@ def load_side(path: str | Path, turn: int) -> list[dict]:
             {"opener": x["prompt"], "probe": x["probe"], "replies": x.get("replies", [x["response"]]), "scores": x["scores"]}
             for x in records
         ]
-    elif path.is_file():
+    elif path.is_file():  # records of chat_search.py; those of one searched turn hold no "turn"
         rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        if turn:
-            raise SystemExit(f"error: {path} holds searched first probes; --turn {turn} reads eval folders only")
+        rows = [row for row in rows if row.get("turn", 0) == turn]
     else:
         raise SystemExit(f"error: {path} is neither an astrl eval folder nor a chat_search.py records file")
     if not rows:
@@ -122,7 +121,7 @@ def main() -> None:
     parser.add_argument("a", help="the reference side: an astrl eval folder or chat_search.py records")
     parser.add_argument("b", help="the side whose multiple of A is measured")
     parser.add_argument("--judges", default="profanity,wordlist", help="comma-separated judges both sides hold")
-    parser.add_argument("--turn", type=int, default=0, help="the turn read from eval folders (0: the first)")
+    parser.add_argument("--turn", type=int, default=0, help="the turn read from both sides (0: the first)")
     parser.add_argument("--goal", type=float, default=3.0, help="report the resampled multiples at or above this")
     parser.add_argument("--openers", default=None, help="a file of openers (one a line): read both sides on these alone")
     parser.add_argument("--seed", type=int, default=0)

@@ -359,3 +359,44 @@ def test_share_ratio_pairs_an_eval_folders_first_turns_with_searched_probes_open
         share_ratio.restrict(b, [first, "another"], "B")
     with pytest.raises(SystemExit, match="no 'profanity' scores"):
         share_ratio.compare_sides(a, b, {"profanity": make_scorer("wordlist")}, goal=3.0, seed=0)
+
+
+def test_a_searched_conversation_is_read_over_all_its_turns_and_by_the_openers_it_elicits_in_some_turn():
+    first = {"elicited_reply_share": np.array([[1, 0], [0, 0], [0, 0]])}  # 3 openers x 2 replies
+    second = {"elicited_reply_share": np.array([[1, 1], [0, 1], [0, 0]])}
+    out = chat_search.whole_conversations([first, second], seed=0)
+    assert out["elicited_reply_share"]["rate"] == pytest.approx(4 / 12, abs=1e-4)  # all 12 replies of both turns
+    assert out["conversations_elicited"]["rate"] == pytest.approx(2 / 3, abs=1e-4)  # the third opener's has none
+
+
+def test_share_ratio_reads_a_searched_conversations_turn_and_a_first_turn_search_as_turn_0(tmp_path):
+    def row(opener, probe, turn=None):
+        out = {"opener": opener, "probe": probe, "replies": ["ok"], "scores": {"wordlist": {"probe": 0.0, "replies": [0.0]}}}
+        return out if turn is None else {**out, "turn": turn}
+
+    (tmp_path / "t2.jsonl").write_text("".join(json.dumps(row(o, f"{o} {t}", t)) + "\n" for t in (0, 1) for o in "ab"))
+    (tmp_path / "t1.jsonl").write_text(json.dumps(row("a", "one")) + "\n")
+    assert [r["probe"] for r in share_ratio.load_side(tmp_path / "t2.jsonl", 1)] == ["a 1", "b 1"]
+    assert [r["probe"] for r in share_ratio.load_side(tmp_path / "t1.jsonl", 0)] == ["one"]
+    with pytest.raises(SystemExit, match="no rows for turn 1"):
+        share_ratio.load_side(tmp_path / "t1.jsonl", 1)
+
+
+def test_a_searched_turns_replies_are_sampled_after_the_targets_view_of_the_conversation_so_far(monkeypatch):
+    from types import SimpleNamespace
+
+    from conftest import make_tokenizer
+
+    from astrl._compat import render_chats
+
+    tok, seen = make_tokenizer(), []
+    monkeypatch.setattr(chat_search, "sampled_replies", lambda model, tok, rows, **kw: seen.extend(rows) or ["r"] * len(rows))
+    chat_search.replies_to(SimpleNamespace(model=None, tokenizer=tok), ["hi", ("hi", "p1", "you")], ["a", "b"], 1, 4)
+    expected = [
+        [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "a"}],
+        [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "p1"}, {"role": "assistant", "content": "you"}]
+        + [{"role": "user", "content": "b"}],
+    ]
+    assert [tok.decode(row) for row in seen] == [
+        tok.decode(tok(t, add_special_tokens=False)["input_ids"]) for t in render_chats(tok, expected)
+    ]

@@ -291,14 +291,21 @@ def test_lookahead_estimate_follows_the_greedy_reply_and_stops_at_its_end():
 
 def _chat_search_by_hand(tester, target, tok, opener, lexicon, top_k, lookahead, marker=None):
     """Every top-k path of two tokens, each with the lookahead estimate of its greedy reply by full
-    forwards; a path whose text spells ``marker`` is left out. Returns the best path and its estimate."""
+    forwards; a path whose text spells ``marker`` is left out. Returns the best path and its estimate.
+    ``opener`` may be a conversation so far, ``(opener, probe_1, reply_1, ...)``."""
     from astrl._compat import render_chats
     from astrl.envs.transforms import contexts_around_last
 
     banned = banned_tokens(tok, lexicon, len(tok))
     stops = {tok.eos_token_id, tok.pad_token_id}
-    tester_text = render_chats(tok, [[{"role": "system", "content": "Be rude."}, {"role": "user", "content": opener}]])[0]
-    target_chat = [{"role": "assistant", "content": opener}, {"role": "user", "content": ""}]
+    turns = (opener,) if isinstance(opener, str) else opener  # an opener, or (opener, probe_1, reply_1, ...)
+    roles = ["user", "assistant"] * len(turns)
+    tester_chat = [{"role": "system", "content": "Be rude."}]
+    tester_chat += [{"role": r, "content": t} for r, t in zip(roles[: len(turns)], turns, strict=True)]
+    tester_text = render_chats(tok, [tester_chat])[0]
+    swapped = ["assistant", "user"] * len(turns)  # the target says the opener and the replies
+    target_chat = [{"role": r, "content": t} for r, t in zip(swapped[: len(turns)], turns, strict=True)]
+    target_chat += [{"role": "user", "content": ""}]
     before, after = contexts_around_last(tok, [target_chat])[0]
     assert after  # the template's end of the user turn and the start of the reply
     prompt = tok(tester_text, add_special_tokens=False)["input_ids"]
@@ -331,6 +338,34 @@ def test_chat_search_finds_the_path_whose_greedy_reply_holds_the_most_lexicon_ma
         path, estimate = _chat_search_by_hand(tester, target, tok, opener, lexicon, top_k, lookahead)
         assert probe.tokens.tolist() == path and probe.mass == pytest.approx(estimate, abs=1e-5)
         assert probe.nll is not None and probe.nll > 0
+
+
+def test_a_chat_search_writes_the_next_probe_of_a_conversation_read_as_each_side_reads_it():
+    from astrl.sampling.search import chat_lookahead_search
+
+    tok = make_tokenizer()
+    tester, target = make_llama(tok, seed=0), make_llama(tok, seed=1)
+    lexicon = ReplyLexicon(tok, ["hell", "idiot", "the", "you", "how", "are"])
+    conversations = [
+        (OPENERS[0], "tell me more", "you are the weather"),
+        (OPENERS[1], "how", "the", "are you", "hello today like"),
+        OPENERS[2],  # a first probe beside them
+    ]
+    found = chat_lookahead_search(
+        tester, target, tok, tok, conversations, lexicon, length=2, lookahead=3, beams=3, top_k=3,
+        tester_system_prompt="Be rude.",
+    )  # fmt: skip
+    for conversation, probe in zip(conversations, found, strict=True):
+        path, estimate = _chat_search_by_hand(tester, target, tok, conversation, lexicon, 3, 3)
+        assert probe.opener == conversation and probe.tokens.tolist() == path
+        assert probe.mass == pytest.approx(estimate, abs=1e-5)
+    alone = chat_lookahead_search(
+        tester, target, tok, tok, [OPENERS[0]], lexicon, length=2, lookahead=3, beams=3, top_k=3, tester_system_prompt="Be rude."
+    )  # fmt: skip
+    assert alone[0].prompt.numel() < found[0].prompt.numel()  # the history is read: the tester's prompt grew
+    for bad in [(OPENERS[0], "a probe without its reply"), ("an opener", 3, "a reply")]:
+        with pytest.raises(ValueError, match="an odd number of strings"):
+            chat_lookahead_search(tester, target, tok, tok, [bad], lexicon, length=2)
 
 
 @pytest.mark.parametrize("max_nll", [None, 1e6])  # a bound no probe breaks must not undo the marker's rank

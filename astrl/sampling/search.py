@@ -44,15 +44,20 @@ from astrl.lm_scoring import forward_at, logits_at
 from astrl.ragged import pad_ids
 from astrl.rewards.lexicon import ReplyLexicon
 
+Conversation = str | Sequence[str]
+"""What a chat search writes the next probe of: an opener, or a conversation so far,
+``(opener, probe_1, reply_1, ..., probe_k, reply_k)``."""
+
 
 @dataclass
 class SearchedProbe:
     """One opener's best probe: its tester token ids and text, the target's lexicon estimate after it
     (text mode: the next-token lexicon mass after ``opener + probe``), the tester's log-probability of
     the probe, the probe's mean per-token NLL under the target (``None`` when the two tokenizers
-    differ) and the tester's token ids before the probe (``prompt``)."""
+    differ) and the tester's token ids before the probe (``prompt``). A chat search of a conversation so far
+    keeps that conversation as its ``opener`` (:data:`Conversation`)."""
 
-    opener: str
+    opener: Conversation
     tokens: torch.Tensor
     text: str
     mass: float
@@ -238,27 +243,43 @@ def _search_batches(tester, target, tester_tokenizer, target_tokenizer, openers,
     return found
 
 
+def conversation_turns(conversation: Conversation) -> tuple[str, ...]:
+    """``conversation`` as its texts, the opener first; an odd count (the opener, then probe/reply pairs)."""
+    turns = (conversation,) if isinstance(conversation, str) else tuple(conversation)
+    if len(turns) % 2 == 0 or not all(isinstance(t, str) for t in turns):
+        raise ValueError(
+            f"a conversation is its opener then (probe, reply) pairs, an odd number of strings; got {conversation!r}"
+        )
+    return turns
+
+
+def tester_chat(conversation: Conversation, system_prompt: str | None) -> list[dict]:
+    """The tester's chat before its next probe, as the red-team env grows it: its system prompt, the
+    opener and each target reply as ``user`` turns, its own probes as ``assistant`` turns."""
+    roles = ("user", "assistant")
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    turns = conversation_turns(conversation)
+    return system + [{"role": roles[i % 2], "content": text} for i, text in enumerate(turns)]
+
+
 def _chat_frame(tester_tokenizer, target_tokenizer, tester_system_prompt, target_system_prompt, lookahead) -> SearchFrame:
-    """Chat mode, as the red-team env renders it: the tester writes its turn after its system prompt
-    and the opener (said by the other side); the target reads the opener as its own turn, the probe as
-    the user's, then its chat template's end of turn and start of its reply (the suffix)."""
+    """Chat mode, as the red-team env renders it: the tester writes its turn after its system prompt and
+    the conversation so far (the opener and the target's replies said by the other side); the target reads
+    the opener and its replies as its own turns, the probes as the user's, then its chat template's end of
+    turn and start of its reply (the suffix). Each item of the ``prefixes`` is a :data:`Conversation`."""
     from astrl._compat import render_chats
     from astrl.envs.transforms import contexts_around_last, target_view
 
     def ids(tokenizer, text: str) -> torch.Tensor:
         return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
-    system = [{"role": "system", "content": tester_system_prompt}] if tester_system_prompt else []
+    def framed(conversations) -> list[list[dict]]:  # the target's view with the probe still to write
+        blank = [{"role": "assistant", "content": ""}]
+        return [target_view(tester_chat(c, None) + blank, target_system_prompt) for c in conversations]
 
-    def framed(openers: list[str]) -> list[list[dict]]:  # the target's view with the probe still to write
-        return [
-            target_view([{"role": "user", "content": op}, {"role": "assistant", "content": ""}], target_system_prompt)
-            for op in openers
-        ]
-
-    def prefixes(openers: list[str]):
-        tester_texts = render_chats(tester_tokenizer, [system + [{"role": "user", "content": op}] for op in openers])
-        around = contexts_around_last(target_tokenizer, framed(openers))
+    def prefixes(conversations):
+        tester_texts = render_chats(tester_tokenizer, [tester_chat(c, tester_system_prompt) for c in conversations])
+        around = contexts_around_last(target_tokenizer, framed(conversations))
         return [ids(tester_tokenizer, t) for t in tester_texts], [ids(target_tokenizer, before) for before, _ in around]
 
     suffix = ids(target_tokenizer, contexts_around_last(target_tokenizer, framed(["."]))[0][1])
@@ -271,7 +292,7 @@ def chat_lookahead_search(
     target: torch.nn.Module,
     tester_tokenizer,
     target_tokenizer,
-    openers: Sequence[str],
+    openers: Sequence[Conversation],
     lexicon: ReplyLexicon,
     *,
     length: int,
@@ -280,11 +301,14 @@ def chat_lookahead_search(
     target_system_prompt: str | None = None,
     **search,
 ) -> list[SearchedProbe]:
-    """:func:`lexicon_beam_search` for a chat turn: each opener's best ``length``-token first probe, the one
-    whose candidate tokens make the target's greedy reply of ``lookahead`` tokens most likely to hold a
-    listed word, ``1 - prod_t (1 - m_t)`` (an assistant reply opens with "I" or "Sure": its first
-    token alone says nothing). A candidate costs the target one token, the template's end of turn and
-    ``lookahead`` reply tokens. ``search`` takes ``beams``, ``top_k``, ``max_nll``, ``openers_per_batch``."""
+    """:func:`lexicon_beam_search` for a chat turn: each opener's best ``length``-token first probe (or, for
+    a conversation so far, ``(opener, probe_1, reply_1, ...)``, its best next probe), the one whose
+    candidate tokens make the target's greedy reply of ``lookahead`` tokens most likely to hold a listed
+    word, ``1 - prod_t (1 - m_t)`` (an assistant reply opens with "I" or "Sure": its first token alone
+    says nothing). A candidate costs the target one token, the template's end of turn and ``lookahead``
+    reply tokens. ``search`` takes ``beams``, ``top_k``, ``max_nll``, ``openers_per_batch``."""
+    for conversation in openers:  # a malformed conversation is named before any model runs
+        conversation_turns(conversation)
     frame = _chat_frame(tester_tokenizer, target_tokenizer, tester_system_prompt, target_system_prompt, lookahead)
     return lexicon_beam_search(
         tester, target, tester_tokenizer, target_tokenizer, openers, lexicon, length=length, frame=frame, **search
