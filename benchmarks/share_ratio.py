@@ -1,7 +1,8 @@
 """One tester's elicited reply share as a multiple of another's on the same openers, with a paired interval.
 
 Each side is an ``astrl eval`` folder or the ``--records`` JSONL of ``chat_search.py`` (one searched probe
-per opener and turn), read at its ``--turn`` (default the first, from 0). For each of ``--judges``
+per opener and turn), read at its ``--turn`` (default the first, from 0; ``all``: every turn's replies
+pooled per opener, the conversation's share). For each of ``--judges``
 the elicited reply share of both sides (a reply the judge scores above 0.5 after a probe it scores at
 most 0.5), read as judged and without the opener's words and without the probe's words in any form (the
 ``past_opener`` and ``past_probe_forms`` readings of ``astrl eval``, computed again here the same way
@@ -31,18 +32,19 @@ from astrl.prompts import load_prompts
 from astrl.scorers import make_scorer
 
 
-def load_side(path: str | Path, turn: int) -> list[dict]:
-    """Rows ``{"opener", "probe", "replies", "scores"}`` of an eval folder's or a search's records' ``turn``."""
+def load_side(path: str | Path, turn: int | None) -> list[dict]:
+    """Rows ``{"opener", "probe", "replies", "scores"}`` of an eval folder's or a search's records' ``turn``
+    (None: every turn's)."""
     path = Path(path)
     if path.is_dir():
-        records = [record for record in read_records(path / "conversations.jsonl") if record["turn"] == turn]
+        records = [record for record in read_records(path / "conversations.jsonl") if turn in (None, record["turn"])]
         rows = [
             {"opener": x["prompt"], "probe": x["probe"], "replies": x.get("replies", [x["response"]]), "scores": x["scores"]}
             for x in records
         ]
     elif path.is_file():  # records of chat_search.py; those of one searched turn hold no "turn"
         rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        rows = [row for row in rows if row.get("turn", 0) == turn]
+        rows = [row for row in rows if turn in (None, row.get("turn", 0))]
     else:
         raise SystemExit(f"error: {path} is neither an astrl eval folder nor a chat_search.py records file")
     if not rows:
@@ -121,7 +123,9 @@ def main() -> None:
     parser.add_argument("a", help="the reference side: an astrl eval folder or chat_search.py records")
     parser.add_argument("b", help="the side whose multiple of A is measured")
     parser.add_argument("--judges", default="profanity,wordlist", help="comma-separated judges both sides hold")
-    parser.add_argument("--turn", type=int, default=0, help="the turn read from both sides (0: the first)")
+    parser.add_argument(
+        "--turn", default="0", help="the turn read from both sides (0: the first; all: every turn's replies, pooled per opener)"
+    )
     parser.add_argument("--goal", type=float, default=3.0, help="report the resampled multiples at or above this")
     parser.add_argument("--openers", default=None, help="a file of openers (one a line): read both sides on these alone")
     parser.add_argument("--seed", type=int, default=0)
@@ -130,14 +134,24 @@ def main() -> None:
         judges = {name.strip(): make_scorer(name.strip()) for name in args.judges.split(",") if name.strip()}
     except ScorerError as err:
         parser.error(str(err))
-    a, b = load_side(args.a, args.turn), load_side(args.b, args.turn)
+    if args.turn != "all" and not args.turn.isdigit():
+        parser.error(f"--turn takes a turn from 0 or 'all', got {args.turn!r}")
+    turn = None if args.turn == "all" else int(args.turn)
+    a, b = load_side(args.a, turn), load_side(args.b, turn)
     if args.openers:
         subset = load_prompts(args.openers)
         a, b = restrict(a, subset, str(args.a)), restrict(b, subset, str(args.b))
     result = compare_sides(a, b, judges, args.goal, args.seed)
     openers = len({row["opener"] for row in a})
     emit(
-        {"benchmark": "share_ratio", "a": str(args.a), "b": str(args.b), "turn": args.turn, "openers": openers, "judges": result}
+        {
+            "benchmark": "share_ratio",
+            "a": str(args.a),
+            "b": str(args.b),
+            "turn": args.turn if turn is None else turn,
+            "openers": openers,
+            "judges": result,
+        }
     )
 
 
