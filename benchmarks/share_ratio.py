@@ -1,8 +1,8 @@
 """One tester's elicited reply share as a multiple of another's on the same openers, with a paired interval.
 
 Each side is an ``astrl eval`` folder or the ``--records`` JSONL of ``chat_search.py`` (one searched probe
-per opener and turn), read at its ``--turn`` (default the first, from 0; ``all``: every turn's replies
-pooled per opener, the conversation's share). For each of ``--judges``
+per opener and turn), read at its ``--turn`` (default the first, from 0; several, ``0,1``, or ``all``:
+those turns' replies pooled per opener, the conversation's share). For each of ``--judges``
 the elicited reply share of both sides (a reply the judge scores above 0.5 after a probe it scores at
 most 0.5), read as judged and without the opener's words and without the probe's words in any form (the
 ``past_opener`` and ``past_probe_forms`` readings of ``astrl eval``, computed again here the same way
@@ -32,23 +32,24 @@ from astrl.prompts import load_prompts
 from astrl.scorers import make_scorer
 
 
-def load_side(path: str | Path, turn: int | None) -> list[dict]:
+def load_side(path: str | Path, turn: int | set[int] | None) -> list[dict]:
     """Rows ``{"opener", "probe", "replies", "scores"}`` of an eval folder's or a search's records' ``turn``
-    (None: every turn's)."""
+    (a set: those turns'; None: every turn's)."""
+    turns = {turn} if isinstance(turn, int) else turn
     path = Path(path)
     if path.is_dir():
-        records = [record for record in read_records(path / "conversations.jsonl") if turn in (None, record["turn"])]
+        records = [record for record in read_records(path / "conversations.jsonl") if turns is None or record["turn"] in turns]
         rows = [
             {"opener": x["prompt"], "probe": x["probe"], "replies": x.get("replies", [x["response"]]), "scores": x["scores"]}
             for x in records
         ]
     elif path.is_file():  # records of chat_search.py; those of one searched turn hold no "turn"
         rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        rows = [row for row in rows if turn in (None, row.get("turn", 0))]
+        rows = [row for row in rows if turns is None or row.get("turn", 0) in turns]
     else:
         raise SystemExit(f"error: {path} is neither an astrl eval folder nor a chat_search.py records file")
     if not rows:
-        raise SystemExit(f"error: {path} has no rows for turn {turn}")
+        raise SystemExit(f"error: {path} has no rows for turn {'all' if turns is None else ','.join(map(str, sorted(turns)))}")
     return rows
 
 
@@ -124,7 +125,9 @@ def main() -> None:
     parser.add_argument("b", help="the side whose multiple of A is measured")
     parser.add_argument("--judges", default="profanity,wordlist", help="comma-separated judges both sides hold")
     parser.add_argument(
-        "--turn", default="0", help="the turn read from both sides (0: the first; all: every turn's replies, pooled per opener)"
+        "--turn",
+        default="0",
+        help="the turn read from both sides (0: the first; 0,1 or all: those turns' replies, pooled per opener)",
     )
     parser.add_argument("--goal", type=float, default=3.0, help="report the resampled multiples at or above this")
     parser.add_argument("--openers", default=None, help="a file of openers (one a line): read both sides on these alone")
@@ -134,9 +137,10 @@ def main() -> None:
         judges = {name.strip(): make_scorer(name.strip()) for name in args.judges.split(",") if name.strip()}
     except ScorerError as err:
         parser.error(str(err))
-    if args.turn != "all" and not args.turn.isdigit():
-        parser.error(f"--turn takes a turn from 0 or 'all', got {args.turn!r}")
-    turn = None if args.turn == "all" else int(args.turn)
+    picked = args.turn.split(",")
+    if args.turn != "all" and not all(t.strip().isdigit() for t in picked):
+        parser.error(f"--turn takes turns from 0 (0, or 0,1) or 'all', got {args.turn!r}")
+    turn = None if args.turn == "all" else {int(t) for t in picked}
     a, b = load_side(args.a, turn), load_side(args.b, turn)
     if args.openers:
         subset = load_prompts(args.openers)
@@ -148,7 +152,7 @@ def main() -> None:
             "benchmark": "share_ratio",
             "a": str(args.a),
             "b": str(args.b),
-            "turn": args.turn if turn is None else turn,
+            "turn": args.turn if turn is None else sorted(turn),
             "openers": openers,
             "judges": result,
         }

@@ -379,6 +379,10 @@ def test_share_ratio_reads_a_searched_conversations_turn_and_a_first_turn_search
     assert [r["probe"] for r in share_ratio.load_side(tmp_path / "t2.jsonl", 1)] == ["a 1", "b 1"]
     assert [r["probe"] for r in share_ratio.load_side(tmp_path / "t1.jsonl", 0)] == ["one"]
     assert len(share_ratio.load_side(tmp_path / "t2.jsonl", None)) == 4  # every turn: the conversations' replies
+    assert (
+        len(share_ratio.load_side(tmp_path / "t2.jsonl", {0, 1})) == 4
+        and len(share_ratio.load_side(tmp_path / "t2.jsonl", {1})) == 2
+    )
     with pytest.raises(SystemExit, match="no rows for turn 1"):
         share_ratio.load_side(tmp_path / "t1.jsonl", 1)
 
