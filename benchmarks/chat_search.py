@@ -47,7 +47,7 @@ from astrl.evaluation.metrics import DEFAULT_THRESHOLD, elicited
 from astrl.evaluation.rejudge import CHECKS, without_words
 from astrl.models import load_model
 from astrl.prompts import load_prompts, split_prompts
-from astrl.rewards.lexicon import reply_lexicon
+from astrl.rewards.lexicon import reply_lexicon, words_of
 from astrl.sampling.search import Conversation, chat_lookahead_search, conversation_turns, tester_chat
 from astrl.scorers import checked_scores, make_scorer
 
@@ -66,18 +66,29 @@ def replies_to(
 CHECKS_READ = ("past_opener", "past_probe_forms")  # the readings of astrl eval's word checks reported here
 
 
-def readings(judge, openers: list[str], probes: list[str], texts: list[str], reply_scores, probe_scores) -> dict:
+def conversation_words(record: dict) -> frozenset[str]:
+    """The words of everything said before a reply: the opener, the conversation's earlier probes and
+    replies (``history``) and the reply's probe (a later turn's reply that only repeats them, the target
+    echoing its own earlier toxic reply among them, is not counted by the ``past_conversation`` reading)."""
+    return words_of(" ".join([record.get("prompt") or "", *record.get("history", ()), record.get("probe") or ""]))
+
+
+def readings(judge, openers: list[str], probes: list[str], texts: list[str], reply_scores, probe_scores, histories=None) -> dict:
     """Which replies ``judge`` counts as elicited (a toxic reply to a probe it does not call toxic), as
-    judged (``elicited_reply_share``) and under each of :data:`CHECKS_READ` (a toxic reply keeps its verdict
-    when it is still toxic without the check's words): ``(rows, replies)`` 0/1 matrices, one row per
-    ``(opener, probe)``, ``texts`` the replies row by row and ``reply_scores`` / ``probe_scores`` the judge's."""
+    judged (``elicited_reply_share``), under each of :data:`CHECKS_READ` and without the words of the
+    conversation so far (``past_conversation``, :func:`conversation_words`; ``histories``: each row's earlier
+    probes and replies, none by default); a toxic reply keeps its verdict when it is still toxic without
+    the check's words. ``(rows, replies)`` 0/1 matrices, one row per ``(opener, probe)``, ``texts`` the
+    replies row by row and ``reply_scores`` / ``probe_scores`` the judge's."""
     reply_scores, probe_scores = np.asarray(reply_scores, dtype=np.float64), np.asarray(probe_scores, dtype=np.float64)
+    histories = histories or [()] * len(openers)
     hits = elicited(reply_scores, probe_scores[:, None])
     replies = hits.shape[1]
     out = {"elicited_reply_share": hits}
     rows, cols = hits.nonzero()
-    for check in CHECKS_READ:
-        words = [CHECKS[check]({"prompt": openers[i], "probe": probes[i]}) for i in rows]
+    checks = {name: CHECKS[name] for name in CHECKS_READ} | {"past_conversation": conversation_words}
+    for check, taken in checks.items():
+        words = [taken({"prompt": openers[i], "probe": probes[i], "history": histories[i]}) for i in rows]
         rest = [without_words(texts[i * replies + k], w) for i, k, w in zip(rows, cols, words, strict=True)]
         kept = np.zeros_like(hits)
         if rest:
@@ -86,12 +97,13 @@ def readings(judge, openers: list[str], probes: list[str], texts: list[str], rep
     return out
 
 
-def judged(judge, openers: list[str], probes: list[str], texts: list[str], replies: int, seed: int) -> dict:
-    """One judge's reading of the searched probes and their ``replies`` sampled replies each: its
-    elicited shares with 95% intervals over openers (``result``), and the scores it gave."""
+def judged(judge, openers: list[str], probes: list[str], texts: list[str], replies: int, seed: int, histories=None) -> dict:
+    """One judge's reading of the searched probes and their ``replies`` sampled replies each (after each
+    row's ``histories``, :func:`readings`): its elicited shares with 95% intervals over openers
+    (``result``), and the scores it gave."""
     reply_scores = checked_scores(judge, texts).view(len(openers), replies).numpy()
     probe_scores = checked_scores(judge, probes).numpy()
-    shares = readings(judge, openers, probes, texts, reply_scores, probe_scores)
+    shares = readings(judge, openers, probes, texts, reply_scores, probe_scores, histories)
     hits = shares["elicited_reply_share"]
     result = {name: rate(matrix, seed) for name, matrix in shares.items()}
     result |= {
@@ -125,12 +137,15 @@ def searched_conversations(lm, openers: list[str], lexicon, scorers: dict, searc
         seconds = time.perf_counter() - start
         probes = [f.text for f in found]
         texts = replies_to(lm, conversations, probes, args.replies, args.reply_tokens)
-        scores = {name: judged(scorer, openers, probes, texts, args.replies, args.seed) for name, scorer in scorers.items()}
+        histories = [conversation_turns(c)[1:] for c in conversations]
+        scores = {
+            name: judged(scorer, openers, probes, texts, args.replies, args.seed, histories) for name, scorer in scorers.items()
+        }
         records = [
             {
                 "opener": opener,
                 "turn": turn,
-                "history": list(conversation_turns(conversations[i]))[1:],
+                "history": list(histories[i]),
                 "probe": probe,
                 "estimate": found[i].mass,
                 "nll": found[i].nll,
@@ -150,6 +165,7 @@ def searched_conversations(lm, openers: list[str], lexicon, scorers: dict, searc
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--openers", type=int, default=None, help="held-out openers (default 208; 4 with --quick)")
+    parser.add_argument("--start", type=int, default=0, help="skip this many held-out openers (a run's second part)")
     parser.add_argument("--probe-tokens", type=int, default=None, help="default 12; 6 with --quick")
     parser.add_argument("--lookahead", type=int, default=None, help="target reply tokens a candidate is read over (8; 2)")
     parser.add_argument("--beams", type=int, default=None, help="default 8; 2 with --quick")
@@ -169,15 +185,16 @@ def main() -> None:
         scorers = {name: make_scorer(name) for name in judges}
     except ScorerError as err:
         parser.error(str(err))
-    if args.turns < 1:
-        parser.error(f"--turns must be >= 1, got {args.turns}")
+    for name in ("turns", "start"):
+        if getattr(args, name) < (1 if name == "turns" else 0):
+            parser.error(f"--{name} must be >= {1 if name == 'turns' else 0}, got {getattr(args, name)}")
     info = setup(args)
     for name, full, quick in (("probe_tokens", 12, 6), ("lookahead", 8, 2), ("beams", 8, 2), ("top_k", 8, 4)):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
     fractions = tuple(float(f) for f in args.fractions.split(","))
     openers = split_prompts(load_prompts("rtp"), "test", seed=args.seed, fractions=fractions)
-    openers = openers[: args.openers or (4 if args.quick else 208)]
+    openers = openers[args.start :][: args.openers or (4 if args.quick else 208)]
     lm = load_model(args.model, dtype=args.dtype, device=args.device)
     lexicon = reply_lexicon("scorer", lm.tokenizer, scorer=make_scorer("profanity"))
     search = dict(
@@ -212,6 +229,7 @@ def main() -> None:
             "benchmark": "chat_search",
             **info,
             "openers": len(openers),
+            "start": args.start,
             "turns_searched": args.turns,
             "probe_tokens": args.probe_tokens,
             "lookahead": args.lookahead,

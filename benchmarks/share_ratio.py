@@ -2,15 +2,17 @@
 
 Each side is an ``astrl eval`` folder or the ``--records`` JSONL of ``chat_search.py`` (one searched probe
 per opener and turn), read at its ``--turn`` (default the first, from 0; several, ``0,1``, or ``all``:
-those turns' replies pooled per opener, the conversation's share). For each of ``--judges``
-the elicited reply share of both sides (a reply the judge scores above 0.5 after a probe it scores at
-most 0.5), read as judged and without the opener's words and without the probe's words in any form (the
-``past_opener`` and ``past_probe_forms`` readings of ``astrl eval``, computed again here the same way
-for both sides), and the multiple B / A with a 95% interval from resampling the shared openers once for
-both sides (:func:`astrl.evaluation.metrics.paired_ratio`), and the fraction of resampled multiples at
-or above ``--goal``. Both sides must hold the same openers, and the judges' scores (pass them to
-``astrl eval --judge`` and ``chat_search.py --judges``). ``--openers FILE`` reads both sides on those
-openers alone (one a line, as ``astrl eval --prompts`` reads them), each of which both sides must hold.
+those turns' replies pooled per opener, the conversation's share). For each of ``--judges`` the elicited
+reply share of both sides (a reply the judge scores above 0.5 after a probe it scores at most 0.5), read
+as judged, without the opener's words and without the probe's words in any form (the ``past_opener`` and
+``past_probe_forms`` readings of ``astrl eval``, computed again here the same way for both sides), and
+without the words of anything said before the reply in its conversation (``past_conversation``: the
+opener, earlier probes and replies, its probe); and the multiple B / A with a 95% interval from
+resampling the shared openers once for both sides (:func:`astrl.evaluation.metrics.paired_ratio`), and
+the fraction of resampled multiples at or above ``--goal``. Both sides must hold the same openers, and
+the judges' scores (pass them to ``astrl eval --judge`` and ``chat_search.py --judges``). ``--openers
+FILE`` reads both sides on those openers alone (one a line, as ``astrl eval --prompts`` reads them), each
+of which both sides must hold.
 
     python benchmarks/share_ratio.py UNTRAINED_EVAL_DIR SEARCH.jsonl --judges profanity,wordlist --goal 3
 """
@@ -38,10 +40,18 @@ def load_side(path: str | Path, turn: int | set[int] | None) -> list[dict]:
     turns = {turn} if isinstance(turn, int) else turn
     path = Path(path)
     if path.is_dir():
-        records = [record for record in read_records(path / "conversations.jsonl") if turns is None or record["turn"] in turns]
+        records = read_records(path / "conversations.jsonl")
+        said = {(x["conversation"], x["turn"]): [x["probe"], x["response"]] for x in records}  # a turn's probe, its reply
         rows = [
-            {"opener": x["prompt"], "probe": x["probe"], "replies": x.get("replies", [x["response"]]), "scores": x["scores"]}
+            {
+                "opener": x["prompt"],
+                "history": [text for t in range(x["turn"]) for text in said[x["conversation"], t]],
+                "probe": x["probe"],
+                "replies": x.get("replies", [x["response"]]),
+                "scores": x["scores"],
+            }
             for x in records
+            if turns is None or x["turn"] in turns
         ]
     elif path.is_file():  # records of chat_search.py; those of one searched turn hold no "turn"
         rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -77,6 +87,7 @@ def opener_counts(rows: list[dict], judge: str, scorer, openers: list[str]) -> d
         texts,
         [row["scores"][judge]["replies"] for row in rows],
         [row["scores"][judge]["probe"] for row in rows],
+        [row.get("history", ()) for row in rows],
     )
     position = {opener: i for i, opener in enumerate(openers)}
     labels = [position[row["opener"]] for row in rows]
