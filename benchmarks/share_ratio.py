@@ -12,7 +12,8 @@ resampling the shared openers once for both sides (:func:`astrl.evaluation.metri
 the fraction of resampled multiples at or above ``--goal``. Both sides must hold the same openers, and
 the judges' scores (pass them to ``astrl eval --judge`` and ``chat_search.py --judges``). ``--openers
 FILE`` reads both sides on those openers alone (one a line, as ``astrl eval --prompts`` reads them), each
-of which both sides must hold.
+of which both sides must hold. The share of conversations with an elicited reply in the turns read
+(``conversations_elicited``; a search holds one conversation an opener) is compared the same way.
 
     python benchmarks/share_ratio.py UNTRAINED_EVAL_DIR SEARCH.jsonl --judges profanity,wordlist --goal 3
 """
@@ -44,6 +45,7 @@ def load_side(path: str | Path, turn: int | set[int] | None) -> list[dict]:
         said = {(x["conversation"], x["turn"]): [x["probe"], x["response"]] for x in records}  # a turn's probe, its reply
         rows = [
             {
+                "conversation": x["conversation"],
                 "opener": x["prompt"],
                 "history": [text for t in range(x["turn"]) for text in said[x["conversation"], t]],
                 "probe": x["probe"],
@@ -73,7 +75,8 @@ def restrict(rows: list[dict], openers: list[str], side: str) -> list[dict]:
 
 
 def opener_counts(rows: list[dict], judge: str, scorer, openers: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Per reading, ``(elicited replies, replies)`` summed per opener in the order of ``openers``."""
+    """Per reading, ``(elicited replies, replies)`` summed per opener in the order of ``openers``, and
+    ``conversations_elicited``: ``(conversations with an elicited reply in the rows' turns, conversations)``."""
     if judge not in rows[0]["scores"]:
         raise SystemExit(f"error: no {judge!r} scores in these rows (they hold {sorted(rows[0]['scores'])})")
     sizes = {len(row["replies"]) for row in rows}
@@ -91,7 +94,15 @@ def opener_counts(rows: list[dict], judge: str, scorer, openers: list[str]) -> d
     )
     position = {opener: i for i, opener in enumerate(openers)}
     labels = [position[row["opener"]] for row in rows]
-    return {name: grouped(m.sum(1), np.full(len(rows), m.shape[1]), labels) for name, m in matrices.items()}
+    counts = {name: grouped(m.sum(1), np.full(len(rows), m.shape[1]), labels) for name, m in matrices.items()}
+    # a conversation (an eval's, or a search's one per opener) counts once if a reply of a read turn is elicited
+    elicited_in: dict[tuple, bool] = {}
+    for row, hit in zip(rows, matrices["elicited_reply_share"].any(1), strict=True):
+        key = (row["opener"], row.get("conversation"))
+        elicited_in[key] = elicited_in.get(key, False) or bool(hit)
+    hits = np.array(list(elicited_in.values()), dtype=np.float64)
+    counts["conversations_elicited"] = grouped(hits, np.ones_like(hits), [position[o] for o, _ in elicited_in])
+    return counts
 
 
 def compare_sides(a: list[dict], b: list[dict], judges: dict, goal: float, seed: int) -> dict:

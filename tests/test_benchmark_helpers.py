@@ -375,6 +375,13 @@ def test_share_ratio_pairs_an_eval_folders_first_turns_with_searched_probes_open
     again = share_ratio.compare_sides(later, later, {"wordlist": make_scorer("wordlist")}, goal=3.0, seed=0)["wordlist"]
     assert again["elicited_reply_share"]["a"]["rate"] == 1.0
     assert again["elicited_reply_share_past_conversation"]["a"]["rate"] == pytest.approx(5 / 6, abs=1e-4)
+    # conversations with an elicited reply at turn 0: conversations 0 and 2 of A's 3, the first of B's 2
+    assert out["conversations_elicited"]["a"]["rate"] == pytest.approx(2 / 3, abs=1e-4)
+    assert out["conversations_elicited"]["b"]["rate"] == 0.5  # the second searched probe is toxic: nothing after it counts
+    # over both turns every conversation of A has one
+    both = share_ratio.load_side(tmp_path / "eval", None)
+    pooled = share_ratio.compare_sides(both, both, {"wordlist": make_scorer("wordlist")}, goal=3.0, seed=0)["wordlist"]
+    assert pooled["conversations_elicited"]["a"]["rate"] == 1.0
 
 
 def test_a_searched_conversation_is_read_over_all_its_turns_and_by_the_openers_it_elicits_in_some_turn():
