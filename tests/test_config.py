@@ -162,6 +162,7 @@ def test_a_config_yaml_written_before_the_sections_loads_as_an_equal_config(tmp_
         "warm_start_scorer": None,
         "warm_start_retest": 0,
         "warm_start_retest_keep": 0.5,
+        "warm_start_turns": 1,
     }
     assert config.to_dict() == {**old, **added} and list(old) != [spec.name for spec in FIELDS]  # same values, other order
     assert config == TrainConfig(**old)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -680,3 +681,88 @@ def test_warm_start_retest_is_checked_before_a_model_loads(tmp_path):
         _config(tmp_path, warm_start_probes=2, warm_start_retest_keep=0.25)
     with pytest.raises(ConfigError, match="warm_start_retest 4 re-tests the warm start's probes: set warm_start_probes > 0"):
         _config(tmp_path, warm_start_retest=4)
+
+
+def test_greedy_replies_are_the_targets_greedy_tokens_after_its_view_of_the_conversation():
+    from astrl._compat import render_chats
+    from astrl.sampling.search import greedy_replies
+
+    tok = make_tokenizer()
+    target = make_llama(tok, seed=1)
+    conversations = [OPENERS[0], (OPENERS[1], "how are", "you the weather")]
+    got = greedy_replies(target, tok, conversations, ["tell me", "hello"], new_tokens=3, target_system_prompt="Be kind.", batch=1)
+    views = [
+        [
+            {"role": "system", "content": "Be kind."},
+            {"role": "assistant", "content": OPENERS[0]},
+            {"role": "user", "content": "tell me"},
+        ],
+        [{"role": "system", "content": "Be kind."}, {"role": "assistant", "content": OPENERS[1]}]
+        + [{"role": "user", "content": "how are"}, {"role": "assistant", "content": "you the weather"}]
+        + [{"role": "user", "content": "hello"}],
+    ]
+    for reply, text in zip(got, render_chats(tok, views), strict=True):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        for _ in range(3):  # greedy, by full forwards
+            ids.append(int(_last_logits(target, ids).argmax()))
+        assert reply == tok.decode(ids[-3:], skip_special_tokens=True)
+
+
+def test_a_warm_start_of_two_searched_turns_tunes_on_each_turns_probe_after_the_conversation_so_far(tmp_path, monkeypatch):
+    from test_training import _config, _trainer
+
+    import astrl.training.warm_start as warm
+    from astrl._compat import render_chats
+    from astrl.envs.redteam import DEFAULT_TESTER_SYSTEM_PROMPT
+    from astrl.sampling.search import greedy_replies
+
+    settings = dict(
+        scorer="keywords:the,you,hell,idiot", mode="chat", turns=2, total_steps=1, max_new_tokens=3, target_max_new_tokens=4,
+        reply_lexicon="hell,idiot,damn,the", warm_start_probes=3, warm_start_min_toxic=0.0, warm_start_select="search",
+        warm_start_beams=2, warm_start_top_k=3, warm_start_turns=2,
+    )  # fmt: skip
+    trainer = _trainer(_config(tmp_path, **settings))
+    tester, target = trainer.models.tester, trainer.models.target
+    real, seen = warm.search_candidates, []
+
+    def search_and_reply(*args):  # the turn-1 replies by hand, before the warm start tunes the tester
+        found = real(*args)
+        first = [c for c in found if c["turn"] == 0]
+        replies = greedy_replies(
+            target.model, target.tokenizer, [c["opener"] for c in first], [c["probe"] for c in first], new_tokens=4
+        )
+        seen.append((found, replies))
+        return found
+
+    monkeypatch.setattr(warm, "search_candidates", search_and_reply)
+    trainer.train()
+    ((found, replies),) = seen
+    assert [c["turn"] for c in found] == [0, 0, 0, 1, 1, 1]
+    for first, second, reply in zip(found[:3], found[3:], replies, strict=True):
+        assert first["history"] == [] and second["opener"] == first["opener"]
+        assert second["history"] == [first["probe"], reply]  # searched after the first probe and its greedy reply
+        chat = [{"role": "system", "content": DEFAULT_TESTER_SYSTEM_PROMPT}, {"role": "user", "content": first["opener"]}]
+        chat += [{"role": "assistant", "content": first["probe"]}, {"role": "user", "content": reply}]
+        rendered = render_chats(tester.tokenizer, [chat])[0]  # what the tester reads in the env's second turn
+        assert second["prompt_tokens"].tolist() == tester.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    records = [json.loads(line) for line in (tmp_path / "run" / "warm_start.jsonl").read_text().splitlines()]
+    assert {r["turn"] for r in records} <= {0, 1} and all("history" in r for r in records)
+
+
+@pytest.mark.parametrize(
+    "changes, named",
+    [
+        (dict(mode="text"), "set mode: chat"),
+        (dict(warm_start_select="share"), "warm_start_select: search"),
+        (dict(turns=1), "turns >= 2 (got 1)"),
+        (dict(warm_start_retest=4), "re-test first probes"),
+    ],
+)
+def test_warm_start_turns_is_checked_against_what_it_needs(tmp_path, changes, named):
+    from test_training import _config
+
+    from astrl.errors import ConfigError
+
+    settings = dict(mode="chat", turns=2, warm_start_probes=4, warm_start_select="search", warm_start_turns=2) | changes
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        _config(tmp_path, **settings)

@@ -262,6 +262,43 @@ def tester_chat(conversation: Conversation, system_prompt: str | None) -> list[d
     return system + [{"role": roles[i % 2], "content": text} for i, text in enumerate(turns)]
 
 
+@torch.no_grad()
+def greedy_replies(
+    target: torch.nn.Module,
+    target_tokenizer,
+    conversations: Sequence[Conversation],
+    probes: Sequence[str],
+    *,
+    new_tokens: int,
+    target_system_prompt: str | None = None,
+    batch: int = 32,
+) -> list[str]:
+    """The target's greedy reply of at most ``new_tokens`` tokens to each probe after its conversation so
+    far, the target reading the red-team env's chat view (the reply a chat search's lookahead reads; the
+    conversation's next turn is searched after it). Decoded without special tokens."""
+    from astrl._compat import render_chats
+    from astrl.envs.transforms import target_view
+
+    chats = [
+        target_view(tester_chat(c, None) + [{"role": "assistant", "content": p}], target_system_prompt)
+        for c, p in zip(conversations, probes, strict=True)
+    ]
+    rows = [
+        torch.tensor(target_tokenizer(t, add_special_tokens=False)["input_ids"]) for t in render_chats(target_tokenizer, chats)
+    ]
+    pad = target_tokenizer.pad_token_id if target_tokenizer.pad_token_id is not None else 0
+    device = next(target.parameters()).device
+    replies: list[str] = []
+    for start in range(0, len(rows), batch):
+        ids, mask = pad_ids(rows[start : start + batch], pad, side="left", device=device)
+        out = target.generate(
+            input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens, pad_token_id=pad,
+            temperature=None, top_p=None, top_k=None,
+        )  # fmt: skip
+        replies += target_tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
+    return replies
+
+
 def _chat_frame(tester_tokenizer, target_tokenizer, tester_system_prompt, target_system_prompt, lookahead) -> SearchFrame:
     """Chat mode, as the red-team env renders it: the tester writes its turn after its system prompt and
     the conversation so far (the opener and the target's replies said by the other side); the target reads

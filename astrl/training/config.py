@@ -468,6 +468,14 @@ class WarmStartSection:
         above=0,
         at_most=1,
     )
+    warm_start_turns: int = setting(
+        1,
+        "Warm start with select search, chat mode: turns searched per opener. Turn t's probe is searched "
+        "after the conversation so far (the searched probes before it, each followed by the target's greedy "
+        "reply of target_max_new_tokens tokens), so each of warm_start_probes openers gives this many "
+        "candidates and the tester is also fine-tuned on what to say after a reply; at most turns.",
+        at_least=1,
+    )
     warm_start_epochs: int = setting(3, "Warm start: passes over the kept probes.", at_least=1)
     warm_start_lr: float = setting(1e-3, "Warm start: learning rate of the fine-tuning (AdamW).", above=0)
 
@@ -500,6 +508,18 @@ class WarmStartSection:
                     self.warm_start_retest == 0 or self.warm_start_probes > 0,
                     f"warm_start_retest {self.warm_start_retest} re-tests the warm start's probes: set "
                     f"warm_start_probes > 0 (got {self.warm_start_probes}), or drop it",
+                ),
+                (
+                    self.warm_start_turns == 1
+                    or (self.mode == "chat" and self.warm_start_select == "search" and self.warm_start_turns <= self.turns),
+                    f"warm_start_turns {self.warm_start_turns} searches later turns of chat conversations: set mode: chat "
+                    f"(got {self.mode!r}), warm_start_select: search (got {self.warm_start_select!r}) and turns >= "
+                    f"{self.warm_start_turns} (got {self.turns})",
+                ),
+                (
+                    self.warm_start_turns == 1 or (self.warm_start_retest == 0 and not self.guide_replay_warm_start),
+                    f"warm_start_turns {self.warm_start_turns} is not read by warm_start_retest or "
+                    f"guide_replay_warm_start, which re-test first probes: drop one",
                 ),
                 (
                     self.warm_start_scorer is None or self.warm_start_probes > 0,

@@ -168,26 +168,44 @@ def search_candidates(config, models, count: int, round_index: int = 0) -> list[
     its naturalness bound; in chat mode :func:`~astrl.sampling.search.chat_lookahead_search`, over the
     target's greedy reply of :func:`reply_tokens` tokens), with its own score under the training scorer,
     the target's lexicon estimate after it (``lexicon_mass``; text mode: its next-token lexicon mass)
-    and its mean per-token NLL under the target (``probe_nll``)."""
+    and its mean per-token NLL under the target (``probe_nll``). With ``warm_start_turns`` T > 1 each
+    opener's conversation goes on for T searched turns, each probe followed by the target's greedy reply
+    (:func:`~astrl.sampling.search.greedy_replies`): the candidates are every turn's probes, each with its
+    ``turn`` (from 0) and the ``history`` it was searched after (its prompt is the tester's view of it)."""
+    from astrl.sampling.search import conversation_turns, greedy_replies
     from astrl.scorers import make_scorer
+    from astrl.training.setup import conversation_spec
 
     scorer = make_scorer(config.scorer)
     lexicon = config_lexicon(config, models.target.tokenizer, scorer)
-    found = search_probes(config, models, round_openers(config, count, round_index), lexicon)
-    probe_scores = checked_scores(scorer, [f.text for f in found]).tolist()
-    return [
-        {
-            "opener": f.opener,
-            "probe": f.text,
-            "probe_score": float(score),
-            "lexicon_mass": f.mass,
-            "probe_logprob": f.logprob,
-            "probe_nll": f.nll,
-            "prompt_tokens": f.prompt.cpu(),
-            "response_tokens": f.tokens.cpu(),
-        }
-        for f, score in zip(found, probe_scores, strict=True)
-    ]
+    conversations = round_openers(config, count, round_index)
+    candidates = []
+    for turn in range(config.warm_start_turns):
+        found = search_probes(config, models, conversations, lexicon)
+        probe_scores = checked_scores(scorer, [f.text for f in found]).tolist()
+        for f, score in zip(found, probe_scores, strict=True):
+            said = conversation_turns(f.opener)
+            turns = {"turn": turn, "history": list(said[1:])} if config.warm_start_turns > 1 else {}
+            candidates.append({
+                "opener": said[0],
+                **turns,
+                "probe": f.text,
+                "probe_score": float(score),
+                "lexicon_mass": f.mass,
+                "probe_logprob": f.logprob,
+                "probe_nll": f.nll,
+                "prompt_tokens": f.prompt.cpu(),
+                "response_tokens": f.tokens.cpu(),
+            })  # fmt: skip
+        if turn + 1 < config.warm_start_turns:
+            target = models.target
+            replies = greedy_replies(
+                target.model, target.tokenizer, conversations, [f.text for f in found],
+                new_tokens=config.generation(target=True).max_new_tokens,
+                target_system_prompt=conversation_spec(config).env_options()["target_system_prompt"],
+            )  # fmt: skip
+            conversations = [(*conversation_turns(f.opener), f.text, r) for f, r in zip(found, replies, strict=True)]
+    return candidates
 
 
 def round_openers(config, count: int, round_index: int = 0, skip: int = 0) -> list[str]:
