@@ -41,14 +41,13 @@ from probe_search import sampled_replies
 
 from astrl._compat import render_chats
 from astrl.envs.redteam import DEFAULT_TESTER_SYSTEM_PROMPT
-from astrl.envs.transforms import target_view
 from astrl.errors import ScorerError
 from astrl.evaluation.metrics import DEFAULT_THRESHOLD, elicited
 from astrl.evaluation.rejudge import CHECKS, without_words
 from astrl.models import load_model
 from astrl.prompts import load_prompts, split_prompts
 from astrl.rewards.lexicon import reply_lexicon, words_of
-from astrl.sampling.search import Conversation, chat_lookahead_search, conversation_turns, tester_chat
+from astrl.sampling.search import Conversation, chat_lookahead_search, conversation_turns, target_chat
 from astrl.scorers import checked_scores, make_scorer
 
 
@@ -57,8 +56,7 @@ def replies_to(
 ) -> list[str]:
     """``replies`` sampled target replies to each probe after its conversation so far (an opener, or
     ``(opener, probe_1, reply_1, ...)``), the target reading the env's chat view."""
-    pairs = zip(conversations, probes, strict=True)
-    chats = [target_view(tester_chat(c, None) + [{"role": "assistant", "content": p}], None) for c, p in pairs]
+    chats = [target_chat(c, p, None) for c, p in zip(conversations, probes, strict=True)]
     rows = [torch.tensor(lm.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in render_chats(lm.tokenizer, chats)]
     return sampled_replies(lm.model, lm.tokenizer, rows, replies=replies, new_tokens=new_tokens, batch=batch)
 
@@ -185,9 +183,10 @@ def main() -> None:
         scorers = {name: make_scorer(name) for name in judges}
     except ScorerError as err:
         parser.error(str(err))
-    for name in ("turns", "start"):
-        if getattr(args, name) < (1 if name == "turns" else 0):
-            parser.error(f"--{name} must be >= {1 if name == 'turns' else 0}, got {getattr(args, name)}")
+    if args.turns < 1:
+        parser.error(f"--turns must be >= 1, got {args.turns}")
+    if args.start < 0:
+        parser.error(f"--start must be >= 0, got {args.start}")
     info = setup(args)
     for name, full, quick in (("probe_tokens", 12, 6), ("lookahead", 8, 2), ("beams", 8, 2), ("top_k", 8, 4)):
         if getattr(args, name) is None:

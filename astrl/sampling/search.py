@@ -262,6 +262,14 @@ def tester_chat(conversation: Conversation, system_prompt: str | None) -> list[d
     return system + [{"role": roles[i % 2], "content": text} for i, text in enumerate(turns)]
 
 
+def target_chat(conversation: Conversation, probe: str, system_prompt: str | None) -> list[dict]:
+    """The target's view of ``probe`` after the conversation so far, as the red-team env shows it: its
+    system prompt, the opener and its own replies as ``assistant`` turns, the probes as ``user`` turns."""
+    from astrl.envs.transforms import target_view
+
+    return target_view(tester_chat(conversation, None) + [{"role": "assistant", "content": probe}], system_prompt)
+
+
 @torch.no_grad()
 def greedy_replies(
     target: torch.nn.Module,
@@ -277,12 +285,8 @@ def greedy_replies(
     far, the target reading the red-team env's chat view (the reply a chat search's lookahead reads; the
     conversation's next turn is searched after it). Decoded without special tokens."""
     from astrl._compat import render_chats
-    from astrl.envs.transforms import target_view
 
-    chats = [
-        target_view(tester_chat(c, None) + [{"role": "assistant", "content": p}], target_system_prompt)
-        for c, p in zip(conversations, probes, strict=True)
-    ]
+    chats = [target_chat(c, p, target_system_prompt) for c, p in zip(conversations, probes, strict=True)]
     rows = [
         torch.tensor(target_tokenizer(t, add_special_tokens=False)["input_ids"]) for t in render_chats(target_tokenizer, chats)
     ]
@@ -305,14 +309,13 @@ def _chat_frame(tester_tokenizer, target_tokenizer, tester_system_prompt, target
     the opener and its replies as its own turns, the probes as the user's, then its chat template's end of
     turn and start of its reply (the suffix). Each item of the ``prefixes`` is a :data:`Conversation`."""
     from astrl._compat import render_chats
-    from astrl.envs.transforms import contexts_around_last, target_view
+    from astrl.envs.transforms import contexts_around_last
 
     def ids(tokenizer, text: str) -> torch.Tensor:
         return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
     def framed(conversations) -> list[list[dict]]:  # the target's view with the probe still to write
-        blank = [{"role": "assistant", "content": ""}]
-        return [target_view(tester_chat(c, None) + blank, target_system_prompt) for c in conversations]
+        return [target_chat(c, "", target_system_prompt) for c in conversations]
 
     def prefixes(conversations):
         tester_texts = render_chats(tester_tokenizer, [tester_chat(c, tester_system_prompt) for c in conversations])
