@@ -308,6 +308,19 @@ def test_the_warm_starts_probes_are_replayed_first_and_credited_with_their_tests
     assert row["replay_untested"] == 0 and row["replay_tests"] == 0
 
 
+def test_only_the_warm_starts_first_probes_start_the_replay_archive(tmp_path, monkeypatch):
+    import astrl.training.warm_start as warm_start
+
+    later = "and you said what"  # a turn-2 probe of warm_start_turns 2: it answers a reply, no first probe
+    kept = [{"probe": SEEDS[0], "turn": 0}, {"probe": later, "turn": 1}, {"probe": SEEDS[1]}]
+    summary = {"kept": len(kept), "sampled": 4, "loss_first": 1.0, "loss_last": 0.5}
+    monkeypatch.setattr(warm_start, "warm_start", lambda *args, **kwargs: (summary, kept))
+    settings = dict(prompts_per_step=3, group_size=2, turns=2, total_steps=1, save_every=100, warm_start_probes=4)
+    trainer = _trainer(_config(tmp_path, guide_replay_warm_start=True, **REPLAYED, **settings))
+    trainer.train(until=0)
+    assert trainer._replay_seeds() == [SEEDS[0], SEEDS[1]]  # a record without a turn is a first probe
+
+
 def test_a_step_0_run_resumed_with_guide_replay_warm_start_needs_its_warm_starts_probes(tmp_path, monkeypatch):
     from astrl.training.trainer import resume
 

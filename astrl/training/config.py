@@ -517,9 +517,9 @@ class WarmStartSection:
                     f"{self.warm_start_turns} (got {self.turns})",
                 ),
                 (
-                    self.warm_start_turns == 1 or (self.warm_start_retest == 0 and not self.guide_replay_warm_start),
-                    f"warm_start_turns {self.warm_start_turns} is not read by warm_start_retest or "
-                    f"guide_replay_warm_start, which re-test first probes: drop one",
+                    self.warm_start_turns == 1 or self.warm_start_retest == 0,
+                    f"warm_start_turns {self.warm_start_turns} is not read by warm_start_retest {self.warm_start_retest}, "
+                    f"which re-tests first probes on other openers: drop one",
                 ),
                 (
                     self.warm_start_scorer is None or self.warm_start_probes > 0,

@@ -454,6 +454,7 @@ class Trainer:
         its order, or with ``guide_replay_retest`` the best re-tested share of them, best first
         (:func:`~astrl.training.warm_start.replay_seeds`; every kept probe's re-test in ``replay_seeds.jsonl``)."""
         kept = warm_start_probes(self.run_dir, openers=self.config.guide_replay_retest > 0)
+        kept = [k for k in kept if k.get("turn", 0) == 0]  # a later turn's probe answers a reply: not a first probe
         if not self.config.guide_replay_retest:
             return [k["probe"] for k in kept]
         from astrl.training.warm_start import replay_seeds
