@@ -756,6 +756,7 @@ def test_a_warm_start_of_two_searched_turns_tunes_on_each_turns_probe_after_the_
         (dict(warm_start_select="share"), "warm_start_select: search"),
         (dict(turns=1), "turns >= 2 (got 1)"),
         (dict(warm_start_retest=4), "warm_start_retest 4, which re-tests first probes"),
+        (dict(warm_start_probes=0), "later turns: set warm_start_probes > 0 (got 0)"),
     ],
 )
 def test_warm_start_turns_is_checked_against_what_it_needs(tmp_path, changes, named):

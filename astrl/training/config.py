@@ -517,6 +517,11 @@ class WarmStartSection:
                     f"{self.warm_start_turns} (got {self.turns})",
                 ),
                 (
+                    self.warm_start_turns == 1 or self.warm_start_probes > 0,
+                    f"warm_start_turns {self.warm_start_turns} searches the warm start's later turns: set "
+                    f"warm_start_probes > 0 (got {self.warm_start_probes}), or drop it",
+                ),
+                (
                     self.warm_start_turns == 1 or self.warm_start_retest == 0,
                     f"warm_start_turns {self.warm_start_turns} is not read by warm_start_retest {self.warm_start_retest}, "
                     f"which re-tests first probes on other openers: drop one",
