@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import os
 import sys
 
@@ -526,6 +527,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in LATER:
         print(f"astrl: error: '{args.command}' is not available in this version yet", file=sys.stderr)
         return 2
+    if isinstance(sys.stdout, io.TextIOWrapper):  # progress lines reach a log file as they are printed
+        sys.stdout.reconfigure(line_buffering=True)
     try:
         check_arguments(args)
         _quiet_libraries()

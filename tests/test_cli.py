@@ -185,3 +185,14 @@ def test_console_script_lists_commands():
         assert command in out
     bad = subprocess.run([sys.executable, "-m", "astrl", "train", "learning_rate=1"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown config key(s) ['learning_rate']" in bad.stderr
+
+
+def test_progress_lines_reach_a_redirected_stdout_as_they_are_printed(tmp_path, monkeypatch):
+    import io
+
+    raw = io.BytesIO()
+    out = io.TextIOWrapper(raw, encoding="utf-8")  # a file, as under nohup: block-buffered until told otherwise
+    monkeypatch.setattr(sys, "stdout", out)
+    assert _main(["runs", "--store", str(tmp_path / "none.sqlite")]) == 2  # any command sets it up, even one refused
+    print("a progress line")
+    assert b"a progress line\n" in raw.getvalue()  # without a flush
