@@ -450,7 +450,7 @@ class Trainer:
         partial.remove()  # step 0 holds it now
 
     def _replay_seeds(self) -> list[str]:
-        """The probes the replay archive starts with (``guide_replay_warm_start``): the warm start's kept ones, in
+        """The probes the replay archive starts with (``guide_replay_warm_start``): the warm start's kept first probes, in
         its order, or with ``guide_replay_retest`` the best re-tested share of them, best first
         (:func:`~astrl.training.warm_start.replay_seeds`; every kept probe's re-test in ``replay_seeds.jsonl``)."""
         kept = warm_start_probes(self.run_dir, openers=self.config.guide_replay_retest > 0)
