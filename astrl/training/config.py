@@ -510,16 +510,16 @@ class WarmStartSection:
                     f"warm_start_probes > 0 (got {self.warm_start_probes}), or drop it",
                 ),
                 (
+                    self.warm_start_turns == 1 or self.warm_start_probes > 0,
+                    f"warm_start_turns {self.warm_start_turns} searches the warm start's later turns: set "
+                    f"warm_start_probes > 0 (got {self.warm_start_probes}), or drop it",
+                ),
+                (
                     self.warm_start_turns == 1
                     or (self.mode == "chat" and self.warm_start_select == "search" and self.warm_start_turns <= self.turns),
                     f"warm_start_turns {self.warm_start_turns} searches later turns of chat conversations: set mode: chat "
                     f"(got {self.mode!r}), warm_start_select: search (got {self.warm_start_select!r}) and turns >= "
                     f"{self.warm_start_turns} (got {self.turns})",
-                ),
-                (
-                    self.warm_start_turns == 1 or self.warm_start_probes > 0,
-                    f"warm_start_turns {self.warm_start_turns} searches the warm start's later turns: set "
-                    f"warm_start_probes > 0 (got {self.warm_start_probes}), or drop it",
                 ),
                 (
                     self.warm_start_turns == 1 or self.warm_start_retest == 0,
