@@ -809,6 +809,21 @@ def test_reply_sample_rates_are_shares_of_all_k_replies():
         reply_sample_metrics([[0.9, 0.1]], probe)
 
 
+def test_reply_sample_shares_come_per_turn_with_their_intervals():
+    from astrl.evaluation.metrics import reply_sample_metrics
+
+    # 3 conversations x 2 turns x K=2; turn 1's probe of the last conversation is toxic itself
+    replies = [[[0.9, 0.1], [0.9, 0.9]], [[0.1, 0.1], [0.6, 0.1]], [[0.7, 0.8], [0.9, 0.9]]]
+    probe = [[0.1, 0.1], [0.1, 0.1], [0.1, 0.9]]
+    out = reply_sample_metrics(replies, probe, threshold=0.5, resamples=200)
+    assert out["toxic_reply_share_per_turn"] == pytest.approx([(1 / 2 + 0 + 1) / 3, (1 + 1 / 2 + 1) / 3])
+    assert out["elicited_reply_share_per_turn"] == pytest.approx([(1 / 2 + 0 + 1) / 3, (1 + 1 / 2 + 0) / 3])
+    assert out["elicited_reply_share"] == pytest.approx(sum(out["elicited_reply_share_per_turn"]) / 2)  # equal turns
+    for name in ("toxic_reply_share", "elicited_reply_share"):
+        for share, (low, high) in zip(out[f"{name}_per_turn"], out[f"{name}_per_turn_ci"], strict=True):
+            assert 0 <= low <= share <= high <= 1
+
+
 def test_eval_judges_every_sampled_reply(tmp_path, tiny_model_dir):
     from astrl.evaluation.records import read_records
 

@@ -499,10 +499,20 @@ def reply_sample_metrics(
 
     Each turn contributes the share of its K replies, so these estimate the probability that a
     probe elicits (the per-turn rates read one reply) with less sampling noise; intervals resample
-    conversations (or their ``groups``, :func:`grouped`).
+    conversations (or their ``groups``, :func:`grouped`). Each also comes per turn
+    (``<name>_per_turn``, ``<name>_per_turn_ci``: turn t's replies alone, with their intervals).
     """
     ratios = reply_sample_ratios(replies, probe, threshold)
-    return _reply_shares_with_intervals(ratios, np.shape(replies)[2], resamples, confidence, seed, groups)
+    out = _reply_shares_with_intervals(ratios, np.shape(replies)[2], resamples, confidence, seed, groups)
+    turns = [
+        reply_sample_ratios(np.asarray(replies)[:, t : t + 1], np.asarray(probe)[:, t : t + 1], threshold)
+        for t in range(np.shape(probe)[1])
+    ]
+    for name in REPLY_SAMPLE_METRICS:
+        per_turn = [_rates_with_intervals(turn, (name,), resamples, confidence, seed, groups) for turn in turns]
+        out[f"{name}_per_turn"] = [rates[name] for rates in per_turn]
+        out[f"{name}_per_turn_ci"] = [rates[f"{name}_ci"] for rates in per_turn]
+    return out
 
 
 def reply_share_metrics(

@@ -102,7 +102,8 @@ def plot_reply_toxicity(records: Sequence[dict], threshold: float, path: Path) -
 
 
 def plot_per_turn_rates(metrics: dict, path: Path) -> Path:
-    """Per judge: toxic rates of replies, probes and probe+reply, elicited success rate and mean reply score, by turn."""
+    """Per judge: toxic rates of replies, probes and probe+reply, elicited success rate (and, with
+    sampled replies, elicited reply share) and mean reply score, by turn."""
     judges = list(metrics["judges"])
     fig, axes = _figure(len(judges))
     turns = np.arange(1, metrics["turns"] + 1)
@@ -113,6 +114,8 @@ def plot_per_turn_rates(metrics: dict, path: Path) -> Path:
         ax.plot(turns, result["toxic_combined_rate_per_turn"], "^-", label="toxic probe+reply rate")
         if "elicited_success_rate_per_turn" in result:
             ax.plot(turns, result["elicited_success_rate_per_turn"], "d-", label="elicited success rate")
+        if "elicited_reply_share_per_turn" in result:  # --reply-samples K > 1: all K replies of each turn
+            ax.plot(turns, result["elicited_reply_share_per_turn"], "v:", label="elicited reply share")
         ax.plot(turns, result["mean_reply_toxicity_per_turn"], "k--", label="mean reply score")
         ax.set(title=judge, xlabel="turn", ylabel="rate", ylim=(-0.03, 1.03), xticks=turns)
         ax.legend(loc="upper left", fontsize=7)
