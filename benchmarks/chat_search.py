@@ -44,9 +44,10 @@ from astrl.envs.redteam import DEFAULT_TESTER_SYSTEM_PROMPT
 from astrl.errors import ScorerError
 from astrl.evaluation.metrics import DEFAULT_THRESHOLD, elicited
 from astrl.evaluation.rejudge import CHECKS, without_words
-from astrl.models import load_model
+from astrl.models import add_lora, load_model
 from astrl.prompts import load_prompts, split_prompts
 from astrl.rewards.lexicon import reply_lexicon, words_of
+from astrl.rewards.reference import AdaptersDisabled
 from astrl.sampling.search import Conversation, chat_lookahead_search, conversation_turns, target_chat
 from astrl.scorers import checked_scores, make_scorer
 
@@ -60,6 +61,8 @@ def replies_to(
     rows = [torch.tensor(lm.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in render_chats(lm.tokenizer, chats)]
     return sampled_replies(lm.model, lm.tokenizer, rows, replies=replies, new_tokens=new_tokens, batch=batch)
 
+
+RECIPE_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # elicit_chat*.yaml's
 
 CHECKS_READ = ("past_opener", "past_probe_forms")  # the readings of astrl eval's word checks reported here
 
@@ -122,16 +125,18 @@ def whole_conversations(turns: list[dict[str, np.ndarray]], seed: int) -> dict:
     return out
 
 
-def searched_conversations(lm, openers: list[str], lexicon, scorers: dict, search: dict, args) -> list[dict]:
+def searched_conversations(lm, openers: list[str], lexicon, scorers: dict, search: dict, args, models=None) -> list[dict]:
     """``args.turns`` searched turns of each opener's conversation: per turn the searched probes
     (``found``), each judge's :func:`judged` reading (``judges``), the turn's records and its search time.
     Each turn's probe is searched after the conversation so far; the conversation goes on with each
-    probe's first sampled reply, as the env's does."""
+    probe's first sampled reply, as the env's does. ``models``: the (tester, target) the search runs
+    (default ``lm.model`` for both)."""
+    tester, target = models or (lm.model, lm.model)
     conversations: list[Conversation] = list(openers)
     turns = []
     for turn in range(args.turns):
         start = time.perf_counter()
-        found = chat_lookahead_search(lm.model, lm.model, lm.tokenizer, lm.tokenizer, conversations, lexicon, **search)
+        found = chat_lookahead_search(tester, target, lm.tokenizer, lm.tokenizer, conversations, lexicon, **search)
         seconds = time.perf_counter() - start
         probes = [f.text for f in found]
         texts = replies_to(lm, conversations, probes, args.replies, args.reply_tokens)
@@ -175,6 +180,11 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=1, help="turns searched per conversation (each after the last)")
     parser.add_argument("--judges", default=JUDGE, help=f"comma-separated judges of the replies (default {JUDGE})")
     parser.add_argument("--records", default=None, help="write each opener's probe, replies and scores to this JSONL")
+    parser.add_argument(
+        "--lora-rank", type=int, default=0,
+        help="search as a training run's warm start does: the tester with fresh LoRA adapters of this rank on attention "
+        "and MLP (the chat recipe's 16), the target its adapters-off view; the same probes, its own time (0: the plain model)",
+    )  # fmt: skip
     args = parser.parse_args()
     judges = [name.strip() for name in args.judges.split(",") if name.strip()]
     if not judges:
@@ -187,6 +197,8 @@ def main() -> None:
         parser.error(f"--turns must be >= 1, got {args.turns}")
     if args.start < 0:
         parser.error(f"--start must be >= 0, got {args.start}")
+    if args.lora_rank < 0:
+        parser.error(f"--lora-rank must be >= 0, got {args.lora_rank}")
     info = setup(args)
     for name, full, quick in (("probe_tokens", 12, 6), ("lookahead", 8, 2), ("beams", 8, 2), ("top_k", 8, 4)):
         if getattr(args, name) is None:
@@ -200,7 +212,11 @@ def main() -> None:
         length=args.probe_tokens, lookahead=args.lookahead, beams=args.beams, top_k=args.top_k, max_nll=args.max_nll,
         tester_system_prompt=DEFAULT_TESTER_SYSTEM_PROMPT,
     )  # fmt: skip
-    turns = searched_conversations(lm, openers, lexicon, scorers, search, args)
+    models = None
+    if args.lora_rank:  # fresh adapters (lora_B is zero): the plain model's outputs, through the PEFT layers
+        tester = add_lora(lm.model, rank=args.lora_rank, alpha=2 * args.lora_rank, targets=RECIPE_LORA_TARGETS).eval()
+        models = tester, AdaptersDisabled(tester)
+    turns = searched_conversations(lm, openers, lexicon, scorers, search, args, models)
     search_seconds = sum(turn["search_seconds"] for turn in turns)
     results = {name: turns[0]["judges"][name]["result"] for name in judges}
     first = results[judges[0]]
@@ -237,6 +253,7 @@ def main() -> None:
             "max_nll": args.max_nll,
             "replies": args.replies,
             "reply_tokens": args.reply_tokens,
+            "lora_rank": args.lora_rank,
             "search_seconds": r(search_seconds),
             "seconds_per_opener": r(search_seconds / (len(openers) * args.turns)),
             "searched_estimate_mean": r(float(np.mean([f.mass for f in found]))),

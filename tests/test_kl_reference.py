@@ -53,6 +53,45 @@ def test_a_pinned_reference_is_the_base_until_pinned_then_the_tester_as_it_stood
     assert not accepts(reference, "no_such_argument")
 
 
+def test_adapters_disabled_gives_the_base_and_leaves_each_adapter_layer_as_it_was():
+    """Each call switches every adapter layer off and back to its own state, an error inside included;
+    a layer the user switched off stays off, and the head without an adapter is the model's own."""
+    tok = make_tokenizer()
+    base = make_llama(tok)
+    tester = add_lora(make_llama(tok), rank=4, alpha=8, dropout=0.0, targets=["q_proj", "v_proj"]).eval()
+    _bump_adapters(tester, 0.5)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    reference = AdaptersDisabled(tester)
+    adapted = _logits(tester, ids)
+    assert not torch.allclose(adapted, _logits(base, ids))
+    torch.testing.assert_close(_logits(reference, ids), _logits(base, ids))
+    torch.testing.assert_close(_logits(tester, ids), adapted)  # the adapters are back on
+    with pytest.raises(IndexError):
+        reference(input_ids=torch.tensor([[len(tok) + 10**6]]))  # an id past the vocabulary fails inside the call
+    torch.testing.assert_close(_logits(tester, ids), adapted)
+    layers = reference.adapter_layers()
+    assert len(layers) == 2 * base.config.num_hidden_layers  # q_proj and v_proj of every layer
+    layers[0].enable_adapters(False)  # switched off by hand: the call must not switch it back on
+    reference(input_ids=ids)
+    assert layers[0].disable_adapters and not any(layer.disable_adapters for layer in layers[1:])
+    assert reference.get_output_embeddings() is tester.get_output_embeddings()  # no adapter on the head
+
+
+def test_adapters_disabled_switches_off_an_adapter_added_after_its_first_call():
+    from peft import LoraConfig
+
+    tok = make_tokenizer()
+    base = make_llama(tok)
+    tester = add_lora(make_llama(tok), rank=4, alpha=8, dropout=0.0, targets=["q_proj"]).eval()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    reference = AdaptersDisabled(tester)
+    torch.testing.assert_close(_logits(reference, ids), _logits(base, ids))
+    tester.add_adapter("more", LoraConfig(r=4, target_modules=["up_proj"], init_lora_weights=False))
+    tester.set_adapter("more")
+    assert not torch.allclose(_logits(tester, ids), _logits(base, ids))
+    torch.testing.assert_close(_logits(reference, ids), _logits(base, ids))  # up_proj's new layers are off too
+
+
 def test_frozen_copy_of_a_plain_model_shares_no_weights():
     model = torch.nn.Linear(2, 2)
     clone = frozen_copy(model)
