@@ -917,6 +917,38 @@ def test_compare_tests_the_reply_shares_when_both_sides_have_them(tmp_path):
     assert "elicited_reply_share" not in {r["metric"] for r in compare(a, b, resamples=200)["rows"]}
 
 
+def test_compare_tests_the_elicited_reply_share_turn_by_turn(tmp_path):
+    from astrl.evaluation.compare import compare
+
+    def folder(name, shares):  # shares: per conversation, toxic replies out of 2 in turn 1 and in turn 2
+        out = tmp_path / name
+        out.mkdir()
+        records = []
+        for c, per_turn in enumerate(shares):
+            for t, toxic in enumerate(per_turn):
+                replies = [0.9] * toxic + [0.1] * (2 - toxic)
+                scores = {"j": {"reply": replies[0], "probe": 0.0, "combined": replies[0], "replies": replies}}
+                records.append({
+                    "conversation": c, "turn": t, "prompt": f"o{c}", "probe": "p", "response": "r",
+                    "empty_probe": False, "probe_nll": 2.0, "scores": scores, "replies": ["r"] * 2,
+                })  # fmt: skip
+        (out / "conversations.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        (out / "metrics.json").write_text(json.dumps({"threshold": 0.5, "judges": {"j": {}}}))
+        return out
+
+    # turn 1 alike on both sides, turn 2 far higher on b
+    a = folder("a", [(1, 0), (0, 0), (1, 0), (0, 1), (1, 0), (0, 0), (1, 0), (0, 0)])
+    b = folder("b", [(1, 2), (0, 2), (1, 2), (0, 1), (1, 2), (0, 2), (1, 2), (0, 2)])
+    rows = {r["metric"]: r for r in compare(a, b, resamples=200)["rows"] if r["judge"] == "j"}
+    first, second = rows["elicited_reply_share_turn_1"], rows["elicited_reply_share_turn_2"]
+    assert first["a"] == first["b"] == pytest.approx(4 / 16) and first["difference"] == pytest.approx(0)
+    assert first["significant"] is False
+    assert second["a"] == pytest.approx(1 / 16) and second["b"] == pytest.approx(15 / 16)
+    assert second["significant"] is True
+    assert rows["elicited_reply_share"]["b"] == pytest.approx((4 + 15) / 32)  # both turns pooled
+    assert "elicited_reply_share_turn_3" not in rows
+
+
 @pytest.mark.parametrize("split_seed", [None, 0])
 def test_the_warm_start_and_training_sample_only_the_runs_training_openers(tmp_path, split_seed):
     from test_training import _config, _trainer

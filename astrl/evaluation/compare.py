@@ -213,7 +213,8 @@ def _reply_sample_rows(
     judge: str, records: tuple[list[dict], list[dict]], probes: tuple, groups: tuple, threshold: float, sampling: dict
 ) -> list[dict]:
     """The reply-share rows, when both evaluations (``records``, with the judge's ``probes`` score
-    grids and their conversations' ``groups``) judged several replies per probe (``--reply-samples``)."""
+    grids and their conversations' ``groups``) judged several replies per probe (``--reply-samples``);
+    with as many turns (more than one) on both sides, also ``elicited_reply_share_turn_T`` for each turn T."""
     replies_a, replies_b = (reply_sample_array(r, judge) for r in records)
     if replies_a is None or replies_b is None:
         return []
@@ -223,6 +224,18 @@ def _reply_sample_rows(
     for name in m.REPLY_SAMPLE_METRICS:
         test = m.bootstrap_difference(ratios_a[name], ratios_b[name], **_seeded(sampling, name))
         rows.append(_row(judge, name, m.ratio(*ratios_a[name]), m.ratio(*ratios_b[name]), test))
+    turns = replies_a.shape[1]
+    if turns > 1 and replies_b.shape[1] == turns:  # the elicited reply share turn by turn, paired over openers
+        name = "elicited_reply_share"
+        for t in range(turns):
+            a, b = (
+                _grouped(m.reply_sample_ratios(replies[:, t : t + 1], probe[:, t : t + 1], threshold), group)[name]
+                for replies, probe, group in zip((replies_a, replies_b), probes, groups, strict=True)
+            )
+            test = m.bootstrap_difference(
+                a, b, **{**_seeded(sampling, name), "seed": m.metric_seed(sampling["seed"], name) + t + 1}
+            )
+            rows.append(_row(judge, f"{name}_turn_{t + 1}", m.ratio(*a), m.ratio(*b), test))
     return rows
 
 
