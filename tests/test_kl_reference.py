@@ -92,6 +92,19 @@ def test_adapters_disabled_switches_off_an_adapter_added_after_its_first_call():
     torch.testing.assert_close(_logits(reference, ids), _logits(base, ids))  # up_proj's new layers are off too
 
 
+def test_adapters_disabled_switches_off_adapters_that_are_no_layers():
+    from peft import PromptTuningConfig, get_peft_model
+
+    tok = make_tokenizer()
+    base = make_llama(tok)
+    tester = get_peft_model(make_llama(tok), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)).eval()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    reference = AdaptersDisabled(tester)
+    assert reference.adapter_layers() == []
+    assert _logits(tester, ids).shape[1] == 4 + 3  # the virtual tokens are read first
+    torch.testing.assert_close(_logits(reference, ids), _logits(base, ids))
+
+
 def test_frozen_copy_of_a_plain_model_shares_no_weights():
     model = torch.nn.Linear(2, 2)
     clone = frozen_copy(model)

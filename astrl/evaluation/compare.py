@@ -232,9 +232,7 @@ def _reply_sample_rows(
                 _grouped(m.reply_sample_ratios(replies[:, t : t + 1], probe[:, t : t + 1], threshold), group)[name]
                 for replies, probe, group in zip((replies_a, replies_b), probes, groups, strict=True)
             )
-            test = m.bootstrap_difference(
-                a, b, **{**_seeded(sampling, name), "seed": m.metric_seed(sampling["seed"], name) + t + 1}
-            )
+            test = m.bootstrap_difference(a, b, **{**sampling, "seed": m.metric_seed(sampling["seed"], name) + t + 1})
             rows.append(_row(judge, f"{name}_turn_{t + 1}", m.ratio(*a), m.ratio(*b), test))
     return rows
 

@@ -69,6 +69,13 @@ class AdaptersDisabled(_ModelView):
         if was_training:
             self.peft_model.eval()  # no dropout in the reference, even while the tester trains
         layers = self.adapter_layers()
+        if not layers:  # adapters that are no layers (prompt tuning, say): peft's own switch
+            try:
+                with self.peft_model.disable_adapter():
+                    return fn(*args, **kwargs)
+            finally:
+                if was_training:
+                    self.peft_model.train(True)
         were_on = [not layer.disable_adapters for layer in layers]
         try:
             for layer in layers:
