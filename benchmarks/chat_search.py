@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -50,6 +51,7 @@ from astrl.rewards.lexicon import reply_lexicon, words_of
 from astrl.rewards.reference import AdaptersDisabled
 from astrl.sampling.search import Conversation, chat_lookahead_search, conversation_turns, target_chat
 from astrl.scorers import checked_scores, make_scorer
+from astrl.training.config import load_config
 
 
 def replies_to(
@@ -62,7 +64,7 @@ def replies_to(
     return sampled_replies(lm.model, lm.tokenizer, rows, replies=replies, new_tokens=new_tokens, batch=batch)
 
 
-RECIPE_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # elicit_chat*.yaml's
+RECIPE = Path(__file__).resolve().parent.parent / "configs" / "elicit_chat_full.yaml"  # whose LoRA --lora-rank copies
 
 CHECKS_READ = ("past_opener", "past_probe_forms")  # the readings of astrl eval's word checks reported here
 
@@ -214,7 +216,8 @@ def main() -> None:
     )  # fmt: skip
     models = None
     if args.lora_rank:  # fresh adapters (lora_B is zero): the plain model's outputs, through the PEFT layers
-        tester = add_lora(lm.model, rank=args.lora_rank, alpha=2 * args.lora_rank, targets=RECIPE_LORA_TARGETS).eval()
+        targets = load_config(RECIPE).lora_targets
+        tester = add_lora(lm.model, rank=args.lora_rank, alpha=2 * args.lora_rank, targets=targets).eval()
         models = tester, AdaptersDisabled(tester)
     turns = searched_conversations(lm, openers, lexicon, scorers, search, args, models)
     search_seconds = sum(turn["search_seconds"] for turn in turns)

@@ -227,11 +227,11 @@ def _reply_sample_rows(
     turns = replies_a.shape[1]
     if turns > 1 and replies_b.shape[1] == turns:  # the elicited reply share turn by turn, paired over openers
         name = "elicited_reply_share"
-        for t in range(turns):
-            a, b = (
-                _grouped(m.reply_sample_ratios(replies[:, t : t + 1], probe[:, t : t + 1], threshold), group)[name]
-                for replies, probe, group in zip((replies_a, replies_b), probes, groups, strict=True)
-            )
+        per_turn_a, per_turn_b = (
+            [_grouped(ratios, group)[name] for ratios in m.per_turn_reply_sample_ratios(replies, probe, threshold)]
+            for replies, probe, group in zip((replies_a, replies_b), probes, groups, strict=True)
+        )
+        for t, (a, b) in enumerate(zip(per_turn_a, per_turn_b, strict=True)):
             test = m.bootstrap_difference(a, b, **{**sampling, "seed": m.metric_seed(sampling["seed"], name) + t + 1})
             rows.append(_row(judge, f"{name}_turn_{t + 1}", m.ratio(*a), m.ratio(*b), test))
     return rows

@@ -477,6 +477,14 @@ def reply_sample_ratios(
     return flat_reply_share_ratios(probe.ravel(), replies.reshape(n * t, k), np.repeat(np.arange(n), t), threshold)[1]
 
 
+def per_turn_reply_sample_ratios(
+    replies: np.ndarray, probe: np.ndarray, threshold: float = DEFAULT_THRESHOLD
+) -> list[dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """:func:`reply_sample_ratios` of each turn alone (turn t's replies and probes), one dict a turn."""
+    replies, probe = np.asarray(replies), np.asarray(probe)
+    return [reply_sample_ratios(replies[:, t : t + 1], probe[:, t : t + 1], threshold) for t in range(probe.shape[1])]
+
+
 def _reply_shares_with_intervals(ratios: dict, k: int, resamples: int, confidence: float, seed: int, groups=None) -> dict:
     return {"reply_samples": int(k), **_rates_with_intervals(ratios, REPLY_SAMPLE_METRICS, resamples, confidence, seed, groups)}
 
@@ -504,10 +512,7 @@ def reply_sample_metrics(
     """
     ratios = reply_sample_ratios(replies, probe, threshold)
     out = _reply_shares_with_intervals(ratios, np.shape(replies)[2], resamples, confidence, seed, groups)
-    turns = [
-        reply_sample_ratios(np.asarray(replies)[:, t : t + 1], np.asarray(probe)[:, t : t + 1], threshold)
-        for t in range(np.shape(probe)[1])
-    ]
+    turns = per_turn_reply_sample_ratios(replies, probe, threshold)
     for name in REPLY_SAMPLE_METRICS:
         per_turn = [_rates_with_intervals(turn, (name,), resamples, confidence, seed, groups) for turn in turns]
         out[f"{name}_per_turn"] = [rates[name] for rates in per_turn]

@@ -68,14 +68,18 @@ class AdaptersDisabled(_ModelView):
         was_training = self.peft_model.training
         if was_training:
             self.peft_model.eval()  # no dropout in the reference, even while the tester trains
+        try:
+            return self._without_adapters(fn, *args, **kwargs)
+        finally:
+            if was_training:
+                self.peft_model.train(True)
+
+    def _without_adapters(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` with every adapter layer off, each restored to its own state after."""
         layers = self.adapter_layers()
         if not layers:  # adapters that are no layers (prompt tuning, say): peft's own switch
-            try:
-                with self.peft_model.disable_adapter():
-                    return fn(*args, **kwargs)
-            finally:
-                if was_training:
-                    self.peft_model.train(True)
+            with self.peft_model.disable_adapter():
+                return fn(*args, **kwargs)
         were_on = [not layer.disable_adapters for layer in layers]
         try:
             for layer in layers:
@@ -85,8 +89,6 @@ class AdaptersDisabled(_ModelView):
             for layer, on in zip(layers, were_on, strict=True):
                 if on:
                     layer.enable_adapters(True)
-            if was_training:
-                self.peft_model.train(True)
 
     def forward(self, *args, **kwargs):
         return self._call(self.peft_model, *args, **kwargs)
