@@ -533,9 +533,11 @@ def main(argv: list[str] | None = None) -> int:
         check_arguments(args)
         _quiet_libraries()
         return COMMANDS[args.command](args)
-    except KeyboardInterrupt:
-        print("astrl: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:
+        from astrl.training.stopping import exit_code
+
+        print(f"astrl: {stop or 'interrupted'}", file=sys.stderr)
+        return exit_code(stop)
     except Exception as err:
         if isinstance(err, _expected_errors()):
             print(f"astrl: error: {one_line(err)}", file=sys.stderr)

@@ -390,6 +390,91 @@ def _judge_parts(lm) -> dict:
     )  # fmt: skip
 
 
+def _send_in_step_3(monkeypatch, where: str, signum: int) -> None:
+    """Send ``signum`` to this process once, in step 3 of the CLI run: while it collects (the scorer's
+    first call of the step) or right after its first optimizer update."""
+    import os
+
+    from astrl.scorers import KeywordScorer
+    from astrl.training.trainer import Trainer
+
+    calls = []
+    if where == "collecting":
+        original = KeywordScorer.__call__
+
+        def scorer(self, texts):
+            calls.append(1)
+            if len(calls) == 5:  # two calls a step: the first of step 3
+                os.kill(os.getpid(), signum)
+            return original(self, texts)
+
+        monkeypatch.setattr(KeywordScorer, "__call__", scorer)
+    else:
+        original = Trainer._optimizer_step
+
+        def update(self):
+            norm = original(self)
+            calls.append(1)
+            if len(calls) == 3:  # one update a step: step 3's
+                os.kill(os.getpid(), signum)
+            return norm
+
+        monkeypatch.setattr(Trainer, "_optimizer_step", update)
+
+
+@pytest.mark.parametrize("signum, code", [(15, 143), (2, 130)], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("where, kept", [("collecting", 2), ("after its update", 3)])
+def test_a_signal_in_a_step_keeps_every_finished_step_and_resumes_to_the_same_metrics(
+    tiny_model_dir, tmp_path, monkeypatch, capsys, uninterrupted, signum, code, where, kept
+):
+    _send_in_step_3(monkeypatch, where, signum)
+    run = tmp_path / "run"
+    assert main(_cli_run(tiny_model_dir, run, "save_every=100")) == code
+    out, err = capsys.readouterr()
+    assert f"step_{kept:06d}; continue with: astrl train --resume {run}" in out
+    assert ("finishing step 3 to checkpoint it" in err) == (where == "after its update")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step_{kept:06d}"]
+    assert [int(r["step"]) for r in _metrics(run)] == list(range(1, kept + 1))
+    monkeypatch.undo()
+    assert main(["train", "--resume", str(run), "--quiet"]) == 0
+    assert _metrics(run) == _metrics(uninterrupted)
+    assert _jsonl(run / "samples.jsonl") == _jsonl(uninterrupted / "samples.jsonl")
+
+
+def test_sigterm_from_outside_at_a_random_time_exits_143_and_resumes_to_the_same_metrics(tiny_model_dir, tmp_path,
+                                                                                          uninterrupted):  # fmt: skip
+    import os
+    import random
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()), "PYTHONPATH": str(Path(__file__).parents[1])}
+    argv = _cli_run(tiny_model_dir, run, "save_every=100")
+    process = subprocess.Popen([sys.executable, "-m", "astrl", *argv], env=env, stdout=subprocess.PIPE, text=True)
+    deadline = None
+    try:
+        while process.poll() is None:
+            rows = len((run / "metrics.csv").read_text().splitlines()) - 1 if (run / "metrics.csv").exists() else 0
+            if rows >= 1 and deadline is None:
+                deadline = time.monotonic() + random.Random(1).uniform(0.0, 1.0)
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            time.sleep(0.002)
+        process.send_signal(signal.SIGTERM)
+        out, _ = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 143, f"the run ended with {process.returncode} (before the signal?)\n{out}"
+    assert "astrl: terminated (SIGTERM); " in out
+    assert (run / "checkpoints").is_dir() and any((run / "checkpoints").iterdir())
+    assert main(["train", "--resume", str(run), "--quiet"]) == 0
+    assert [r["step"] for r in _metrics(run)] == ["1", "2", "3", "4"]
+    assert _metrics(run) == _metrics(uninterrupted)
+
+
 @pytest.mark.parametrize("moment", ["during the checkpoint write of step 2", "at a random time"])
 def test_sigkill_then_resume_finishes_with_each_step_once_and_the_same_metrics(tiny_model_dir, tmp_path, uninterrupted,
                                                                                moment):  # fmt: skip

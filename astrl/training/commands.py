@@ -162,9 +162,11 @@ def _train_run(args, overrides: list[str], config) -> int:
     trainer.check_until(until)  # before the first step runs
     try:
         rows = trainer.train(until=until)
-    except KeyboardInterrupt:
-        print(f"astrl: interrupted; {_continue_from(trainer)}")
-        return 130
+    except KeyboardInterrupt as stop:
+        from astrl.training.stopping import exit_code
+
+        print(f"astrl: {stop or 'interrupted'}; {_continue_from(trainer)}")
+        return exit_code(stop)
     except Exception as err:
         import os
 

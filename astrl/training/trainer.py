@@ -55,6 +55,7 @@ from astrl.training.state_io import (
     trainable_state,
     write_manifest,
 )
+from astrl.training.stopping import StopOnSignal, announce_hold
 from astrl.training.warm_start_state import WARM_START_PARTIAL as WARM_START_PARTIAL  # its name, kept importable here
 from astrl.training.warm_start_state import WarmStartCheckpoint
 
@@ -334,6 +335,15 @@ class Trainer:
 
     def _train(self, recorder, last: int) -> list[dict]:
         """The body of :meth:`train`, up to step ``last``; each finished step's turns go to ``recorder``."""
+        stop = StopOnSignal(self._step_has_updated, announce_hold(lambda: self._step_start["step"] + 1))
+        with stop:
+            return self._train_until(recorder, last, stop)
+
+    def _step_has_updated(self) -> bool:
+        """Whether the running step has changed the weights (a stop then waits for the step to end)."""
+        return self._step_start is not None and self._step_updates > 0
+
+    def _train_until(self, recorder, last: int, stop: StopOnSignal) -> list[dict]:
         if not self._built:
             self._build()
         self.archive.write(self.run_dir / ARCHIVE_FILE)  # drops attacks found after the checkpoint resumed from
@@ -364,6 +374,7 @@ class Trainer:
                 bar.set_postfix(reward=f"{row.get('reward_mean', math.nan):.3f}", loss=f"{row['loss']:.3f}")
                 if self.step % self.config.save_every == 0 or self.step == last:
                     self.save_checkpoint()
+                stop.raise_pending()  # a signal held while the step finished: its checkpoint is written below
         except (KeyboardInterrupt, Exception):
             self.stopped_checkpoint = self._checkpoint_after_failure()
             raise

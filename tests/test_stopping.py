@@ -1,0 +1,58 @@
+"""StopOnSignal: which signals stop a run at once, which wait for the step, which are left alone."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from astrl.training.stopping import StopOnSignal, Terminated, exit_code
+
+
+def _send(signum: int) -> None:
+    os.kill(os.getpid(), signum)
+    for _ in range(1000):  # the handler runs at the next bytecode boundary of the main thread
+        pass
+
+
+def test_sigterm_and_sigint_raise_at_once_when_not_held_and_the_handlers_come_back():
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    with pytest.raises(Terminated) as stopped, StopOnSignal(lambda: False):
+        _send(signal.SIGTERM)
+    assert exit_code(stopped.value) == 143 and str(stopped.value) == "terminated (SIGTERM)"
+    with pytest.raises(KeyboardInterrupt) as stopped, StopOnSignal(lambda: False):
+        _send(signal.SIGINT)
+    assert not isinstance(stopped.value, Terminated) and exit_code(stopped.value) == 130
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+def test_a_held_signal_waits_for_raise_pending_and_a_second_one_stops_at_once():
+    held, told = [True], []
+    with StopOnSignal(lambda: held[0], told.append) as stop:
+        _send(signal.SIGTERM)  # kept: no exception here
+        assert stop.pending == signal.SIGTERM and told == ["SIGTERM"]
+        with pytest.raises(KeyboardInterrupt) as second:
+            _send(signal.SIGINT)
+        assert not isinstance(second.value, Terminated)
+        with pytest.raises(Terminated):
+            stop.raise_pending()
+        stop.raise_pending()  # nothing kept any more
+        held[0] = False
+        with pytest.raises(Terminated):
+            _send(signal.SIGTERM)
+    assert told == ["SIGTERM"]
+
+
+def test_an_ignored_sigint_and_a_handler_of_the_users_stay_as_they_were():
+    seen = []
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))
+    try:
+        with StopOnSignal(lambda: False):
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            _send(signal.SIGINT)
+            _send(signal.SIGTERM)
+        assert seen == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
