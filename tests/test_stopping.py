@@ -56,3 +56,19 @@ def test_an_ignored_sigint_and_a_handler_of_the_users_stay_as_they_were():
     finally:
         signal.signal(signal.SIGINT, previous[0])
         signal.signal(signal.SIGTERM, previous[1])
+
+
+def test_the_hold_notice_reaches_stderr_even_when_the_signal_came_inside_a_write_to_it(monkeypatch, capfd):
+    from astrl.training.stopping import announce_hold
+
+    class Busy:
+        def write(self, text):
+            raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stderr>'>")
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr("sys.stderr", Busy())
+    announce_hold(lambda: 7)("SIGTERM")
+    monkeypatch.undo()
+    assert capfd.readouterr().err == "astrl: SIGTERM: finishing step 7 to checkpoint it; send it again to stop now\n"

@@ -13,6 +13,7 @@ is left as it is.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -87,6 +88,11 @@ def announce_hold(step: Callable[[], int]) -> Callable[[str], None]:
     """An ``on_hold`` that tells the user which step is being finished and how to stop at once."""
 
     def on_hold(name: str) -> None:
-        print(f"astrl: {name}: finishing step {step()} to checkpoint it; send it again to stop now", file=sys.stderr)
+        line = f"astrl: {name}: finishing step {step()} to checkpoint it; send it again to stop now\n"
+        try:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+        except RuntimeError:  # the signal came inside a write to stderr (a reentrant call): write past its buffer
+            os.write(2, line.encode())
 
     return on_hold
