@@ -441,6 +441,25 @@ def test_a_signal_in_a_step_keeps_every_finished_step_and_resumes_to_the_same_me
     assert _jsonl(run / "samples.jsonl") == _jsonl(uninterrupted / "samples.jsonl")
 
 
+def test_a_signal_held_through_a_checkpointed_step_writes_that_checkpoint_once(tiny_model_dir, tmp_path, monkeypatch,
+                                                                               capsys):  # fmt: skip
+    from astrl.training.trainer import Trainer
+
+    _send_in_step_3(monkeypatch, "after its update", 15)
+    original, saved = Trainer.save_checkpoint, []
+
+    def save(self, replace=None):
+        saved.append(self.step)
+        return original(self, replace)
+
+    monkeypatch.setattr(Trainer, "save_checkpoint", save)
+    run = tmp_path / "run"
+    assert main(_cli_run(tiny_model_dir, run, "save_every=3")) == 143
+    assert f"step_000003; continue with: astrl train --resume {run}" in capsys.readouterr().out
+    assert saved == [3]  # the step's own save serves the stop; it is not written again
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000003"]
+
+
 def test_sigterm_from_outside_at_a_random_time_exits_143_and_resumes_to_the_same_metrics(tiny_model_dir, tmp_path,
                                                                                           uninterrupted):  # fmt: skip
     import os

@@ -361,8 +361,10 @@ class Trainer:
         loggers = self._loggers()
         rows = []
         bar = tqdm(total=self.config.total_steps, initial=self.step, unit="step", disable=not self.progress, desc="train")
+        saved = None  # the checkpoint the loop wrote of the step just finished: a stop right after it keeps it
         try:
             while self.step < last:
+                saved = None
                 self._step_start, self._step_updates = self._state_before_step(), 0
                 row = self.train_step()
                 rows.append(row)
@@ -373,10 +375,10 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(reward=f"{row.get('reward_mean', math.nan):.3f}", loss=f"{row['loss']:.3f}")
                 if self.step % self.config.save_every == 0 or self.step == last:
-                    self.save_checkpoint()
-                stop.raise_pending()  # a signal held while the step finished: its checkpoint is written below
+                    saved = self.save_checkpoint()
+                stop.raise_pending()  # a signal held while the step finished: the step is checkpointed below
         except (KeyboardInterrupt, Exception):
-            self.stopped_checkpoint = self._checkpoint_after_failure()
+            self.stopped_checkpoint = saved or self._checkpoint_after_failure()
             raise
         finally:
             bar.close()
