@@ -175,8 +175,6 @@ class TurnCache:
         self._state: tuple | None = None  # (token ids, attention seen when computed, cache, weights fingerprint)
         self._kept_states: PromptStates | None = None  # what the last call read (keep_states)
         self._served = 0
-        modules = model.modules() if hasattr(model, "modules") else ()
-        self._adapter_layers = [m for m in modules if hasattr(m, "_disable_adapters")]  # PEFT layers: on or off
         model.generate = self
 
     def remove(self) -> None:
@@ -216,7 +214,9 @@ class TurnCache:
 
     def _fingerprint(self) -> tuple:
         versions = weights_fingerprint(self.model)
-        adapters = tuple((m._disable_adapters, tuple(getattr(m, "active_adapters", ()))) for m in self._adapter_layers)
+        modules = self.model.modules() if hasattr(self.model, "modules") else ()  # now: adapters may come after install
+        layers = [m for m in modules if hasattr(m, "_disable_adapters")]  # PEFT layers: on or off
+        adapters = tuple((m._disable_adapters, tuple(getattr(m, "active_adapters", ()))) for m in layers)
         return versions, adapters, bool(getattr(self.model, "training", False))
 
     def _supported(self, args: tuple, kwargs: dict) -> bool:

@@ -187,6 +187,44 @@ def test_turn_cache_starts_afresh_when_the_weights_change():
     assert cache.calls_reused == 0
 
 
+def test_turn_cache_sees_adapters_injected_after_it_was_installed():
+    from peft import LoraConfig, inject_adapter_in_model
+
+    tok = make_tokenizer()
+    model = make_llama(tok).eval()
+    cache = TurnCache(model)  # installed before the model has any adapter layer
+    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), model)
+    layers = [m for m in model.modules() if hasattr(m, "_disable_adapters")]
+    assert layers
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # adapters that change the output
+    prompts = [[12, 13, 14, 15, 16], [20, 21, 22]]
+
+    def two_turns_with_adapters_off_in_the_second():
+        rows, logits = [list(p) for p in prompts], []
+        torch.manual_seed(5)
+        for turn in range(2):
+            for layer in layers:
+                layer.enable_adapters(turn == 0)
+            ids, mask = _batch(tok, [torch.tensor(r) for r in rows])
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=True,
+                output_logits=True, return_dict_in_generate=True, pad_token_id=tok.pad_token_id,
+            )  # fmt: skip
+            logits.append(torch.stack(out.logits, 1))
+            rows = [r + n.tolist() + [7, 9, 11] for r, n in zip(rows, out.sequences[:, ids.shape[1] :], strict=True)]
+        return logits
+
+    logits = two_turns_with_adapters_off_in_the_second()
+    assert cache.calls_reused == 0  # the second call's model is another one: the first call's cache is not read
+    cache.enabled = False
+    plain = two_turns_with_adapters_off_in_the_second()
+    for a, b in zip(logits, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_turn_cache_passes_order_dependent_settings_through():
     tok = make_tokenizer()
     model = make_llama(tok).eval()
