@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import make_llama, make_tokenizer
+from conftest import loaded, make_llama, make_tokenizer
 
 from astrl.rewards.lexicon import ReplyLexicon
 from astrl.sampling.search import PrefixCache, banned_tokens, lexicon_beam_search
@@ -220,8 +220,8 @@ def test_each_warm_start_round_searches_new_openers_with_the_tester_the_rounds_b
     rounds, tuned = [], []
     real_find, real_tune = warm.search_candidates, warm.fine_tune
 
-    def find(config, models, count, round_index):
-        rounds.append((round_index, lora(), real_find(config, models, count, round_index)))
+    def find(config, models, count, round_index, **resume):
+        rounds.append((round_index, lora(), real_find(config, models, count, round_index, **resume)))
         return rounds[-1][2]
 
     def tune(*args, **kwargs):
@@ -420,8 +420,8 @@ def test_chat_search_warm_start_reads_the_targets_reply_and_tunes_on_the_testers
     tester, target = trainer.models.tester, trainer.models.target
     real, seen = warm.search_candidates, []
 
-    def search_and_redo(*args):  # the same search by hand, before the warm start tunes the tester
-        found = real(*args)
+    def search_and_redo(*args, **resume):  # the same search by hand, before the warm start tunes the tester
+        found = real(*args, **resume)
         lexicon = ReplyLexicon(target.tokenizer, ["hell", "idiot", "damn", "the"])
         again = chat_lookahead_search(
             tester.model, target.model, tester.tokenizer, target.tokenizer, [c["opener"] for c in found], lexicon,
@@ -725,8 +725,8 @@ def test_a_warm_start_of_two_searched_turns_tunes_on_each_turns_probe_after_the_
     tester, target = trainer.models.tester, trainer.models.target
     real, seen = warm.search_candidates, []
 
-    def search_and_reply(*args):  # the turn-1 replies by hand, before the warm start tunes the tester
-        found = real(*args)
+    def search_and_reply(*args, **resume):  # the turn-1 replies by hand, before the warm start tunes the tester
+        found = real(*args, **resume)
         first = [c for c in found if c["turn"] == 0]
         replies = greedy_replies(
             target.model, target.tokenizer, [c["opener"] for c in first], [c["probe"] for c in first], new_tokens=4
@@ -747,6 +747,58 @@ def test_a_warm_start_of_two_searched_turns_tunes_on_each_turns_probe_after_the_
         assert second["prompt_tokens"].tolist() == tester.tokenizer(rendered, add_special_tokens=False)["input_ids"]
     records = [json.loads(line) for line in (tmp_path / "run" / "warm_start.jsonl").read_text().splitlines()]
     assert {r["turn"] for r in records} <= {0, 1} and all("history" in r for r in records)
+
+
+def test_a_warm_start_stopped_in_its_search_goes_on_from_the_last_batch_of_openers_it_searched(tmp_path, monkeypatch, capsys):
+    from test_training import _config, _trainer
+
+    import astrl.training.warm_start as warm
+    from astrl.training import resume
+    from astrl.training.state_io import load_state
+    from astrl.training.trainer import WARM_START_PARTIAL
+
+    settings = dict(
+        scorer="keywords:the,you,hell,idiot", mode="chat", turns=2, total_steps=1, save_every=1, max_new_tokens=3,
+        target_max_new_tokens=4, reply_lexicon="hell,idiot,damn,the", warm_start_probes=10, warm_start_min_toxic=0.0,
+        warm_start_select="search", warm_start_beams=2, warm_start_top_k=3, warm_start_turns=2, warm_start_rounds=2,
+    )  # fmt: skip
+    real, batches = warm.search_probes, []
+
+    def search(config, models, openers, lexicon):
+        batches.append(len(openers))
+        if crash and len(batches) == 4:  # round 1, turn 2, its second batch of openers
+            raise RuntimeError("stopped in the search")
+        return real(config, models, openers, lexicon)
+
+    monkeypatch.setattr(warm, "search_probes", search)
+    crash = False
+    _trainer(_config(tmp_path / "whole", **settings)).train()  # the same run, never stopped
+    assert batches == [8, 2, 8, 2] * 2  # two turns of 10 openers, 8 at a time, in each of two rounds
+    batches.clear()
+    crash = True
+    with pytest.raises(RuntimeError, match="stopped in the search"):
+        _trainer(_config(tmp_path / "stopped", **settings)).train()
+    run = tmp_path / "stopped" / "run"
+    searching = load_state(run / WARM_START_PARTIAL)["done"]["searching"]
+    assert (searching["round"], searching["turn"], searching["searched"], len(searching["candidates"])) == (0, 1, 8, 18)
+    batches.clear()
+    crash = False
+    tok = make_tokenizer()
+    resume(run, progress=True, tester_lm=loaded(make_llama(tok), tok)).train()
+    assert batches == [2] + [8, 2, 8, 2]  # only the openers not searched yet, then round 2
+    assert "0 of 2 rounds done; round 1's search has 8 of 10 openers of turn 2, going on" in capsys.readouterr().out
+    assert not (run / WARM_START_PARTIAL).exists()
+    runs = (tmp_path / "whole" / "run", run)
+    kept = [(r / "warm_start.jsonl").read_text() for r in runs]
+    assert kept[0] == kept[1] and kept[0].count("\n") > 0
+    timing = ("seconds", "sample_seconds")
+    summaries = [json.loads((r / "warm_start.json").read_text()) for r in runs]
+    for summary in summaries:
+        summary["rounds"] = [{k: v for k, v in r.items() if k not in timing} for r in summary.pop("rounds")]
+        assert summary.pop("seconds") >= summary.pop("sample_seconds") > 0
+    assert summaries[0] == summaries[1]
+    states = [torch.load(r / "checkpoints" / "step_000000" / "state.pt", weights_only=True)["trainable"] for r in runs]
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])  # the same warm-started tester
 
 
 @pytest.mark.parametrize(

@@ -619,7 +619,7 @@ def warm_started(tmp_path, monkeypatch, finder: str, **settings):
     trainer = _trainer(_config(tmp_path, **settings))
     found: list[dict] = []
     real = getattr(warm, finder)
-    monkeypatch.setattr(warm, finder, lambda *a: found.extend(real(*a)) or found)
+    monkeypatch.setattr(warm, finder, lambda *a, **k: found.extend(real(*a, **k)) or found)
     trainer.train()
     summary = json.loads((tmp_path / "run" / "warm_start.json").read_text())
     kept = [json.loads(line) for line in (tmp_path / "run" / "warm_start.jsonl").read_text().splitlines()]

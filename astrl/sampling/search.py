@@ -149,6 +149,9 @@ def banned_tokens(tokenizer, lexicon: ReplyLexicon, vocab_size: int) -> torch.Te
     return banned
 
 
+OPENERS_PER_BATCH = 8  # openers a search runs together by default; each batch's result is independent of the others
+
+
 @torch.no_grad()
 def lexicon_beam_search(
     tester: torch.nn.Module,
@@ -162,7 +165,7 @@ def lexicon_beam_search(
     beams: int = 8,
     top_k: int = 8,
     max_nll: float | None = None,
-    openers_per_batch: int = 8,
+    openers_per_batch: int = OPENERS_PER_BATCH,
     frame: SearchFrame | None = None,
 ) -> list[SearchedProbe]:
     """The best ``length``-token probe for each opener (see the module docstring).

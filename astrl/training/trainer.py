@@ -446,10 +446,10 @@ class Trainer:
         """Fine-tune the tester on probes that already elicit (:mod:`astrl.training.warm_start`), write
         ``warm_start.json`` and ``warm_start.jsonl``, and checkpoint the result as step 0.
 
-        Each finished round is saved in ``warm_start.partial.pt``
+        Each finished round, and a search's progress within a round, is saved in ``warm_start.partial.pt``
         (:class:`~astrl.training.warm_start_state.WarmStartCheckpoint`); a resumed run (:func:`resume`)
-        whose warm start stopped goes on from the round after the last one saved. A new run in the same
-        directory starts again."""
+        whose warm start stopped goes on from what was saved last. A new run in the same directory starts
+        again."""
         from astrl.training.warm_start import warm_start
 
         source = self.source

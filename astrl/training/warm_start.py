@@ -42,9 +42,9 @@ probes and replies) while the RL steps after it train on ``scorer``.
 
 :func:`warm_start` runs it on a run's config and models (never the trainer itself) and returns what it
 did (sampled, kept, losses), which the trainer records in ``warm_start.json`` (the kept probes in
-``warm_start.jsonl``) and in its checkpoint. Its finished rounds are saved through a
-:class:`~astrl.training.warm_start_state.WarmStartCheckpoint`, so a stopped warm start goes on from
-the round after the last one saved.
+``warm_start.jsonl``) and in its checkpoint. Its finished rounds, and a search's progress after each
+batch of openers, are saved through a :class:`~astrl.training.warm_start_state.WarmStartCheckpoint`,
+so a stopped warm start goes on from what was saved last.
 """
 
 from __future__ import annotations
@@ -162,7 +162,15 @@ def sample_candidates(config, models, count: int, round_index: int = 0) -> list[
     return candidates[:count]
 
 
-def search_candidates(config, models, count: int, round_index: int = 0) -> list[dict]:
+def search_candidates(
+    config,
+    models,
+    count: int,
+    round_index: int = 0,
+    *,
+    searched: dict | None = None,
+    on_batch: Callable[[dict], None] | None = None,
+) -> list[dict]:
     """For ``count`` openers of the training split (in round ``round_index``'s order), the probe of
     :func:`astrl.sampling.search.lexicon_beam_search` (``max_new_tokens`` tokens, ``warm_start_max_nll``
     its naturalness bound; in chat mode :func:`~astrl.sampling.search.chat_lookahead_search`, over the
@@ -171,41 +179,66 @@ def search_candidates(config, models, count: int, round_index: int = 0) -> list[
     and its mean per-token NLL under the target (``probe_nll``). With ``warm_start_turns`` T > 1 each
     opener's conversation goes on for T searched turns, each probe followed by the target's greedy reply
     (:func:`~astrl.sampling.search.greedy_replies`): the candidates are every turn's probes, each with its
-    ``turn`` (from 0) and the ``history`` it was searched after (its prompt is the tester's view of it)."""
-    from astrl.sampling.search import conversation_turns, greedy_replies
+    ``turn`` (from 0) and the ``history`` it was searched after (its prompt is the tester's view of it).
+
+    The openers are searched :data:`~astrl.sampling.search.OPENERS_PER_BATCH` at a time, as the search
+    batches them itself: after each batch ``on_batch`` receives the search so far (plain data: the
+    candidates, the turn, that turn's conversations and how many of them are searched, the seconds spent),
+    and ``searched``, such a dict, goes on from where it was (the candidates equal an unstopped search's)."""
+    from astrl.sampling.search import OPENERS_PER_BATCH, conversation_turns, greedy_replies
     from astrl.scorers import make_scorer
     from astrl.training.setup import conversation_spec
 
     scorer = make_scorer(config.scorer)
     lexicon = config_lexicon(config, models.target.tokenizer, scorer)
-    conversations = round_openers(config, count, round_index)
-    candidates = []
-    for turn in range(config.warm_start_turns):
-        found = search_probes(config, models, conversations, lexicon)
-        probe_scores = checked_scores(scorer, [f.text for f in found]).tolist()
-        for f, score in zip(found, probe_scores, strict=True):
-            said = conversation_turns(f.opener)
-            turns = {"turn": turn, "history": list(said[1:])} if config.warm_start_turns > 1 else {}
-            candidates.append({
-                "opener": said[0],
-                **turns,
-                "probe": f.text,
-                "probe_score": float(score),
-                "lexicon_mass": f.mass,
-                "probe_logprob": f.logprob,
-                "probe_nll": f.nll,
-                "prompt_tokens": f.prompt.cpu(),
-                "response_tokens": f.tokens.cpu(),
-            })  # fmt: skip
-        if turn + 1 < config.warm_start_turns:
-            target = models.target
-            replies = greedy_replies(
-                target.model, target.tokenizer, conversations, [f.text for f in found],
-                new_tokens=config.generation(target=True).max_new_tokens,
-                target_system_prompt=conversation_spec(config).env_options()["target_system_prompt"],
-            )  # fmt: skip
-            conversations = [(*conversation_turns(f.opener), f.text, r) for f, r in zip(found, replies, strict=True)]
-    return candidates
+    if searched is None:
+        openers = round_openers(config, count, round_index)
+        searched = {"turn": 0, "searched": 0, "conversations": openers, "candidates": [], "seconds": 0.0}
+    state = {**searched, "candidates": list(searched["candidates"])}
+    while True:
+        turn, conversations = state["turn"], state["conversations"]
+        while state["searched"] < len(conversations):
+            start = time.perf_counter()
+            batch = conversations[state["searched"] : state["searched"] + OPENERS_PER_BATCH]
+            found = search_probes(config, models, batch, lexicon)
+            probe_scores = checked_scores(scorer, [f.text for f in found]).tolist()
+            turns = config.warm_start_turns
+            state["candidates"] += [_searched(f, score, turn, turns) for f, score in zip(found, probe_scores, strict=True)]
+            state["searched"] += len(batch)
+            state["seconds"] += time.perf_counter() - start
+            if on_batch is not None:
+                on_batch(state)
+        if turn + 1 >= config.warm_start_turns:
+            return state["candidates"]
+        start, target = time.perf_counter(), models.target
+        probes = [c["probe"] for c in state["candidates"][-len(conversations) :]]  # this turn's, in order
+        replies = greedy_replies(
+            target.model, target.tokenizer, conversations, probes,
+            new_tokens=config.generation(target=True).max_new_tokens,
+            target_system_prompt=conversation_spec(config).env_options()["target_system_prompt"],
+        )  # fmt: skip
+        following = [(*conversation_turns(c), p, r) for c, p, r in zip(conversations, probes, replies, strict=True)]
+        seconds = state["seconds"] + time.perf_counter() - start
+        state = {**state, "turn": turn + 1, "searched": 0, "conversations": following, "seconds": seconds}
+
+
+def _searched(found, score: float, turn: int, turns: int) -> dict:
+    """The candidate of one searched probe (:class:`~astrl.sampling.search.SearchedProbe`) of turn ``turn``
+    (from 0) of ``turns``, the training scorer rating it ``score``."""
+    from astrl.sampling.search import conversation_turns
+
+    said = conversation_turns(found.opener)
+    return {
+        "opener": said[0],
+        **({"turn": turn, "history": list(said[1:])} if turns > 1 else {}),
+        "probe": found.text,
+        "probe_score": float(score),
+        "lexicon_mass": found.mass,
+        "probe_logprob": found.logprob,
+        "probe_nll": found.nll,
+        "prompt_tokens": found.prompt.cpu(),
+        "response_tokens": found.tokens.cpu(),
+    }
 
 
 def round_openers(config, count: int, round_index: int = 0, skip: int = 0) -> list[str]:
@@ -453,9 +486,10 @@ def warm_start(
     (totals, and per round in ``rounds``) and the kept probes (each with its ``round``).
 
     With ``checkpoint``, the rounds it holds are not done again (it restores the tester and the RNG
-    states as the last of them left them) and each finished round is saved in it, so that a stopped
-    warm start loses at most the round it was in. ``report(line)`` receives a line of progress after
-    each round and at the end."""
+    states as the last of them left them) and each finished round is saved in it, as is a search's
+    progress after each batch of openers (:func:`search_candidates`), so that a stopped warm start loses
+    at most that batch (with ``search``) or the round it was in. ``report(line)`` receives a line of
+    progress after each round and at the end."""
     if models is None:
         raise ValueError("warm_start_probes applies to config-built runs (a System trains its own models)")
     lexicon = None  # the re-test reads the RL reward's lexicon: the run's scorer (not warm_start_scorer), its whole words
@@ -464,11 +498,16 @@ def warm_start(
     config = warm_start_config(config)
     rounds = config.warm_start_rounds
     done = checkpoint.load() if checkpoint is not None else None
+    searched = done.pop("searching", None) if done is not None else None  # the search of the round it stopped in
     if done is not None and report is not None:
-        report(f"warm start: {len(done['rounds'])} of {rounds} rounds done, going on")
+        report(f"warm start: {len(done['rounds'])} of {rounds} rounds done{_searched_line(searched)}, going on")
     done = done if done is not None else {"rounds": [], "kept": [], "shares": []}
     for round_index in range(len(done["rounds"]), rounds):
-        _run_round(config, models, round_index, done, lexicon)
+        save = None
+        if checkpoint is not None and config.warm_start_select == "search":
+            save = lambda state, r=round_index: checkpoint.save({**done, "searching": {**state, "round": r}})  # noqa: E731
+        _run_round(config, models, round_index, done, lexicon, searched=searched, on_batch=save)
+        searched = None
         if checkpoint is not None:
             checkpoint.save(done)
         if report is not None:
@@ -488,16 +527,25 @@ def warm_start_config(config):
     return replace(config, scorer=config.warm_start_scorer)  # its judges stay unread: the warm start scores with one
 
 
-def _run_round(config, models, round_index: int, done: dict, lexicon=None) -> None:
+def _run_round(config, models, round_index: int, done: dict, lexicon=None, searched: dict | None = None, on_batch=None) -> None:
     """Round ``round_index``: find candidates with the current tester, keep some (with ``warm_start_retest``,
     the best re-tested of them under ``lexicon``), fine-tune on them; its record goes to ``done["rounds"]``,
-    its shares and kept probes to ``done``."""
-    find = {"search": search_candidates, "best_of": best_of_candidates}.get(config.warm_start_select, sample_candidates)
+    its shares and kept probes to ``done``. A search goes on from ``searched`` (the round's search so far,
+    when it was stopped) and hands its progress to ``on_batch`` (:func:`search_candidates`)."""
     tokenizer = models.tester.tokenizer
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    round_start = time.perf_counter()
-    found = find(config, models, config.warm_start_probes, round_index)  # by the tester the rounds before left
-    found_seconds = time.perf_counter() - round_start
+    round_start, earlier = time.perf_counter(), 0.0
+    count = config.warm_start_probes  # found by the tester the rounds before left
+    if config.warm_start_select == "search":
+        if searched is not None and searched.get("round") != round_index:
+            raise ValueError(f"the saved search is of warm-start round {searched.get('round')}, not {round_index}")
+        earlier = searched["seconds"] if searched is not None else 0.0  # spent before a stop
+        found = search_candidates(config, models, count, round_index, searched=searched, on_batch=on_batch)
+    else:
+        found = {"best_of": best_of_candidates}.get(config.warm_start_select, sample_candidates)(
+            config, models, count, round_index
+        )
+    found_seconds = time.perf_counter() - round_start + earlier
     chosen = keep(found, config.warm_start_min_toxic, select=config.warm_start_select, max_nll=config.warm_start_max_nll)
     retested = len(chosen) if lexicon is not None else None
     if lexicon is not None and chosen:
@@ -517,11 +565,21 @@ def _run_round(config, models, round_index: int, done: dict, lexicon=None) -> No
             "loss_first": losses[0] if losses else None,
             "loss_last": losses[-1] if losses else None,
             "sample_seconds": round(found_seconds, 2),
-            "seconds": round(time.perf_counter() - round_start, 2),
+            "seconds": round(time.perf_counter() - round_start + earlier, 2),
         }
     )
     done["shares"] += shares
     done["kept"] += [{**_record(c), "round": round_index} for c in chosen]
+
+
+def _searched_line(searched: dict | None) -> str:
+    """What a resumed warm start says of the search it goes on with (empty when none)."""
+    if searched is None:
+        return ""
+    turn = f" of turn {searched['turn'] + 1}" if searched["turn"] else ""
+    return (
+        f"; round {searched['round'] + 1}'s search has {searched['searched']} of {len(searched['conversations'])} openers{turn}"
+    )
 
 
 def _round_line(record: dict, number: int, rounds: int) -> str:

@@ -1,7 +1,9 @@
 """The rounds a stopped warm start finished: ``warm_start.partial.pt`` in the run directory.
 
 After each round of a warm start (:mod:`astrl.training.warm_start`) its records, the tester's
-trainable state and the RNG states are saved here, so that a stop loses at most the round it was in.
+trainable state and the RNG states are saved here, and a search's progress within a round (under
+``searching`` in the saved rounds) after each batch of openers, so that a stop loses at most that
+batch, or, for a warm start that samples, the round it was in.
 A resumed run loads them and goes on with the next round; a new run in the same directory removes
 them (another run's rounds); once step 0's checkpoint holds the warm start, the trainer removes them.
 """
