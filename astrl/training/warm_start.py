@@ -542,9 +542,8 @@ def _run_round(config, models, round_index: int, done: dict, lexicon=None, searc
         earlier = searched["seconds"] if searched is not None else 0.0  # spent before a stop
         found = search_candidates(config, models, count, round_index, searched=searched, on_batch=on_batch)
     else:
-        found = {"best_of": best_of_candidates}.get(config.warm_start_select, sample_candidates)(
-            config, models, count, round_index
-        )
+        find = best_of_candidates if config.warm_start_select == "best_of" else sample_candidates
+        found = find(config, models, count, round_index)
     found_seconds = time.perf_counter() - round_start + earlier
     chosen = keep(found, config.warm_start_min_toxic, select=config.warm_start_select, max_nll=config.warm_start_max_nll)
     retested = len(chosen) if lexicon is not None else None
