@@ -72,3 +72,19 @@ def test_the_hold_notice_reaches_stderr_even_when_the_signal_came_inside_a_write
     announce_hold(lambda: 7)("SIGTERM")
     monkeypatch.undo()
     assert capfd.readouterr().err == "astrl: SIGTERM: finishing step 7 to checkpoint it; send it again to stop now\n"
+
+
+def test_an_error_raised_while_a_signal_unwinds_is_answered_as_that_signal():
+    with StopOnSignal(lambda: False) as stop:
+        assert stop.stop_behind(RuntimeError("no signal")) is None
+        try:
+            try:
+                _send(signal.SIGTERM)
+            except KeyboardInterrupt:
+                raise RuntimeError("Converting a tensordict to boolean value is not permitted") from None
+        except RuntimeError as error:
+            behind = stop.stop_behind(error)
+        assert isinstance(behind, Terminated) and exit_code(behind) == 143
+        assert stop.stop_behind(Terminated()) is None  # the interrupt itself goes up as it is
+    with StopOnSignal(lambda: False) as stop:  # a new run starts with no signal seen
+        assert stop.stop_behind(RuntimeError("a plain error")) is None

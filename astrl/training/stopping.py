@@ -48,10 +48,11 @@ class StopOnSignal:
         self.hold = hold
         self.on_hold = on_hold
         self.pending: int | None = None
+        self.raised: int | None = None  # the signal the handler last raised for
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopOnSignal:
-        self.pending = None
+        self.pending = self.raised = None
         if threading.current_thread() is not threading.main_thread():
             return self
         defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
@@ -71,7 +72,17 @@ class StopOnSignal:
             if self.on_hold is not None:
                 self.on_hold(signal.Signals(signum).name)
             return
+        self.raised = signum
         raise _interrupt(signum)
+
+    def stop_behind(self, error: BaseException) -> KeyboardInterrupt | None:
+        """The stop to raise instead of ``error`` when ``error`` came after the handler raised one: code the
+        interrupt landed in may answer it with an error of its own (tensordict, say, raised "Converting a
+        tensordict to boolean value is not permitted" while unwinding), which must still stop the run as
+        the signal does. None when no signal was raised, or when ``error`` is the interrupt itself."""
+        if self.raised is None or isinstance(error, KeyboardInterrupt):
+            return None
+        return _interrupt(self.raised)
 
     def raise_pending(self) -> None:
         """Raise the signal kept while ``hold()`` was true, if any."""

@@ -377,8 +377,11 @@ class Trainer:
                 if self.step % self.config.save_every == 0 or self.step == last:
                     saved = self.save_checkpoint()
                 stop.raise_pending()  # a signal held while the step finished: the step is checkpointed below
-        except (KeyboardInterrupt, Exception):
+        except (KeyboardInterrupt, Exception) as error:
             self.stopped_checkpoint = saved or self._checkpoint_after_failure()
+            signalled = stop.stop_behind(error)  # a signal whose interrupt became another error on its way up
+            if signalled is not None:
+                raise signalled from error
             raise
         finally:
             bar.close()
