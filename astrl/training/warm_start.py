@@ -194,7 +194,7 @@ def search_candidates(
     if searched is None:
         openers = round_openers(config, count, round_index)
         searched = {"turn": 0, "searched": 0, "conversations": openers, "candidates": [], "seconds": 0.0}
-    state = {**searched, "candidates": list(searched["candidates"])}
+    state, turns = {**searched, "candidates": list(searched["candidates"])}, config.warm_start_turns
     while True:
         turn, conversations = state["turn"], state["conversations"]
         while state["searched"] < len(conversations):
@@ -202,13 +202,12 @@ def search_candidates(
             batch = conversations[state["searched"] : state["searched"] + OPENERS_PER_BATCH]
             found = search_probes(config, models, batch, lexicon)
             probe_scores = checked_scores(scorer, [f.text for f in found]).tolist()
-            turns = config.warm_start_turns
             state["candidates"] += [_searched(f, score, turn, turns) for f, score in zip(found, probe_scores, strict=True)]
             state["searched"] += len(batch)
             state["seconds"] += time.perf_counter() - start
             if on_batch is not None:
                 on_batch(state)
-        if turn + 1 >= config.warm_start_turns:
+        if turn + 1 >= turns:
             return state["candidates"]
         start, target = time.perf_counter(), models.target
         probes = [c["probe"] for c in state["candidates"][-len(conversations) :]]  # this turn's, in order
@@ -503,8 +502,8 @@ def warm_start(
         report(f"warm start: {len(done['rounds'])} of {rounds} rounds done{_searched_line(searched)}, going on")
     done = done if done is not None else {"rounds": [], "kept": [], "shares": []}
     for round_index in range(len(done["rounds"]), rounds):
-        save = None
-        if checkpoint is not None and config.warm_start_select == "search":
+        save = None  # a search's progress within the round (the other finders save per round)
+        if checkpoint is not None:
             save = lambda state, r=round_index: checkpoint.save({**done, "searching": {**state, "round": r}})  # noqa: E731
         _run_round(config, models, round_index, done, lexicon, searched=searched, on_batch=save)
         searched = None
