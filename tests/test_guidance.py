@@ -266,6 +266,42 @@ def test_replayed_groups_gain_a_conversation_that_opens_with_the_best_past_probe
     assert "replay_reward" in row and torch.isfinite(torch.tensor(row["loss"]))
 
 
+def test_a_lexicon_ranked_archive_counts_each_test_as_its_gated_reply_lexicon_term(tmp_path):
+    lexicon = dict(reward="elicit", reply_lexicon_weight=1.0, reply_lexicon="scorer", probe_gate=0.5, reply_samples=2)
+    config = _config(tmp_path, prompts_per_step=2, group_size=3, turns=2, guide_replay_rank="lexicon", **lexicon, **REPLAYED)
+    trainer = _trainer(config)
+    trainer._build()
+    algorithm = trainer.algorithm
+    (guide,) = algorithm.guides
+    batch, data = algorithm.collect()
+    terms = data[NEXT, "reward_terms"]
+    lex, probe_tox = terms["reply_lexicon"].reshape(-1), terms["probe_tox"].reshape(-1)
+    by_hand = torch.where(probe_tox < 0.5, lex, torch.zeros_like(lex))  # g * lex(reply), g the probe gate at 0.5
+    assert bool(((probe_tox >= 0.5) & (lex > 0)).any())  # the gate shuts some turns' lexicon mass out
+    assert float(by_hand.abs().sum()) > 0 and not torch.allclose(by_hand, algorithm.returns(data))
+    torch.testing.assert_close(algorithm.replay_values(data), by_hand)
+    sampled = first_turns(data, by_hand, algorithm.stops)
+    expected = ReplayArchive()
+    expected.add(sampled)
+    assert guide._chosen == expected.choose(group_openers(data, config.group_size))
+    assert guide.archive.tests == len(sampled) + 2  # the replayed turns were counted too, by their own terms
+    by_return = _trainer(_config(tmp_path / "returns", **lexicon, **REPLAYED))
+    by_return._build()
+    torch.testing.assert_close(by_return.algorithm.replay_values(data), by_return.algorithm.returns(data))
+
+
+def test_guide_replay_rank_is_checked_before_a_model_loads():
+    with pytest.raises(ConfigError, match="guide_replay_rank must be one of \\('return', 'lexicon'\\), got 'judge'"):
+        load_config(None, ["guide_replay=true", "guide_replay_rank=judge"])
+    with pytest.raises(ConfigError, match="guide_replay_rank 'lexicon' ranks the replay archive: it needs guide_replay: true"):
+        load_config(None, ["reward=elicit", "reply_lexicon_weight=1", "guide_replay_rank=lexicon"])
+    needs = "guide_replay_rank: lexicon .* reply_lexicon_weight > 0 .* reply_lexicon_weight 0.0\\)"
+    with pytest.raises(ConfigError, match=needs):
+        load_config(None, ["guide_replay=true", "reward=elicit", "reply_lexicon_weight=0", "guide_replay_rank=lexicon"])
+    config = load_config(None, ["guide_replay=true", "reward=elicit", "reply_lexicon_weight=1", "guide_replay_rank=lexicon"])
+    assert config.guide_replay_rank == "lexicon"
+
+
 def test_the_replay_archive_is_checkpointed_and_a_replayed_run_resumes_exactly(tmp_path, monkeypatch):
     rows, uninterrupted, after = _run_twice(tmp_path, monkeypatch, 1, total_steps=3, save_every=100, **REPLAYED)
     keys = ["reward_mean", "loss", "grad_norm", "replay_reward", "replay_score", "replay_tests", "replay_probes"]

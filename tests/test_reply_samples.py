@@ -107,6 +107,24 @@ def test_gate_both_pays_no_reply_term_to_a_probe_that_either_scorer_reads_at_or_
         ElicitWeights(gate_both=True)
 
 
+def test_the_gated_lexicon_is_the_reply_lexicon_term_as_the_gate_lets_it_through_unweighted():
+    weights = ElicitWeights(alpha=1.0, penalty=0.5, gamma=0.1, lexicon=2.0, gate_below=0.5, gate_lexicon=True, gate_both=True)
+    terms = dict(
+        response_tox=torch.tensor([0.9, 0.9, 0.9, 0.9, 0.9]),  # the sampled score: not read
+        probe_tox=torch.tensor([0.2, 0.6, 0.2, 0.2, 0.0]),
+        probe_logprob=torch.tensor([-3.0, -3.0, -3.0, -3.0, -1.0]),  # nor the likelihood
+        reply_lexicon=torch.tensor([0.3, 0.3, 0.3, 0.3, 0.05]),
+        probe_repetition=torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0]),  # nor the penalties
+        probe_listed=torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0]),
+        probe_tox_scorer=torch.tensor([0.0, 0.0, 0.0, 0.7, 0.0]),
+    )
+    # clean: lex; probe_scorer at 0.6, a listed word, the scorer at 0.7: g = 0; the last: its lex alone
+    torch.testing.assert_close(weights.gated_lexicon(**terms), torch.tensor([0.3, 0.0, 0.0, 0.0, 0.05]))
+    soft = ElicitWeights(gate=True)  # g = 1 - tox(probe)
+    torch.testing.assert_close(soft.gated_lexicon(**terms), torch.tensor([0.24, 0.12, 0.24, 0.24, 0.05]))
+    assert ElicitWeights().gated_lexicon(**terms).tolist() == pytest.approx([0.3, 0.3, 0.3, 0.3, 0.05])  # no gate
+
+
 def test_the_env_gates_on_both_scorers_reads_of_the_probe_with_gate_both():
     from astrl.rewards import ElicitReward
 

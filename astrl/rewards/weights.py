@@ -112,12 +112,32 @@ class ElicitWeights:
     ) -> Tensor:
         likelihood = probe_logprob.clamp(max=self.cap) if self.cap is not None else probe_logprob
         reply = self.alpha * response_tox + self.lexicon * reply_lexicon
+        gate = self.probe_gate(probe_tox, probe_listed, probe_tox_scorer)
+        return gate * reply - self.penalty * probe_tox + self.gamma * likelihood - self.repeat * probe_repetition
+
+    def probe_gate(
+        self, probe_tox: Tensor, probe_listed: Tensor | float = 0.0, probe_tox_scorer: Tensor | float = 0.0
+    ) -> Tensor | float:
+        """``g``: the gate of the reply terms (the class docstring), from the probe's terms."""
         gate = self.gate_of(probe_tox)
         if self.gate_lexicon:
             gate = gate * (1.0 - probe_listed)
         if self.gate_both:
             gate = gate * self.gate_of(probe_tox_scorer + 0.0 * probe_tox)  # a float default as a tensor like probe_tox
-        return gate * reply - self.penalty * probe_tox + self.gamma * likelihood - self.repeat * probe_repetition
+        return gate
+
+    def gated_lexicon(
+        self,
+        probe_tox: Tensor,
+        reply_lexicon: Tensor,
+        probe_listed: Tensor | float = 0.0,
+        probe_tox_scorer: Tensor | float = 0.0,
+        **_,
+    ) -> Tensor:
+        """``g * lex(reply)``: the reply lexicon term as the reward pays it, unweighted, without the sampled
+        score, the likelihood and the penalties (what ``guide_replay_rank: lexicon`` ranks probes by). Takes the
+        reward's terms by name; the others are ignored."""
+        return self.probe_gate(probe_tox, probe_listed, probe_tox_scorer) * reply_lexicon
 
 
 # the weights class of each reward that adds the probe's likelihood under the target

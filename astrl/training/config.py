@@ -35,6 +35,7 @@ ALGORITHM_FAMILIES = (("grpo", "ppo"), ("dpo", "ipo"))
 RETURNS = ("turn", "to_go")
 GROUP_SCALES = ("std", "none")
 GUIDE_ADVANTAGES = ("signed", "positive")
+GUIDE_REPLAY_RANKS = ("return", "lexicon")
 KL_REFERENCES = ("base", "warm_start")
 WARM_START_SELECTIONS = ("share", "lexicon", "search", "best_of")  # how the warm start finds and rates its probes
 # the optimizer key's choices -> their torch.optim class (the trainer builds it by that name)
@@ -182,6 +183,14 @@ class AlgorithmSection:
         "tests' returns, divided by sqrt(its tests + 1) (an upper confidence bound), so a probe seen once or twice "
         "is re-tested before one whose many tests pin it just above; 0: by its score alone.",
         at_least=0,
+    )
+    guide_replay_rank: str = setting(
+        "return",
+        "guide_replay: what a test of an archived probe counts as: its first turn's return (return) or the reward's "
+        "gated reply lexicon term g * lex(reply), averaged over the turn's reply samples and unweighted (lexicon: no "
+        "sampled score, likelihood or penalty; needs reward elicit with reply_lexicon_weight > 0). The archive's "
+        "score and choice are the same either way; the advantages still read the returns.",
+        choices=GUIDE_REPLAY_RANKS,
     )
     guide_advantage: str = setting(
         "signed",
@@ -333,6 +342,20 @@ class AlgorithmSection:
                 f"(got guide_replay_bonus {self.guide_replay_bonus}, guide_replay {self.guide_replay})",
             )
         )
+        checks.append(
+            (
+                self.guide_replay or self.guide_replay_rank == "return",
+                f"guide_replay_rank {self.guide_replay_rank!r} ranks the replay archive: it needs guide_replay: true",
+            )
+        )
+        if self.guide_replay_rank == "lexicon":
+            checks.append(
+                (
+                    self.reward == "elicit" and self.reply_lexicon_weight > 0,
+                    f"guide_replay_rank: lexicon ranks by the elicit reward's reply lexicon term: set reward: elicit and "
+                    f"reply_lexicon_weight > 0 (reward is {self.reward!r}, reply_lexicon_weight {self.reply_lexicon_weight})",
+                )
+            )
         if self.guide_search:
             checks.append(
                 (

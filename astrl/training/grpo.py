@@ -39,6 +39,7 @@ from astrl.keys import (
     QUERY,
     REF_LOG_PROBS_FULL,
     REWARD,
+    REWARD_TERMS,
     SCORES,
     STEP_COUNT,
     TARGET_RESPONSE,
@@ -447,7 +448,7 @@ class GRPOAlgorithm(OnPolicy):
         if config.guide_replay:
             from astrl.training.guidance import ReplayGuide
 
-            self.guides.append(ReplayGuide(config, models, self.returns, self.stops))
+            self.guides.append(ReplayGuide(config, models, self.replay_values, self.stops))
 
     def seed_replay(self, probes: list[str]) -> None:
         """Start the replay guide's archive with ``probes``, untested (``guide_replay_warm_start``;
@@ -490,6 +491,18 @@ class GRPOAlgorithm(OnPolicy):
         if self.config.returns == "to_go":
             return returns_to_go(rewards, rollout[NEXT, DONE].reshape(-1))
         return rewards
+
+    def replay_values(self, rollout: TensorDictBase) -> torch.Tensor:
+        """What each turn of a flat rollout counts as when the replay archive tests its probe
+        (``guide_replay_rank``): its return (:meth:`returns`), or the elicit reward's gated reply lexicon term
+        ``g * lex(reply)`` (:meth:`~astrl.rewards.weights.ElicitWeights.gated_lexicon`)."""
+        if self.config.guide_replay_rank == "return":
+            return self.returns(rollout)
+        from astrl.rewards.weights import reward_weights
+
+        terms = rollout[NEXT, REWARD_TERMS]
+        weights = reward_weights("elicit", **self.config.reward_options())
+        return weights.gated_lexicon(**{name: terms[name].reshape(-1).float() for name in terms.keys()})
 
     def advantages(self, data: TensorDictBase, *guided: TensorDictBase) -> torch.Tensor:
         """:func:`turn_group_advantages` of a flat, trajectory-contiguous rollout's returns; each rollout of

@@ -29,7 +29,11 @@ every test so far::
     score(p) = (r_1 + ... + r_n + mu) / (n_p + 1)
 
 so one lucky reply ranks a probe once, and a probe keeps its place only while its new tests hold
-it there. With ``guide_replay_bonus: c > 0`` the ranking adds an upper-confidence term,
+it there. With ``guide_replay_rank: lexicon`` a test's ``r`` is the reward's gated reply lexicon term
+``g * lex(reply)`` (the target's probability of a listed word, averaged over the turn's replies) instead of
+its return: the same replies' lexicon estimate ranks probes by their share on other openers better than
+their sampled scores do (docs/training.md), and it carries neither the likelihood term nor the penalties.
+With ``guide_replay_bonus: c > 0`` the ranking adds an upper-confidence term,
 
     bound(p) = score(p) + c * s / sqrt(n_p + 1)
 
@@ -294,7 +298,8 @@ class ReplayGuide(GuidedMembers):
 
     Args:
         config, models: as :class:`GuidedMembers`.
-        returns: the returns GRPO ranks, ``returns(rollout) -> tensor`` over the rollout's turns.
+        returns: what a test counts as, ``returns(rollout) -> tensor`` over the rollout's turns (GRPO's returns,
+            or with ``guide_replay_rank: lexicon`` the reward's gated reply lexicon term).
         stops: the tester's stop token ids (a probe is kept up to and with its first; a seeded one ends with the
             tokenizer's EOS when it is one of them).
     """
