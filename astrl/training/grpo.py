@@ -461,9 +461,10 @@ class GRPOAlgorithm(OnPolicy):
 
     def step_metrics(self) -> dict:
         """With ``guide_search``: the guided members' mean search estimate and reward (``guide_mass``,
-        ``guide_reward``); with ``guide_replay``: the replayed members' reward, score and tests
-        before their re-test, the number of probes kept and of those not yet tested (``replay_reward``,
-        ``replay_score``, ``replay_tests``, ``replay_probes``, ``replay_untested``)."""
+        ``guide_reward``); with ``guide_replay``: the replayed members' reward, score (in what
+        ``guide_replay_rank`` counts) and tests before their re-test, the number of probes kept and of those
+        not yet tested (``replay_reward``, ``replay_score``, ``replay_tests``, ``replay_probes``,
+        ``replay_untested``)."""
         return {k: v for guide in self.guides for k, v in guide.last.items()}
 
     def state_dict(self) -> dict:
