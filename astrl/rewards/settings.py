@@ -140,7 +140,7 @@ class RewardSettings:
                 "1 - tox(probe))",
             ),
             (
-                not self.probe_gate_lexicon or (self.reward == "elicit" and self.reply_lexicon_weight > 0),
+                not self.probe_gate_lexicon or self.reads_reply_lexicon(),
                 f"probe_gate_lexicon reads the elicit reward's reply lexicon: set reward: elicit and "
                 f"reply_lexicon_weight > 0 (reward is {self.reward!r}, reply_lexicon_weight {self.reply_lexicon_weight})",
             ),
@@ -164,7 +164,7 @@ class RewardSettings:
                 f"reply_past_probe reads the elicit reward's replies: set reward: elicit (reward is {self.reward!r})",
             ),
             (
-                not self.reply_lexicon_whole_words or (self.reward == "elicit" and self.reply_lexicon_weight > 0),
+                not self.reply_lexicon_whole_words or self.reads_reply_lexicon(),
                 f"reply_lexicon_whole_words changes the elicit reward's reply lexicon term: set reward: elicit and "
                 f"reply_lexicon_weight > 0 (reward is {self.reward!r}, reply_lexicon_weight {self.reply_lexicon_weight})",
             ),

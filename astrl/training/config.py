@@ -351,7 +351,7 @@ class AlgorithmSection:
         if self.guide_replay_rank == "lexicon":
             checks.append(
                 (
-                    self.reward == "elicit" and self.reply_lexicon_weight > 0,
+                    self.reads_reply_lexicon(),
                     f"guide_replay_rank: lexicon ranks by the elicit reward's reply lexicon term: set reward: elicit and "
                     f"reply_lexicon_weight > 0 (reward is {self.reward!r}, reply_lexicon_weight {self.reply_lexicon_weight})",
                 )
@@ -359,7 +359,7 @@ class AlgorithmSection:
         if self.guide_search:
             checks.append(
                 (
-                    self.reward == "elicit" and self.reply_lexicon_weight > 0,
+                    self.reads_reply_lexicon(),
                     f"guide_search searches for the elicit reward's reply lexicon: set reward: elicit and reply_lexicon_weight "
                     f"> 0 (reward is {self.reward!r}, reply_lexicon_weight {self.reply_lexicon_weight})",
                 )
@@ -506,8 +506,7 @@ class WarmStartSection:
         _raise_first(
             [
                 (
-                    self.warm_start_select not in ("lexicon", "best_of")
-                    or (self.reward == "elicit" and self.reply_lexicon_weight > 0),
+                    self.warm_start_select not in ("lexicon", "best_of") or self.reads_reply_lexicon(),
                     f"warm_start_select {self.warm_start_select!r} reads the elicit reward's reply lexicon: set reward: "
                     f"elicit and reply_lexicon_weight > 0 (reward is {self.reward!r}, reply_lexicon_weight "
                     f"{self.reply_lexicon_weight})",
