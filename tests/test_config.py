@@ -150,6 +150,7 @@ def test_a_config_yaml_written_before_the_sections_loads_as_an_equal_config(tmp_
         "guide_replay_retest_keep": 0.5,
         "guide_replay_bonus": 0.0,
         "guide_replay_rank": "return",
+        "guide_replay_members": 1,
         "guide_advantage": "signed",
         "branches": 1,
         "branch_steps": 16,

@@ -266,6 +266,51 @@ def test_replayed_groups_gain_a_conversation_that_opens_with_the_best_past_probe
     assert "replay_reward" in row and torch.isfinite(torch.tensor(row["loss"]))
 
 
+def test_replayed_groups_gain_guide_replay_members_conversations_with_distinct_probes(tmp_path):
+    config = _config(tmp_path, prompts_per_step=2, group_size=3, turns=2, guide_replay_members=2, **REPLAYED)
+    trainer = _trainer(config)
+    trainer._build()
+    algorithm = trainer.algorithm
+    (guide,) = algorithm.guides
+    replayed = {}
+    rollout = guide.rollout
+
+    def spied(data):
+        replayed["rollout"] = rollout(data)
+        return replayed["rollout"]
+
+    guide.rollout = spied
+    batch, data = algorithm.collect()
+    openers = group_openers(data, config.group_size)
+    sampled = first_turns(data, algorithm.returns(data), algorithm.stops)
+    expected = ReplayArchive()
+    expected.add(sampled)
+    # member by member: both groups' first members, then both groups' second, four distinct probes
+    assert guide._chosen == expected.choose(openers * 2) and len(set(guide._chosen)) == 4
+    guided = replayed["rollout"]
+    assert as_list(guided["query"])[::2] == openers * 2 and guide.archive.tests == len(sampled) + 4
+    assert data.shape[0] == 2 * 3 * 2 and batch.shape[0] == 2 * 5 * 2  # G sampled + 2 replayed a group, 2 turns each
+    firsts = [tuple(r.tolist()) for r in batch.get(TOKENS_RESPONSE, as_list=True)[data.shape[0] :: 2]]
+    assert firsts == guide._chosen
+    advantage = batch["advantage"].reshape(-1)
+    returns = torch.cat([algorithm.returns(data), algorithm.returns(guided)]).double()
+    for g in range(2):  # each (group, turn) cell holds G + 2 members, normalised together
+        for t in (0, 1):
+            rows = [i for i in range(12) if (i // 6) == g and i % 2 == t] + [12 + 2 * g + t, 16 + 2 * g + t]
+            cell = returns[rows]
+            by_hand = (cell - cell.mean()) / (cell.std(unbiased=False) + 1e-6) if cell.max() > cell.min() else cell * 0
+            torch.testing.assert_close(advantage[rows].double(), by_hand, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(torch.tensor(trainer.train_step()["loss"]))
+
+
+def test_guide_replay_members_is_checked_before_a_model_loads():
+    with pytest.raises(ConfigError, match="guide_replay_members 2 is the replayed conversations per group: it needs guide_replay"):
+        load_config(None, ["guide_replay_members=2"])
+    with pytest.raises(ConfigError, match="guide_replay_members must be >= 1, got 0"):
+        load_config(None, ["guide_replay=true", "guide_replay_members=0"])
+    assert load_config(None, ["guide_replay=true", "guide_replay_members=3"]).guide_replay_members == 3
+
+
 def test_a_lexicon_ranked_archive_counts_each_test_as_its_gated_reply_lexicon_term(tmp_path):
     lexicon = dict(reward="elicit", reply_lexicon_weight=1.0, reply_lexicon="scorer", probe_gate=0.5, reply_samples=2)
     config = _config(tmp_path, prompts_per_step=2, group_size=3, turns=2, guide_replay_rank="lexicon", **lexicon, **REPLAYED)

@@ -192,6 +192,13 @@ class AlgorithmSection:
         "score and choice are the same either way; the advantages still read the returns.",
         choices=GUIDE_REPLAY_RANKS,
     )
+    guide_replay_members: int = setting(
+        1,
+        "guide_replay: the replayed conversations every group gains, each with a distinct archived probe (the "
+        "best-ranked go to every group's first member, the next to its second, and so on), so that the replayed "
+        "probes are not outnumbered by the group_size samples of the tester's own opening.",
+        at_least=1,
+    )
     guide_advantage: str = setting(
         "signed",
         "grpo with guide_search or guide_replay: the guided members' advantages as their group gives them "
@@ -292,7 +299,7 @@ class AlgorithmSection:
         """``guide_search`` and ``guide_replay`` need GRPO collected here on Transformers and no novelty terms;
         ``guide_search`` also the reply lexicon; ``guide_advantage: positive`` one of the two;
         ``guide_replay_warm_start`` ``guide_replay`` and a warm start; ``guide_replay_retest`` ``guide_replay_warm_start``;
-        ``guide_replay_bonus`` >= 0 and ``guide_replay``."""
+        ``guide_replay_bonus``, ``guide_replay_rank`` and ``guide_replay_members`` ``guide_replay``."""
         checks = []
         for key in ("guide_search", "guide_replay"):
             if not getattr(self, key):
@@ -346,6 +353,13 @@ class AlgorithmSection:
             (
                 self.guide_replay or self.guide_replay_rank == "return",
                 f"guide_replay_rank {self.guide_replay_rank!r} ranks the replay archive: it needs guide_replay: true",
+            )
+        )
+        checks.append(
+            (
+                self.guide_replay or self.guide_replay_members == 1,
+                f"guide_replay_members {self.guide_replay_members} is the replayed conversations per group: "
+                "it needs guide_replay: true",
             )
         )
         if self.guide_replay_rank == "lexicon":

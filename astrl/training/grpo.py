@@ -440,7 +440,7 @@ class GRPOAlgorithm(OnPolicy):
             share_prefix=self.share_prefix,
         )
         self.loss_module.set_keys(ref_log_probs=REF_LOG_PROBS_FULL)
-        self.guides = []  # each adds one member to every group (astrl.training.guidance)
+        self.guides = []  # each adds members to every group (astrl.training.guidance)
         if config.guide_search:
             from astrl.training.guidance import SearchGuide
 
@@ -507,13 +507,15 @@ class GRPOAlgorithm(OnPolicy):
 
     def advantages(self, data: TensorDictBase, *guided: TensorDictBase) -> torch.Tensor:
         """:func:`turn_group_advantages` of a flat, trajectory-contiguous rollout's returns; each rollout of
-        ``guided`` (one conversation per group, in group order) adds one member to every group, its
+        ``guided`` (the same number of conversations for every group) adds its members to every group, its
         advantages following ``data``'s (with ``guide_advantage: positive`` none below 0)."""
         parts = (data, *guided)
         rewards = [self.returns(part) for part in parts]
         openers = [opener for part in parts for opener in as_list(part[QUERY])]
         turns = torch.cat([part[STEP_COUNT].reshape(-1) for part in parts])
-        members = self.config.group_size + len(guided)
+        conversations = [int((part[STEP_COUNT].reshape(-1) == 0).sum()) for part in parts]
+        groups = conversations[0] // self.config.group_size
+        members = self.config.group_size + sum(conversations[1:]) // groups
         advantages = turn_group_advantages(torch.cat(rewards), openers, turns, members, scale=self.config.group_scale)
         if self.config.guide_advantage == "positive":  # guided members only pull (self-imitation)
             sampled = rewards[0].numel()

@@ -40,6 +40,9 @@ With ``guide_replay_bonus: c > 0`` the ranking adds an upper-confidence term,
 (``s``: the standard deviation of every test's return), so a probe with few tests is tried again before
 one whose many tests pin it just above. Group ``g`` gets the best-ranked probe not given to an earlier
 group of the step and not tested on ``g``'s opener before (else the best not given). With
+``guide_replay_members: m > 1`` each group gains ``m`` replayed members with distinct probes (the best-ranked
+go to every group's first member, the next to its second), so that the tester's own opening does not
+outnumber the replayed probe ``G`` to 1. With
 ``guide_replay_warm_start: true`` the archive starts with the warm start's kept probes, untested, and an
 untested probe is given before any ranked one (in the order kept), so each is tried once on a training
 opener before the scores decide, not only the ones the tester happens to sample. Rare successes that one
@@ -120,17 +123,19 @@ def group_openers(data: TensorDictBase, group_size: int) -> list[str]:
 
 
 class GuidedMembers:
-    """One more conversation per GRPO group, whose first tester turn is given: ``rollout(data)`` runs,
-    for every group opener of ``data`` in group order, one conversation whose first probe is
-    :meth:`first_probes`' tokens for it (later turns sampled), with its rewards from the run's own
-    reward transforms, and returns the flat rollout.
+    """``members`` more conversations per GRPO group, whose first tester turns are given: ``rollout(data)``
+    runs, for every group opener of ``data`` in group order, ``members`` conversations whose first probes are
+    :meth:`first_probes`' tokens for them (later turns sampled), with their rewards from the run's own
+    reward transforms, and returns the flat rollout, member by member: every group's first member in group
+    order, then every group's second, and so on.
 
     Args:
         config: the run's :class:`~astrl.training.config.TrainConfig` (the conversation settings).
         models: the run's models; the tester (its adapters on) writes the guided conversations' later turns.
+        members: the conversations each group gains.
     """
 
-    def __init__(self, config, models) -> None:
+    def __init__(self, config, models, members: int = 1) -> None:
         from dataclasses import replace
 
         from torchrl.envs.llm.transforms import DataLoadingPrimer
@@ -139,24 +144,28 @@ class GuidedMembers:
         from astrl.prompts import PromptStream
         from astrl.training.setup import conversation_spec
 
-        self.config, self.models = config, models
-        groups = config.batch_size // config.group_size
+        if members < 1:
+            raise ValueError(f"a guide adds at least one member to each group, got members={members}")
+        self.config, self.models, self.members = config, models, members
+        conversations = config.batch_size // config.group_size * members
         # every draw of this stream is its whole prompt list, in order: rollout() sets the list
-        self.stream = PromptStream(["-"] * groups, groups, shuffle=False)
-        spec = replace(conversation_spec(config), batch_size=groups, group_size=1)
+        self.stream = PromptStream(["-"] * conversations, conversations, shuffle=False)
+        spec = replace(conversation_spec(config), batch_size=conversations, group_size=1)
         conversation = build_conversation(spec, tester=models.tester, target=models.target, stream=self.stream)
         self.env, self.tester = conversation.env, conversation.tester
         self.primer = next(t for t in self.env.transform if isinstance(t, DataLoadingPrimer))
         self.last: dict[str, float] = {}
 
     def first_probes(self, data: TensorDictBase, openers: list[str]) -> list[torch.Tensor]:
-        """The tokens of each group's first probe (one tensor per opener, in group order)."""
+        """The tokens of each guided conversation's first probe (one tensor per entry of ``openers``: the group
+        openers in group order, repeated once per member)."""
         raise NotImplementedError
 
     def rollout(self, data: TensorDictBase) -> TensorDictBase:
-        openers = group_openers(data, self.config.group_size)
+        openers = group_openers(data, self.config.group_size) * self.members
         if len(openers) != len(self.stream.prompts):
-            raise ValueError(f"the step has {len(openers)} groups, the guide runs {len(self.stream.prompts)}")
+            groups = len(self.stream.prompts) // self.members
+            raise ValueError(f"the step has {len(openers) // self.members} groups, the guide runs {groups}")
         tokens = self.first_probes(data, openers)
         self.stream.prompts[:] = openers
         self.primer.reset_dataloader()  # drop what it drew ahead: its next draw is the list just set
@@ -297,7 +306,8 @@ class ReplayGuide(GuidedMembers):
     the run has sampled so far (:class:`ReplayArchive`), re-tested on the group's opener.
 
     Args:
-        config, models: as :class:`GuidedMembers`.
+        config, models: as :class:`GuidedMembers`; each group gains ``config.guide_replay_members`` replayed
+            conversations, with distinct probes (the best-ranked go to every group's first member).
         returns: what a test counts as, ``returns(rollout) -> tensor`` over the rollout's turns (GRPO's returns,
             or with ``guide_replay_rank: lexicon`` the reward's gated reply lexicon term).
         stops: the tester's stop token ids (a probe is kept up to and with its first; a seeded one ends with the
@@ -305,7 +315,7 @@ class ReplayGuide(GuidedMembers):
     """
 
     def __init__(self, config, models, returns, stops: set[int]) -> None:
-        super().__init__(config, models)
+        super().__init__(config, models, config.guide_replay_members)
         self.returns, self.stops = returns, stops
         self.archive = ReplayArchive(config.guide_replay_bonus)
         self._chosen: list[tuple[int, ...]] = []
