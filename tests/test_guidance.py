@@ -304,7 +304,8 @@ def test_replayed_groups_gain_guide_replay_members_conversations_with_distinct_p
 
 
 def test_guide_replay_members_is_checked_before_a_model_loads():
-    with pytest.raises(ConfigError, match="guide_replay_members 2 is the replayed conversations per group: it needs guide_replay"):
+    needs = "guide_replay_members 2 is the replayed conversations per group: it needs guide_replay: true"
+    with pytest.raises(ConfigError, match=needs):
         load_config(None, ["guide_replay_members=2"])
     with pytest.raises(ConfigError, match="guide_replay_members must be >= 1, got 0"):
         load_config(None, ["guide_replay=true", "guide_replay_members=0"])
