@@ -162,10 +162,10 @@ class GuidedMembers:
         raise NotImplementedError
 
     def rollout(self, data: TensorDictBase) -> TensorDictBase:
-        openers = group_openers(data, self.config.group_size) * self.members
-        if len(openers) != len(self.stream.prompts):
-            groups = len(self.stream.prompts) // self.members
-            raise ValueError(f"the step has {len(openers) // self.members} groups, the guide runs {groups}")
+        groups = group_openers(data, self.config.group_size)
+        if len(groups) * self.members != len(self.stream.prompts):
+            raise ValueError(f"the step has {len(groups)} groups, the guide runs {len(self.stream.prompts) // self.members}")
+        openers = groups * self.members
         tokens = self.first_probes(data, openers)
         self.stream.prompts[:] = openers
         self.primer.reset_dataloader()  # drop what it drew ahead: its next draw is the list just set
