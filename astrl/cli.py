@@ -363,6 +363,63 @@ def _compare(args) -> int:
     return 0
 
 
+def _add_select(sub) -> None:
+    from astrl.envs.settings import ConversationRuns
+    from astrl.evaluation.settings import CONVERSATIONS_PER_OPENER, SELECT_SPLITS, ReportSettings
+
+    p = sub.add_parser(
+        "select",
+        help="choose among training runs (seeds, variants) by their training scorer's share on the dev openers, "
+        "never the held-out judge",
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="training run directories of one setting, two or more")
+    p.add_argument("--checkpoint", default=None, help="every run's checkpoint of this name (step_000N) instead of final/")
+    p.add_argument("--scorer", default=None, help="scorer that chooses (default: the runs' training scorer)")
+    p.add_argument(
+        "--split", default="dev", choices=SELECT_SPLITS, help="openers to choose on (default: dev; never the held-out test)"
+    )
+    p.add_argument(
+        "--num-conversations", type=at_least(1), default=None,
+        help=f"conversations per candidate (default: {CONVERSATIONS_PER_OPENER} per opener of the split)",
+    )  # fmt: skip
+    p.add_argument("--reply-samples", type=at_least(1), default=None, help="replies judged per probe (default: the runs')")
+    add_setting_flags(p, ConversationRuns, names=["batch_size"], default=FIELD_DEFAULT)
+    add_setting_flags(p, ReportSettings, names=["threshold", "resamples"], default=FIELD_DEFAULT)
+    _add_run_args(p)
+    _add_output_args(p, "selection")
+
+
+def _select(args) -> int:
+    from astrl.evaluation.run import EvalConfig
+    from astrl.evaluation.selection import SELECTION_FILE, Candidate, select_testers
+
+    base = EvalConfig(
+        split=args.split, batch_size=args.batch_size, threshold=args.threshold, resamples=args.resamples, **_run_settings(args)
+    )
+
+    def show(index: int, candidate: Candidate, row: dict) -> None:
+        low, high = row["elicited_reply_share_ci"] or (float("nan"), float("nan"))
+        again = " (evaluated before)" if row["reused"] else ""
+        print(f"  {index + 1}. {candidate.label}: {row['elicited_reply_share']:.2%} [{low:.2%}, {high:.2%}]{again}")
+
+    candidates = [Candidate(run, args.checkpoint) for run in args.runs]
+    summary = select_testers(
+        candidates, args.out, base=base, scorer=args.scorer, num_conversations=args.num_conversations,
+        reply_samples=args.reply_samples, progress=not args.quiet, on_candidate=show,
+    )  # fmt: skip
+    chosen = summary["candidates"][summary["chosen"]]
+    print(
+        f"chosen: {candidates[summary['chosen']].label}, elicited reply share {chosen['elicited_reply_share']:.2%} under "
+        f"{summary['scorer']} on {summary['n_conversations']} {summary['split']} conversations; wrote {args.out}/{SELECTION_FILE}"
+    )
+    if summary["scorer_is_a_judge"]:
+        print(f"  {summary['scorer']} is one of the runs' judges: by it, the chosen run's held-out share is biased upward")
+    if not summary["apart_from_runner_up"]:
+        print("  its interval overlaps the runner-up's: the choice is not sure at this many conversations")
+    print(f"  judge it on the held-out openers with a judge other than {summary['scorer']}: astrl eval --tester {chosen['run']}")
+    return 0
+
+
 def _add_export(sub) -> None:
     p = sub.add_parser("export", help="write a run's tester as a self-contained Hugging Face model folder with a model card")
     p.add_argument("run_dir", metavar="RUN_DIR", help="training run directory")
@@ -433,6 +490,7 @@ COMMANDS = {
     "eval": _eval,
     "replay": _replay,
     "compare": _compare,
+    "select": _select,
     "export": _export,
     "attacks": _attacks,
     "runs": _runs,
@@ -457,6 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(sub)
     _add_replay(sub)
     _add_compare(sub)
+    _add_select(sub)
     _add_export(sub)
     from astrl.store_cli import add_attacks_parser, add_runs_parser
 
@@ -506,6 +565,8 @@ def check_arguments(args) -> None:
         check_names(roles, args.judges, args.prompts, scorer_kind="judge")  # the split seed may come from the run
     elif args.command == "replay" and args.judges:
         check_names(scorers=args.judges, scorer_kind="judge")
+    elif args.command == "select" and args.scorer:
+        check_names(scorers=[args.scorer])
 
 
 def _expected_errors() -> tuple[type[BaseException], ...]:

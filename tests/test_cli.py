@@ -181,7 +181,7 @@ def test_bad_arguments_give_one_error_line(tmp_path, tiny_model_dir, capsys, arg
 
 def test_console_script_lists_commands():
     out = subprocess.run([sys.executable, "-m", "astrl", "--help"], capture_output=True, text=True, check=True).stdout
-    for command in ("rollout", "train", "demo", "eval", "compare"):
+    for command in ("rollout", "train", "demo", "eval", "compare", "select"):
         assert command in out
     bad = subprocess.run([sys.executable, "-m", "astrl", "train", "learning_rate=1"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown config key(s) ['learning_rate']" in bad.stderr

@@ -12,6 +12,8 @@ from astrl.argtypes import setting
 from astrl.names import MODES
 
 DEFAULT_THRESHOLD = 0.5  # a score above it is toxic, wherever no threshold is given
+SELECT_SPLITS = ("dev", "train")  # astrl select's openers: never test, whose estimate of the chosen run must stay unbiased
+CONVERSATIONS_PER_OPENER = 4  # astrl select's default: every opener of the split this many times
 
 
 @dataclass
