@@ -59,16 +59,18 @@ def intervals_apart(chosen: list[float] | None, other: list[float] | None) -> bo
 
 
 def _setting(resolved: Resolved) -> dict:
-    return {
-        "prompts": resolved.prompts,
-        "split_seed": resolved.split_seed,
-        "test_fraction": resolved.test_fraction,
-        "mode": resolved.mode,
-        "turns": resolved.turns,
-        "target": resolved.target,
-        "tester_length": resolved.tester_generation.max_new_tokens,
-        "target_length": resolved.target_generation.max_new_tokens,
-    }
+    """A candidate's :data:`SHARED` settings."""
+    values = (
+        resolved.prompts,
+        resolved.split_seed,
+        resolved.test_fraction,
+        resolved.mode,
+        resolved.turns,
+        resolved.target,
+        resolved.tester_generation.max_new_tokens,
+        resolved.target_generation.max_new_tokens,
+    )
+    return dict(zip(SHARED, values, strict=True))
 
 
 def check_candidates(candidates: list[Candidate], base: EvalConfig, scorer: str | None) -> tuple[list[Resolved], str]:
@@ -138,8 +140,10 @@ def _done(folder: Path, config: EvalConfig, resolved: Resolved, scorer: str) -> 
         metrics = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None
+    recorded = metrics.get("run_dir")
+    if not recorded or Path(recorded).resolve() != Path(resolved.source.run_dir).resolve():
+        return None
     wanted = {
-        "run_dir": str(resolved.source.run_dir),
         "checkpoint": resolved.source.checkpoint,
         "split": config.split,
         "split_seed": resolved.split_seed,
