@@ -413,7 +413,7 @@ def _select(args) -> int:
         f"{summary['scorer']} on {summary['n_conversations']} {summary['split']} conversations; wrote {args.out}/{SELECTION_FILE}"
     )
     if summary["scorer_is_a_judge"]:
-        print(f"  {summary['scorer']} is one of the runs' judges: by it, the chosen run's held-out share is biased upward")
+        print(f"  {summary['scorer']} is one of the runs' judges: the choice favours what it rewards, blind spots included")
     if not summary["apart_from_runner_up"]:
         print("  its interval overlaps the runner-up's: the choice is not sure at this many conversations")
     print(f"  judge it on the held-out openers with a judge other than {summary['scorer']}: astrl eval --tester {chosen['run']}")

@@ -231,7 +231,7 @@ def select_testers(
 
 def _is_a_judge(scorer: str, resolved: Resolved) -> bool:
     """Whether ``scorer`` is one of the judges a run is evaluated with (its own or eval's default ones)
-    other than its training scorers: choosing by it would bias that judge's held-out share."""
+    other than its training scorers: choosing by it favours what that judge rewards, blind spots included."""
     trained = {parse_scorer(name) for name in resolved.training_scorers}
     judges = {parse_scorer(name) for name in resolved.judges} - trained
     return parse_scorer(scorer) in judges
