@@ -416,7 +416,8 @@ def _select(args) -> int:
         print(f"  {summary['scorer']} is one of the runs' judges: the choice favours what it rewards, blind spots included")
     if not summary["apart_from_runner_up"]:
         print("  its interval overlaps the runner-up's: the choice is not sure at this many conversations")
-    print(f"  judge it on the held-out openers with a judge other than {summary['scorer']}: astrl eval --tester {chosen['run']}")
+    command = f"astrl eval --tester {chosen['run']}" + (f" --checkpoint {args.checkpoint}" if args.checkpoint else "")
+    print(f"  judge it on the held-out openers with a judge other than {summary['scorer']}: {command}")
     return 0
 
 

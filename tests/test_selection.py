@@ -155,13 +155,14 @@ def test_bad_selections_are_refused_before_a_model_loads(runs, tmp_path, tiny_mo
     assert not (tmp_path / "out").exists()
 
 
-def test_select_compares_the_named_checkpoint_of_every_run(tmp_path, tiny_model_dir):
+def test_select_compares_the_named_checkpoint_of_every_run(tmp_path, tiny_model_dir, capsys):
     runs = [_run(tmp_path, f"ck_{s}", tiny_model_dir, s) for s in (21, 22)]
     for run, seed in zip(runs, (23, 24), strict=True):  # a checkpoint that differs from the run's final tester
         shutil.copytree(run / "final" / "tester", run / "checkpoints" / "step_0002" / "tester")
         torch.manual_seed(seed)
         make_llama(make_tokenizer(), seed=seed).save_pretrained(run / "checkpoints" / "step_0002" / "tester")
     assert _select(tmp_path / "sel", *runs, extra=("--checkpoint", "step_0002")) == 0
+    assert "astrl eval --tester" in (out := capsys.readouterr().out) and out.rstrip().endswith("--checkpoint step_0002")
     summary = json.loads((tmp_path / "sel" / "selection.json").read_text())
     assert [row["checkpoint"] for row in summary["candidates"]] == ["step_0002", "step_0002"]
     assert [row["eval_dir"].rsplit("/", 1)[-1] for row in summary["candidates"]] == ["00_ck_21_step_0002", "01_ck_22_step_0002"]
