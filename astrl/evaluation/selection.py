@@ -26,7 +26,7 @@ from pathlib import Path
 
 from astrl.evaluation.run import EvalConfig, Resolved, resolve, run_eval
 from astrl.evaluation.settings import CONVERSATIONS_PER_OPENER, SELECT_SPLITS
-from astrl.names import parse_scorer
+from astrl.names import check_scorer_names, is_run_dir, parse_scorer
 from astrl.prompts import load_prompts, split_fractions, split_prompts
 
 SELECTION_FILE = "selection.json"
@@ -77,8 +77,6 @@ def check_candidates(candidates: list[Candidate], base: EvalConfig, scorer: str 
     """Resolve every candidate (reading files only) and the scorer that chooses; raise ``ValueError``
     naming the first candidate that is not a run directory, repeats another, or differs from the first
     in a :data:`SHARED` setting, and when no scorer is given and the runs name no common one."""
-    from astrl.names import check_scorer_names, is_run_dir
-
     if base.split not in SELECT_SPLITS:
         raise ValueError(
             f"split {base.split!r}: select chooses on {' or '.join(SELECT_SPLITS)} openers; choosing on the held-out "
@@ -86,7 +84,7 @@ def check_candidates(candidates: list[Candidate], base: EvalConfig, scorer: str 
         )
     if len(candidates) < 2:
         raise ValueError(f"select needs at least two testers to choose among, got {len(candidates)}")
-    seen: dict[tuple, str] = {}
+    seen: set[tuple[str, str | None]] = set()
     resolved = []
     for candidate in candidates:
         if not is_run_dir(Path(candidate.run).expanduser()):
@@ -94,7 +92,7 @@ def check_candidates(candidates: list[Candidate], base: EvalConfig, scorer: str 
         key = (str(Path(candidate.run).expanduser().resolve()), candidate.checkpoint)
         if key in seen:
             raise ValueError(f"{candidate.label!r} is given twice")
-        seen[key] = candidate.label
+        seen.add(key)
         resolved.append(resolve(replace(base, tester=candidate.run, checkpoint=candidate.checkpoint)))
     first = _setting(resolved[0])
     for candidate, each in zip(candidates[1:], resolved[1:], strict=True):
@@ -204,7 +202,7 @@ def select_testers(
         reused = metrics is not None
         if metrics is None:
             metrics = run_eval(config, folder, progress=progress, on_warning=lambda _text: None)
-        rows.append(_row(candidate, each, folder, _judged(metrics), metrics, reused))
+        rows.append(_row(candidate, each, folder, metrics, reused))
         if on_candidate:
             on_candidate(index, candidate, rows[-1])
     chosen = choose([row["elicited_reply_share"] for row in rows])
@@ -237,8 +235,9 @@ def _is_a_judge(scorer: str, resolved: Resolved) -> bool:
     return parse_scorer(scorer) in judges
 
 
-def _row(candidate: Candidate, resolved: Resolved, folder: Path, result: dict, metrics: dict, reused: bool) -> dict:
-    """A candidate's line of ``selection.json``."""
+def _row(candidate: Candidate, resolved: Resolved, folder: Path, metrics: dict, reused: bool) -> dict:
+    """A candidate's line of ``selection.json``, from its evaluation's ``metrics``."""
+    result = _judged(metrics)
     share, interval = _share(result)
     return {
         "run": candidate.run,
