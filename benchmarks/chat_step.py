@@ -27,16 +27,25 @@ largest heap so far; the timings of a ``--memory`` run include those calls. The
 script uses only public entry points of the package and a few of its methods, so it measures an
 older checkout too (run it with that checkout first on ``PYTHONPATH``).
 
+``--from-run RUN_DIR`` times the step of that run's own config instead, with none of the chat overrides:
+the run's ``config.yaml``, warm-start files and step-0 checkpoint are copied to a temporary folder and
+resumed there, so a recipe whose keys need its warm start (``guide_replay_warm_start``, ``kl_reference:
+warm_start``: ``configs/elicit_chat_full.yaml``) is timed as its users run it, replayed members (``guides``)
+included; the run itself is not touched.
+
     python benchmarks/chat_step.py --threads 2 --repeats 3
+    python benchmarks/chat_step.py --from-run runs/elicit_chat_full --threads 2 --repeats 3
 """
 
 from __future__ import annotations
 
 import resource
+import shutil
 import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from _common import ROOT, Timer, base_parser, emit, r, setup
@@ -45,17 +54,31 @@ import astrl.rewards.astprompter as astprompter
 from astrl.envs.transforms import ScoreReward, TargetTurn
 from astrl.prefill import turn_cache_of
 from astrl.training.config import load_config
-from astrl.training.trainer import Trainer
+from astrl.training.trainer import Trainer, resume
 
 CHAT = ["mode=chat", "turns=2", "max_new_tokens=12", "warm_start_probes=0", "warm_start_select=best_of"]
+STEP0 = Path("checkpoints") / "step_000000"
+RUN_FILES = ("config.yaml", "warm_start.json", "warm_start.jsonl")  # what a resume from step 0 reads
+
+
+def from_run(run_dir: Path, into: Path, overrides: list[str]) -> Trainer:
+    """A trainer resumed from a copy of ``run_dir``'s step-0 checkpoint (the warm-started tester, its pinned
+    reference and replay archive) in ``into``: the step a user of that run's config runs, warm start done."""
+    if not (run_dir / STEP0).is_dir():
+        raise SystemExit(f"--from-run {str(run_dir)!r}: no {STEP0} there (a run whose config keeps step 0)")
+    for name in RUN_FILES:
+        if (run_dir / name).is_file():
+            shutil.copy2(run_dir / name, into / name)
+    shutil.copytree(run_dir / STEP0, into / STEP0)
+    return resume(into, overrides, progress=False)
 
 
 class ChatStep:
     """A config-built trainer whose ``train_step`` is timed phase by phase."""
 
-    def __init__(self, config_path: str, overrides: list[str], memory: bool = False) -> None:
-        self.config = load_config(ROOT / config_path if not config_path.startswith("/") else config_path, overrides)
-        self.trainer = Trainer(self.config, progress=False)
+    def __init__(self, trainer: Trainer, memory: bool = False) -> None:
+        self.config = trainer.config
+        self.trainer = trainer
         self.trainer._build()  # what train() does before its first step
         self.timer = Timer(self.config.device, memory=memory)
         self.turn = {"tester": 0, "target": 0}
@@ -198,13 +221,28 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], help="more KEY=VALUE overrides (after the chat ones)")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps after one untimed step")
     parser.add_argument("--memory", action="store_true", help="also each section's peak resident memory (Linux)")
+    parser.add_argument(
+        "--from-run",
+        type=Path,
+        default=None,
+        help="time the steps of this run's own config from a copy of its step-0 checkpoint (no chat overrides; "
+        "--config is not read): a recipe with a warm start, e.g. elicit_chat_full.yaml",
+    )
     args = parser.parse_args()
     info = setup(args)
     with tempfile.TemporaryDirectory() as run_dir:
-        overrides = [*CHAT, f"device={args.device}", f"dtype={args.dtype}", f"seed={args.seed}", "total_steps=1000"]
-        overrides += [f"run_dir={run_dir}", *args.set]
+        if args.from_run is not None:
+            overrides = [f"device={args.device}", f"dtype={args.dtype}", *args.set]
+        else:
+            overrides = [*CHAT, f"device={args.device}", f"dtype={args.dtype}", f"seed={args.seed}", "total_steps=1000"]
+            overrides += [f"run_dir={run_dir}", *args.set]
         start = time.perf_counter()
-        bench = ChatStep(args.config, overrides, memory=args.memory)
+        if args.from_run is not None:
+            trainer = from_run(args.from_run, Path(run_dir), overrides)
+        else:
+            config = load_config(ROOT / args.config if not args.config.startswith("/") else args.config, overrides)
+            trainer = Trainer(config, progress=False)
+        bench = ChatStep(trainer, memory=args.memory)
         build_s = time.perf_counter() - start
         info["dtype"] = bench.config.dtype  # a --set dtype=... wins over --dtype
         warm = bench.step()
@@ -220,8 +258,9 @@ def main() -> None:
         {
             "benchmark": "chat_step",
             **info,
-            "config": args.config,
-            "overrides": overrides[: -1 - len(args.set)] + args.set,
+            "config": str(args.from_run / "config.yaml") if args.from_run else args.config,
+            "from_step0": args.from_run is not None,
+            "overrides": overrides if args.from_run else overrides[: -1 - len(args.set)] + args.set,
             "repeats": args.repeats,
             **{k: r(median([s[k] for s in steps]), 3) for k in ("step_s", "collect_s", "update_s")},
             "breakdown_s": {k: r(median([s["parts"][k] for s in steps]), 3) for k in parts},

@@ -1,5 +1,6 @@
 """The arithmetic of benchmarks/train_loop.py, probe_search.py, turns_at_equal_compute.py, chat_lookahead_signal.py,
-chat_search.py, share_ratio.py and probe_transfer.py (the benchmarks are run by hand, never timed here)."""
+chat_search.py, share_ratio.py and probe_transfer.py, and chat_step.py's run copy (the benchmarks are run by hand,
+never timed here)."""
 
 from __future__ import annotations
 
@@ -429,3 +430,32 @@ def test_a_searched_turns_replies_are_sampled_after_the_targets_view_of_the_conv
     assert [tok.decode(row) for row in seen] == [
         tok.decode(tok(t, add_special_tokens=False)["input_ids"]) for t in render_chats(tok, expected)
     ]
+
+
+def test_chat_step_from_run_resumes_a_copy_of_the_runs_step_0_and_times_its_replayed_members(
+    tmp_path, monkeypatch, tiny_model_dir
+):
+    import chat_step
+    from test_guidance import SEEDS, _fake_warm_start
+    from test_training import LOOSE_SCORER, _config
+
+    from astrl.training.trainer import Trainer
+
+    _fake_warm_start(monkeypatch)
+    tiny = str(tiny_model_dir)
+    settings = dict(tester=tiny, target=tiny, scorer=LOOSE_SCORER, mode="chat", total_steps=3, save_every=100)
+    config = _config(tmp_path, warm_start_probes=4, guide_replay=True, guide_replay_warm_start=True, **settings)
+    Trainer(config, progress=False).train(until=0)  # the warm start (a stub) and its step-0 checkpoint
+    run, into = tmp_path / "run", tmp_path / "copy"
+    into.mkdir()
+    trainer = chat_step.from_run(run, into, ["dtype=float32"])
+    assert trainer.step == 0 and trainer.config.run_dir == str(into) and trainer.config.guide_replay_warm_start
+    bench = chat_step.ChatStep(trainer)
+    assert trainer._replay_seeds() == SEEDS  # the run's kept probes, read from the copy
+    step = bench.step()
+    assert step["parts"]["guides"] > 0  # the replayed members' conversations, which the chat overrides cannot keep
+    assert trainer.step == 1 and not (run / "checkpoints" / "step_000001").exists()  # the run itself is left as it was
+    empty = tmp_path / "no_step_0"
+    empty.mkdir()
+    with pytest.raises(SystemExit, match="no checkpoints/step_000000 there"):
+        chat_step.from_run(empty, into, [])
