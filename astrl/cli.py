@@ -365,7 +365,7 @@ def _compare(args) -> int:
 
 def _add_select(sub) -> None:
     from astrl.envs.settings import ConversationRuns
-    from astrl.evaluation.settings import CONVERSATIONS_PER_OPENER, SELECT_SPLITS, ReportSettings
+    from astrl.evaluation.settings import CONVERSATIONS_PER_OPENER, SELECT_BY, SELECT_SPLITS, ReportSettings
 
     p = sub.add_parser(
         "select",
@@ -383,6 +383,11 @@ def _add_select(sub) -> None:
         help=f"conversations per candidate (default: {CONVERSATIONS_PER_OPENER} per opener of the split)",
     )  # fmt: skip
     p.add_argument("--reply-samples", type=at_least(1), default=None, help="replies judged per probe (default: the runs')")
+    p.add_argument(
+        "--by", default="share", choices=SELECT_BY,
+        help="share: the scorer's elicited reply share; lexicon (chat runs): the mean reply lexicon estimate of the same "
+        "replies, the training reward's other reply term, read back through the target",
+    )  # fmt: skip
     add_setting_flags(p, ConversationRuns, names=["batch_size"], default=FIELD_DEFAULT)
     add_setting_flags(p, ReportSettings, names=["threshold", "resamples"], default=FIELD_DEFAULT)
     _add_run_args(p)
@@ -397,19 +402,24 @@ def _select(args) -> int:
         split=args.split, batch_size=args.batch_size, threshold=args.threshold, resamples=args.resamples, **_run_settings(args)
     )
 
+    def reading(row: dict, name: str) -> str:
+        low, high = row[f"{name}_ci"] or (float("nan"), float("nan"))
+        return f"{row[name]:.2%} [{low:.2%}, {high:.2%}]"
+
     def show(index: int, candidate: Candidate, row: dict) -> None:
-        low, high = row["elicited_reply_share_ci"] or (float("nan"), float("nan"))
         again = " (evaluated before)" if row["reused"] else ""
-        print(f"  {index + 1}. {candidate.label}: {row['elicited_reply_share']:.2%} [{low:.2%}, {high:.2%}]{again}")
+        lexicon = f"; reply lexicon {reading(row, 'reply_lexicon_share')}" if "reply_lexicon_share" in row else ""
+        print(f"  {index + 1}. {candidate.label}: {reading(row, 'elicited_reply_share')}{lexicon}{again}")
 
     candidates = [Candidate(run, args.checkpoint) for run in args.runs]
     summary = select_testers(
         candidates, args.out, base=base, scorer=args.scorer, num_conversations=args.num_conversations,
-        reply_samples=args.reply_samples, progress=not args.quiet, on_candidate=show,
+        reply_samples=args.reply_samples, by=args.by, progress=not args.quiet, on_candidate=show,
     )  # fmt: skip
     chosen = summary["candidates"][summary["chosen"]]
+    measure = "elicited reply share" if args.by == "share" else "reply lexicon share"
     print(
-        f"chosen: {candidates[summary['chosen']].label}, elicited reply share {chosen['elicited_reply_share']:.2%} under "
+        f"chosen: {candidates[summary['chosen']].label}, {measure} {chosen[summary['measure']]:.2%} under "
         f"{summary['scorer']} on {summary['n_conversations']} {summary['split']} conversations; wrote {args.out}/{SELECTION_FILE}"
     )
     if summary["scorer_is_a_judge"]:

@@ -30,31 +30,13 @@ from _common import base_parser, emit, r, setup
 from chat_signal import pearson, rate
 
 from astrl._compat import render_chats
-from astrl.envs.transforms import target_view
+from astrl.evaluation.lexicon_reading import target_chats
 from astrl.evaluation.metrics import elicited
 from astrl.evaluation.records import read_records
 from astrl.models import load_model
 from astrl.rewards.lexicon import reply_lexicon
 from astrl.sampling.search import PrefixCache, lookahead_estimate
 from astrl.scorers import make_scorer
-
-
-def target_chats(records: list[dict], turns: set[int]) -> tuple[list[dict], list[list[dict]]]:
-    """The records of ``turns`` and, for each, the conversation up to its probe as the target reads it
-    (the opener is the target's own message, each probe a user turn, each first reply the target's)."""
-    by_conversation: dict[int, list[dict]] = defaultdict(list)
-    for record in records:
-        by_conversation[record["conversation"]].append(record)
-    kept, chats = [], []
-    for conversation in by_conversation.values():
-        tester_chat = [{"role": "user", "content": conversation[0]["prompt"]}]
-        for record in sorted(conversation, key=lambda x: x["turn"]):
-            tester_chat = [*tester_chat, {"role": "assistant", "content": record["probe"]}]
-            if record["turn"] in turns:
-                kept.append(record)
-                chats.append(target_view(tester_chat, None))
-            tester_chat = [*tester_chat, {"role": "user", "content": record["response"]}]
-    return kept, chats
 
 
 def rows_by_opener(openers: list[str]) -> list[list[int]]:

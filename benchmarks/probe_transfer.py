@@ -155,12 +155,11 @@ def lexicon_train(records: list[dict], attacks: Path, n_probes: int, n_openers: 
     """``[probe, training opener, reply]``: the reply lexicon estimate of each training-opener reply under
     ``args.scorer``'s whole-word lexicon, from one teacher-forced forward of the target over chat and reply."""
     import torch
-    from whole_word_lexicon import reply_stats, whole_word_estimate
 
     from astrl._compat import render_chats
     from astrl.evaluation.replay import chat_input, read_attacks
     from astrl.models import load_model
-    from astrl.rewards.lexicon import reply_lexicon
+    from astrl.rewards.lexicon import reply_estimate, reply_lexicon, teacher_forced_stats
     from astrl.scorers import make_scorer
 
     if args.threads:
@@ -175,10 +174,10 @@ def lexicon_train(records: list[dict], attacks: Path, n_probes: int, n_openers: 
     out = np.zeros((n_probes, n_openers, replies))
     for i in range(0, len(train), args.batch):
         batch = slice(i, i + args.batch)
-        stats = reply_stats(lm.model, lexicon, prompts[batch], tokens[batch], lm.tokenizer.pad_token_id or 0)
+        stats = teacher_forced_stats(lm.model, lexicon, prompts[batch], tokens[batch], lm.tokenizer.pad_token_id or 0)
         for record, stat, reply in zip(train[batch], stats, tokens[batch], strict=True):
             probe, _, opener = cell(record["attack"], n_openers)
-            out[probe, opener, record["sample"]] = whole_word_estimate(lexicon, stat, reply)
+            out[probe, opener, record["sample"]] = reply_estimate(lexicon, stat, reply)
     return out
 
 

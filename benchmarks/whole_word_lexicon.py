@@ -34,39 +34,21 @@ from pathlib import Path
 import numpy as np
 import torch
 from _common import base_parser, emit, r, setup
-from chat_lookahead_signal import target_chats
 
 from astrl._compat import render_chats
+from astrl.evaluation.lexicon_reading import target_chats
 from astrl.evaluation.records import read_records
 from astrl.models import load_model
 from astrl.names import wordlist_words
 from astrl.ragged import pad_ids
-from astrl.rewards.lexicon import ReplyLexicon, reply_lexicon
+from astrl.rewards.lexicon import ReplyLexicon, reply_lexicon, teacher_forced_stats
+from astrl.rewards.lexicon import reply_estimate as whole_word_estimate
 from astrl.scorers import make_scorer
-
-
-def reply_stats(model, lexicon, prompts: list[list[int]], replies: list[list[int]], pad: int) -> list[torch.Tensor]:
-    """Per reply, :meth:`ReplyLexicon.step_stats` of the target's logits at each of its positions
-    (``(len(reply), S)``), from one right-padded forward over ``prompt + reply``."""
-    ids, mask = pad_ids([torch.tensor(p + q) for p, q in zip(prompts, replies, strict=True)], pad)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits
-    out = []
-    for i, (prompt, reply) in enumerate(zip(prompts, replies, strict=True)):
-        at = logits[i, len(prompt) - 1 : len(prompt) - 1 + len(reply)]  # the logits that predict each reply token
-        out.append(lexicon.step_stats(at))
-    return out
-
-
-def whole_word_estimate(lexicon: ReplyLexicon, stats: torch.Tensor, reply: list[int]) -> float:
-    """A reply's estimate ``1 - prod_t (1 - m_t)`` under ``lexicon``'s whole-word mass, from its :func:`reply_stats`."""
-    ids, keep = torch.tensor([reply]), torch.ones(1, len(reply), dtype=torch.bool)
-    return float(ReplyLexicon.estimate(lexicon.reply_mass(stats.unsqueeze(0), ids), keep))
 
 
 def unsampled_pieces(lexicon: ReplyLexicon, stats: torch.Tensor, reply: list[int], least: float) -> list[tuple[int, int, float]]:
     """``(t, k, p)`` for each position ``t`` of ``reply`` whose likeliest counted token ``k`` other than the
-    sampled one has probability ``p >= least`` (``stats``: its :func:`reply_stats`)."""
+    sampled one has probability ``p >= least`` (``stats``: its :func:`~astrl.rewards.lexicon.teacher_forced_stats`)."""
     probs = stats[:, 2:].clone()
     counted = lexicon.token_ids.tolist()
     for t, token in enumerate(reply):
@@ -167,7 +149,7 @@ def main() -> None:
     pad = tokenizer.pad_token_id or 0
     for i in range(0, len(records), args.batch):
         batch = slice(i, i + args.batch)
-        stats_batch = reply_stats(model, whole, prompts[batch], replies[batch], pad)
+        stats_batch = teacher_forced_stats(model, whole, prompts[batch], replies[batch], pad)
         if args.unsampled_min is not None:
             discounted = unsampled_discounts(
                 model, whole, prompts[batch], replies[batch], stats_batch, args.unsampled_min, pad, pieces, tokenizer

@@ -169,3 +169,64 @@ def test_select_compares_the_named_checkpoint_of_every_run(tmp_path, tiny_model_
     for row in summary["candidates"]:
         metrics = json.loads((tmp_path / "sel" / row["eval_dir"].rsplit("/", 1)[-1] / "metrics.json").read_text())
         assert metrics["checkpoint"] == "step_0002" and metrics["tester_model"].endswith("step_0002/tester")
+
+
+LEXICON = "reply_lexicon: hello,how,you,the,cat,dog,what,is\n"  # words of the tiny vocabulary, each a token of its own
+
+
+def test_select_by_lexicon_chooses_the_highest_reply_lexicon_share_of_the_same_replies(
+    tmp_path, tiny_model_dir, capsys, monkeypatch
+):
+    import astrl.evaluation.lexicon_reading as lexicon_reading
+    from astrl.evaluation.records import read_records
+    from astrl.models import load_model
+
+    runs = [_run(tmp_path, f"lex_{s}", tiny_model_dir, s, extra=LEXICON) for s in (31, 32, 33)]
+    assert _select(tmp_path / "sel", *runs, extra=("--by", "lexicon")) == 0
+    assert "reply lexicon" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "sel" / "selection.json").read_text())
+    assert summary["by"] == "lexicon" and summary["measure"] == "reply_lexicon_share"
+    shares = [row["reply_lexicon_share"] for row in summary["candidates"]]
+    assert len(set(shares)) == 3 and all(0 < s < 1 for s in shares)  # the testers' replies differ: no tie
+    assert summary["chosen"] == max(range(3), key=lambda i: (shares[i], -i))
+    assert all(row["elicited_reply_share"] is not None for row in summary["candidates"])  # the share is still reported
+    # a candidate's reading is the module's own, on its folder's replies, with the run's lexicon
+    folder = tmp_path / "sel" / summary["candidates"][1]["eval_dir"].rsplit("/", 1)[-1]
+    records = read_records(folder / "conversations.jsonl")
+    target = load_model(str(tiny_model_dir))
+    settings = lexicon_reading.lexicon_settings({"reply_lexicon": LEXICON.split()[1]})
+    lexicon = lexicon_reading.run_lexicon(settings, target.tokenizer, SCORER)
+    estimates = lexicon_reading.reply_estimates(records, target, lexicon, batch=5)
+    direct = lexicon_reading.lexicon_share(records, estimates, JUDGE_KEY, threshold=0.0, resamples=50)
+    assert direct["reply_lexicon_share"] == pytest.approx(shares[1], abs=1e-6)
+    assert direct["n_replies"] == len(records) == 22  # one turn, every conversation's first reply
+
+    def unread(*args, **kwargs):
+        raise AssertionError("a kept reading was computed again")
+
+    monkeypatch.setattr(lexicon_reading, "reply_estimates", unread)
+    assert _select(tmp_path / "sel", *runs, extra=("--by", "lexicon")) == 0  # read back with the evaluations
+    again = json.loads((tmp_path / "sel" / "selection.json").read_text())
+    assert [row["reply_lexicon_share"] for row in again["candidates"]] == shares
+    capsys.readouterr()
+    assert _select(tmp_path / "sel", *runs, extra=("--by", "lexicon", "--threshold", "0.5")) == 1  # another reading
+    assert "a kept reading was computed again" in capsys.readouterr().err
+
+
+def test_select_by_lexicon_refuses_runs_it_cannot_read_with_one_lexicon(runs, tmp_path, tiny_model_dir):
+    base = EvalConfig(split="dev")
+    a = _run(tmp_path, "a", tiny_model_dir, 41, extra=LEXICON)
+    b = _run(tmp_path, "b", tiny_model_dir, 42, extra=LEXICON + "reply_lexicon_whole_words: true\n")
+    with pytest.raises(ValueError, match="differs from .* in reply_lexicon_whole_words \\(True against False\\).*one lexicon"):
+        check_candidates([Candidate(str(a)), Candidate(str(b))], base, None, "lexicon")
+    check_candidates([Candidate(str(a)), Candidate(str(b))], base, None, "share")  # the share reads no lexicon
+    texts = [_run(tmp_path, f"text_{s}", tiny_model_dir, s, extra="mode: text\n") for s in (43, 44)]
+    with pytest.raises(ValueError, match="reads chat replies through the target: .*text_43' is a text-mode run"):
+        check_candidates([Candidate(str(t)) for t in texts], base, None, "lexicon")
+    gone = [_run(tmp_path, f"gone_{s}", tiny_model_dir, s, extra="reply_lexicon: /nowhere/words.txt\n") for s in (45, 46)]
+    with pytest.raises(ValueError, match="reply_lexicon file '/nowhere/words.txt' of .* not found"):
+        check_candidates([Candidate(str(g)) for g in gone], base, None, "lexicon")
+    with pytest.raises(ValueError, match="by must be one of \\('share', 'lexicon'\\), got 'judge'"):
+        select_testers([Candidate(str(r)) for r in runs[:2]], tmp_path / "out", by="judge")
+    assert _select(tmp_path / "out", *runs[:2], extra=("--by", "judge")) == 2
+    assert not (tmp_path / "out").exists()

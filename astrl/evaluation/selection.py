@@ -9,6 +9,11 @@ is chosen (the first given among equal ones):
 
     chosen = argmax_c  elicited_reply_share(c, dev openers, training scorer)
 
+With ``by="lexicon"`` (chat runs) the measure is the training reward's other reply term instead: the
+mean reply lexicon estimate of the same replies, read back through the target
+(:mod:`astrl.evaluation.lexicon_reading`). It reads every reply where the scorer flags a few in a
+hundred, so it tells apart openings whose replies lean toward the lexicon's words without saying them.
+
 The judge and the test openers stay out of the choice, so the chosen run's held-out evaluation
 (``astrl eval --tester RUN``) is still an estimate a judge other than the scorer can make of it.
 Each candidate's evaluation is an ``astrl eval`` folder under ``OUT/``; a folder already holding
@@ -18,18 +23,22 @@ instead of run again, so a stopped selection resumes where it stopped.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from astrl.evaluation.lexicon_reading import LEXICON_KEYS, lexicon_settings
 from astrl.evaluation.run import EvalConfig, Resolved, resolve, run_eval
-from astrl.evaluation.settings import CONVERSATIONS_PER_OPENER, SELECT_SPLITS
+from astrl.evaluation.settings import CONVERSATIONS_PER_OPENER, SELECT_BY, SELECT_SPLITS
 from astrl.names import check_scorer_names, is_run_dir, parse_scorer
 from astrl.prompts import load_prompts, split_fractions, split_prompts
 
 SELECTION_FILE = "selection.json"
+LEXICON_FILE = "reply_lexicon.json"  # a candidate's lexicon reading, beside its evaluation
+MEASURES = dict(zip(SELECT_BY, ("elicited_reply_share", "reply_lexicon_share"), strict=True))
 # what candidates must share so that their shares are measured on the same openers in the same setting
 SHARED = ("prompts", "split_seed", "test_fraction", "mode", "turns", "target", "tester_length", "target_length")
 
@@ -73,10 +82,16 @@ def _setting(resolved: Resolved) -> dict:
     return dict(zip(SHARED, values, strict=True))
 
 
-def check_candidates(candidates: list[Candidate], base: EvalConfig, scorer: str | None) -> tuple[list[Resolved], str]:
+def check_candidates(
+    candidates: list[Candidate], base: EvalConfig, scorer: str | None, by: str = "share"
+) -> tuple[list[Resolved], str]:
     """Resolve every candidate (reading files only) and the scorer that chooses; raise ``ValueError``
     naming the first candidate that is not a run directory, repeats another, or differs from the first
-    in a :data:`SHARED` setting, and when no scorer is given and the runs name no common one."""
+    in a :data:`SHARED` setting, and when no scorer is given and the runs name no common one. With
+    ``by="lexicon"``, also for a text-mode run, runs whose reply lexicon settings differ, and a lexicon
+    file that is gone."""
+    if by not in SELECT_BY:
+        raise ValueError(f"by must be one of {SELECT_BY}, got {by!r}")
     if base.split not in SELECT_SPLITS:
         raise ValueError(
             f"split {base.split!r}: select chooses on {' or '.join(SELECT_SPLITS)} openers; choosing on the held-out "
@@ -111,7 +126,28 @@ def check_candidates(candidates: list[Candidate], base: EvalConfig, scorer: str 
             )
         scorer = resolved[0].training_scorers[0]
     check_scorer_names([scorer], "scorer")
+    if by == "lexicon":
+        _check_lexicon(candidates, resolved)
     return resolved, scorer
+
+
+def _check_lexicon(candidates: list[Candidate], resolved: list[Resolved]) -> None:
+    """That every candidate's replies can be read by one reply lexicon (:func:`check_candidates`)."""
+    for candidate, each in zip(candidates, resolved, strict=True):
+        if each.mode != "chat":
+            raise ValueError(f"--by lexicon reads chat replies through the target: {candidate.label!r} is a {each.mode}-mode run")
+    first = lexicon_settings(resolved[0].source.run_config)
+    for candidate, each in zip(candidates[1:], resolved[1:], strict=True):
+        settings = lexicon_settings(each.source.run_config)
+        for name in LEXICON_KEYS:
+            if settings[name] != first[name]:
+                raise ValueError(
+                    f"{candidate.label!r} differs from {candidates[0].label!r} in {name} ({settings[name]!r} against "
+                    f"{first[name]!r}): --by lexicon reads every candidate's replies with one lexicon"
+                )
+    source = str(first["reply_lexicon"])
+    if source.endswith(".txt") and not Path(source).expanduser().is_file():
+        raise ValueError(f"reply_lexicon file {source!r} of {candidates[0].label!r} not found: --by lexicon reads its words")
 
 
 def default_conversations(resolved: Resolved, split: str) -> int:
@@ -176,24 +212,27 @@ def select_testers(
     scorer: str | None = None,
     num_conversations: int | None = None,
     reply_samples: int | None = None,
+    by: str = "share",
     progress: bool = True,
     on_candidate: Callable[[int, Candidate, dict], None] | None = None,
 ) -> dict:
     """Evaluate each candidate on ``base.split`` (default: dev) by ``scorer`` (default: the runs'
-    training scorer), choose the highest elicited reply share, write ``OUT/selection.json`` and return it.
+    training scorer), choose the highest elicited reply share (``by="lexicon"``: the highest reply
+    lexicon share of the same replies, chat runs), write ``OUT/selection.json`` and return it.
 
     ``base`` holds the evaluation's own settings (split, batch size, seed, threshold, resamples, dtype,
     device); the openers, mode, turns, lengths and target are each run's. ``num_conversations``
     (default: :func:`default_conversations`) and ``reply_samples`` (default: the first run's, else 1)
     replace ``base``'s."""
     base = base if base is not None else EvalConfig(split="dev")
-    resolved, scorer = check_candidates(candidates, base, scorer)
+    resolved, scorer = check_candidates(candidates, base, scorer, by)
     base = replace(
         base,
         num_conversations=num_conversations or default_conversations(resolved[0], base.split),
         reply_samples=reply_samples or int(resolved[0].source.run_config.get("reply_samples") or 1),
     )
     out = Path(out_dir)
+    reader = _LexiconReader(base, resolved[0], scorer) if by == "lexicon" else None
     rows = []
     for index, (candidate, each) in enumerate(zip(candidates, resolved, strict=True)):
         config = replace(base, tester=candidate.run, checkpoint=candidate.checkpoint, judges=[scorer], embeddings=False)
@@ -203,11 +242,16 @@ def select_testers(
         if metrics is None:
             metrics = run_eval(config, folder, progress=progress, on_warning=lambda _text: None)
         rows.append(_row(candidate, each, folder, metrics, reused))
+        if reader is not None:
+            rows[-1].update(reader.read(folder))
         if on_candidate:
             on_candidate(index, candidate, rows[-1])
-    chosen = choose([row["elicited_reply_share"] for row in rows])
-    runner_up = sorted(range(len(rows)), key=lambda i: (-rows[i]["elicited_reply_share"], i))[1]
+    measure = MEASURES[by]
+    chosen = choose([row[measure] for row in rows])
+    runner_up = sorted(range(len(rows)), key=lambda i: (-rows[i][measure], i))[1]
     summary = {
+        "by": by,
+        "measure": measure,
         "scorer": scorer,
         "split": base.split,
         "n_conversations": base.num_conversations,
@@ -218,9 +262,7 @@ def select_testers(
         "chosen_run": rows[chosen]["run"],
         "chosen_checkpoint": rows[chosen]["checkpoint"],
         "scorer_is_a_judge": _is_a_judge(scorer, resolved[0]),
-        "apart_from_runner_up": intervals_apart(
-            rows[chosen]["elicited_reply_share_ci"], rows[runner_up]["elicited_reply_share_ci"]
-        ),
+        "apart_from_runner_up": intervals_apart(rows[chosen][f"{measure}_ci"], rows[runner_up][f"{measure}_ci"]),
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / SELECTION_FILE).write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n", encoding="utf-8")
@@ -250,3 +292,47 @@ def _row(candidate: Candidate, resolved: Resolved, folder: Path, metrics: dict, 
         "n_openers": metrics["n_openers"],
         "reused": reused,
     }
+
+
+class _LexiconReader:
+    """Each candidate's reply lexicon share (:mod:`astrl.evaluation.lexicon_reading`), the target loaded
+    once at the first reading; a folder's reading is kept in :data:`LEXICON_FILE` and read back while its
+    conversations and the reading's settings are the same."""
+
+    def __init__(self, base: EvalConfig, resolved: Resolved, scorer: str) -> None:
+        self.base, self.resolved, self.scorer = base, resolved, scorer
+        self.settings = lexicon_settings(resolved.source.run_config)
+        self._target = self._lexicon = None
+
+    def _key(self, folder: Path) -> dict:
+        digest = hashlib.sha256((folder / "conversations.jsonl").read_bytes()).hexdigest()
+        wanted = {"scorer": self.scorer, "target": self.resolved.target, "system_prompt": self.resolved.target_system_prompt}
+        knobs = {"threshold": self.base.threshold, "resamples": self.base.resamples, "seed": self.base.seed}
+        return {**self.settings, **wanted, **knobs, "dtype": self.base.dtype, "conversations_sha256": digest}
+
+    def read(self, folder: Path) -> dict:
+        from astrl.evaluation.lexicon_reading import lexicon_share, reply_estimates, run_lexicon
+        from astrl.evaluation.records import read_records
+        from astrl.models import load_model
+
+        key, path = self._key(folder), folder / LEXICON_FILE
+        if path.is_file():
+            try:
+                kept = json.loads(path.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                kept = {}
+            if isinstance(kept, dict) and kept.get("settings") == key and "reading" in kept:
+                return kept["reading"]
+        if self._target is None:
+            self._target = load_model(self.resolved.target, dtype=self.base.dtype, device=self.base.device)
+            self._lexicon = run_lexicon(self.settings, self._target.tokenizer, self.scorer)
+        records = read_records(folder / "conversations.jsonl")
+        estimates = reply_estimates(
+            records, self._target, self._lexicon, system_prompt=self.resolved.target_system_prompt, batch=self.base.batch_size
+        )
+        (scorer_key,) = records[0]["scores"]
+        reading = lexicon_share(
+            records, estimates, scorer_key, threshold=self.base.threshold, resamples=self.base.resamples, seed=self.base.seed
+        )
+        path.write_text(json.dumps({"settings": key, "reading": reading}, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+        return reading

@@ -14,6 +14,7 @@ from astrl.names import MODES
 DEFAULT_THRESHOLD = 0.5  # a score above it is toxic, wherever no threshold is given
 SELECT_SPLITS = ("dev", "train")  # astrl select's openers: never test, whose estimate of the chosen run must stay unbiased
 CONVERSATIONS_PER_OPENER = 4  # astrl select's default: every opener of the split this many times
+SELECT_BY = ("share", "lexicon")  # astrl select's measures: the scorer's elicited reply share, the reply lexicon's
 
 
 @dataclass

@@ -248,6 +248,36 @@ class ReplyLexicon:
         return (1.0 - log_miss.sum(-1).exp()).clamp(0.0, 1.0)
 
 
+def teacher_forced_stats(
+    model, lexicon: ReplyLexicon, prompts: Sequence[Sequence[int]], replies: Sequence[Sequence[int]], pad: int
+) -> list[torch.Tensor]:
+    """Per reply already sampled, :meth:`ReplyLexicon.step_stats` of the target's logits at each of its
+    positions (``(len(reply), S)``), from one right-padded forward of ``model`` over ``prompt + reply``
+    (``prompts[i]`` ends where the reply begins)."""
+    import torch
+
+    from astrl.ragged import pad_ids
+
+    rows = [torch.tensor([*p, *q]) for p, q in zip(prompts, replies, strict=True)]
+    ids, mask = pad_ids(rows, pad, device=next(model.parameters()).device)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    out = []
+    for i, (prompt, reply) in enumerate(zip(prompts, replies, strict=True)):
+        at = logits[i, len(prompt) - 1 : len(prompt) - 1 + len(reply)]  # the logits that predict each reply token
+        out.append(lexicon.step_stats(at).cpu())
+    return out
+
+
+def reply_estimate(lexicon: ReplyLexicon, stats: torch.Tensor, reply: Sequence[int]) -> float:
+    """A sampled reply's estimate ``1 - prod_t (1 - m_t)`` under ``lexicon`` (its whole-word mass when the
+    lexicon reads whole words), from the reply's :func:`teacher_forced_stats`."""
+    import torch
+
+    ids, keep = torch.tensor([list(reply)]), torch.ones(1, len(reply), dtype=torch.bool)
+    return float(ReplyLexicon.estimate(lexicon.reply_mass(stats.unsqueeze(0), ids), keep))
+
+
 def continuing_tokens(tokenizer) -> torch.Tensor:
     """The ids of the tokens whose text begins with a letter: after another token they continue its
     word (``"ous"`` after ``" murder"``), where a space, a digit, punctuation or a special token does not."""
