@@ -117,3 +117,25 @@ def test_a_runs_lexicon_settings_fall_back_to_the_rewards_defaults():
     given = {"reply_lexicon": "hell,idiot", "reply_lexicon_whole_words": True, "reply_lexicon_threshold": None}
     expected = {"reply_lexicon": "hell,idiot", "reply_lexicon_threshold": 0.9, "reply_lexicon_whole_words": True}
     assert lexicon_settings(given) == expected
+
+
+def test_a_conversation_past_the_targets_window_loses_its_oldest_messages_as_the_env_drops_them():
+    from conftest import make_llama
+
+    from astrl._compat import render_chats
+    from astrl.envs.truncation import fit_chats
+
+    tok = make_tokenizer()
+    target = SimpleNamespace(model=make_llama(tok, max_positions=64), tokenizer=tok)
+    lexicon = ReplyLexicon(tok, ["hell", "idiot"])
+    long = " ".join(["hello how are you today what is the weather like"] * 3)
+    records = [_record(0, t, long, f"{long} {t}", f"damn hell you idiot {t}", 0.0) for t in range(3)]
+    estimates = reply_estimates(records, target, lexicon, batch=2)  # the whole conversation is past 64 positions
+    _, chats = target_chats(records)
+    reply = tok(records[2]["response"], add_special_tokens=False)["input_ids"]
+    (fitted,) = fit_chats([chats[2]], tok, 64 - len(reply))
+    assert len(fitted) < len(chats[2])  # messages were dropped
+    prompt = tok(render_chats(tok, [fitted])[0], add_special_tokens=False)["input_ids"]
+    (stats,) = teacher_forced_stats(target.model, lexicon, [prompt], [reply], tok.pad_token_id)
+    assert estimates[2] == pytest.approx(reply_estimate(lexicon, stats, reply), abs=1e-6)
+    assert ((estimates > 0) & (estimates < 1)).all()

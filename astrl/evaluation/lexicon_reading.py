@@ -78,8 +78,11 @@ def target_chats(records: list[dict], turns: set[int] | None = None, system_prom
 def reply_estimates(
     records: list[dict], target: LoadedModel, lexicon: ReplyLexicon, *, system_prompt: str | None = None, batch: int = 32
 ) -> np.ndarray:
-    """Each record's first reply's lexicon estimate under ``lexicon``, read through ``target`` (teacher-forced)."""
+    """Each record's first reply's lexicon estimate under ``lexicon``, read through ``target`` (teacher-forced).
+    A conversation longer than the target's window (``max_position_embeddings``) loses its oldest messages
+    first, as the env's target turn drops them (:func:`~astrl.envs.truncation.fit_chats`)."""
     from astrl._compat import render_chats
+    from astrl.envs.truncation import fit_chats
     from astrl.rewards.lexicon import reply_estimate, teacher_forced_stats
 
     if batch < 1:
@@ -87,8 +90,13 @@ def reply_estimates(
     kept, chats = target_chats(records, None, system_prompt)
     order = {id(record): i for i, record in enumerate(kept)}
     tokenizer = target.tokenizer
-    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in render_chats(tokenizer, chats)]
     replies = [tokenizer(r["response"], add_special_tokens=False)["input_ids"] or [tokenizer.eos_token_id] for r in kept]
+    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in render_chats(tokenizer, chats)]
+    window = getattr(getattr(target.model, "config", None), "max_position_embeddings", None)
+    for i, (prompt, reply) in enumerate(zip(prompts, replies, strict=True)):
+        if window is not None and len(prompt) + len(reply) > window:
+            (fitted,) = fit_chats([chats[i]], tokenizer, window - len(reply))
+            prompts[i] = tokenizer(render_chats(tokenizer, [fitted])[0], add_special_tokens=False)["input_ids"]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     out = np.zeros(len(kept))
     for start in range(0, len(kept), batch):
