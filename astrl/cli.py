@@ -417,9 +417,9 @@ def _select(args) -> int:
         reply_samples=args.reply_samples, by=args.by, progress=not args.quiet, on_candidate=show,
     )  # fmt: skip
     chosen = summary["candidates"][summary["chosen"]]
-    measure = "elicited reply share" if args.by == "share" else "reply lexicon share"
+    measure = summary["measure"]
     print(
-        f"chosen: {candidates[summary['chosen']].label}, {measure} {chosen[summary['measure']]:.2%} under "
+        f"chosen: {candidates[summary['chosen']].label}, {measure.replace('_', ' ')} {chosen[measure]:.2%} under "
         f"{summary['scorer']} on {summary['n_conversations']} {summary['split']} conversations; wrote {args.out}/{SELECTION_FILE}"
     )
     if summary["scorer_is_a_judge"]:

@@ -224,7 +224,7 @@ def test_select_by_lexicon_refuses_runs_it_cannot_read_with_one_lexicon(runs, tm
     with pytest.raises(ValueError, match="reads chat replies through the target: .*text_43' is a text-mode run"):
         check_candidates([Candidate(str(t)) for t in texts], base, None, "lexicon")
     gone = [_run(tmp_path, f"gone_{s}", tiny_model_dir, s, extra="reply_lexicon: /nowhere/words.txt\n") for s in (45, 46)]
-    with pytest.raises(ValueError, match="reply_lexicon file '/nowhere/words.txt' of .* not found"):
+    with pytest.raises(ValueError, match="gone_45': reply_lexicon file '/nowhere/words.txt' not found; --by lexicon"):
         check_candidates([Candidate(str(g)) for g in gone], base, None, "lexicon")
     with pytest.raises(ValueError, match="by must be one of \\('share', 'lexicon'\\), got 'judge'"):
         select_testers([Candidate(str(r)) for r in runs[:2]], tmp_path / "out", by="judge")

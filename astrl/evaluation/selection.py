@@ -89,7 +89,7 @@ def check_candidates(
     naming the first candidate that is not a run directory, repeats another, or differs from the first
     in a :data:`SHARED` setting, and when no scorer is given and the runs name no common one. With
     ``by="lexicon"``, also for a text-mode run, runs whose reply lexicon settings differ, and a lexicon
-    file that is gone."""
+    source other than ``scorer`` that cannot be read (a file that is gone, a list with no words)."""
     if by not in SELECT_BY:
         raise ValueError(f"by must be one of {SELECT_BY}, got {by!r}")
     if base.split not in SELECT_SPLITS:
@@ -145,9 +145,14 @@ def _check_lexicon(candidates: list[Candidate], resolved: list[Resolved]) -> Non
                     f"{candidate.label!r} differs from {candidates[0].label!r} in {name} ({settings[name]!r} against "
                     f"{first[name]!r}): --by lexicon reads every candidate's replies with one lexicon"
                 )
-    source = str(first["reply_lexicon"])
-    if source.endswith(".txt") and not Path(source).expanduser().is_file():
-        raise ValueError(f"reply_lexicon file {source!r} of {candidates[0].label!r} not found: --by lexicon reads its words")
+    if first["reply_lexicon"] != "scorer":  # read now, as training's config check reads it; scorer needs the target
+        from astrl.errors import ScorerError
+        from astrl.rewards.lexicon import lexicon_words
+
+        try:
+            lexicon_words(str(first["reply_lexicon"]))
+        except ScorerError as err:
+            raise ValueError(f"{candidates[0].label!r}: {err}; --by lexicon reads its words") from None
 
 
 def default_conversations(resolved: Resolved, split: str) -> int:
