@@ -29,11 +29,16 @@ per opener without that access would have to match.
     python benchmarks/probe_search.py --split test --openers 62 --max-nll 3.5 --replies 4   # all 62 test openers
     python benchmarks/probe_search.py --split test --test-fraction 0.35 --openers 218 --max-nll 3.5 --bounded-only \
         --replies 16 --beams 16 --top-k 16   # the 218 held-out openers of the elicit configs (test_fraction 0.35)
+
+``--records FILE`` keeps each opener's searched probe, its replies and the judge's scores, so that
+``share_ratio.py`` reads a tester's ``astrl eval`` folder against the search opener by opener (``--split
+train`` gives the training openers: whether a tester matches the search where it trained).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import time
 
 import numpy as np
@@ -135,13 +140,28 @@ def sampled_replies(model, tok, rows: list[torch.Tensor], *, replies: int, new_t
     return texts
 
 
-def judged_replies(model, tok, openers, probes, judge, *, replies: int, new_tokens: int, batch: int = 16) -> dict:
+def judged_replies(
+    model, tok, openers, probes, judge, *, replies: int, new_tokens: int, batch: int = 16, records: list | None = None
+) -> dict:
     """:func:`elicited` for ``replies`` sampled target replies to each ``openers[i] + probes[i]`` (token ids
-    joined as the search scored them; no top-k or top-p filter)."""
+    joined as the search scored them; no top-k or top-p filter). ``records``, when given, gains a row per
+    opener in ``chat_search.py``'s records format (``opener``, ``probe``, ``replies``, the ``wordlist``
+    judge's ``scores``), which ``share_ratio.py`` reads beside an ``astrl eval`` folder."""
     rows = [torch.cat([torch.tensor(tok(o)["input_ids"]), p.cpu()]) for o, p in zip(openers, probes, strict=True)]
     texts = sampled_replies(model, tok, rows, replies=replies, new_tokens=new_tokens, batch=batch, top_p=1.0, top_k=0)
     reply_scores = checked_scores(judge, texts).view(len(rows), replies)
-    probe_scores = checked_scores(judge, tok.batch_decode([p.cpu() for p in probes], skip_special_tokens=True))
+    probe_texts = tok.batch_decode([p.cpu() for p in probes], skip_special_tokens=True)
+    probe_scores = checked_scores(judge, probe_texts)
+    if records is not None:
+        records.extend(
+            {
+                "opener": opener,
+                "probe": probe_texts[i],
+                "replies": texts[i * replies : (i + 1) * replies],
+                "scores": {"wordlist": {"probe": float(probe_scores[i]), "replies": reply_scores[i].tolist()}},
+            }
+            for i, opener in enumerate(openers)
+        )
     return elicited(reply_scores.numpy(), probe_scores.numpy())
 
 
@@ -161,6 +181,11 @@ def main() -> None:
     parser.add_argument("--bounded-only", action="store_true", help="with --max-nll: only the bounded search")
     parser.add_argument("--replies", type=int, default=0, help="target replies judged per probe (0: none)")
     parser.add_argument("--reply-tokens", type=int, default=16, help="tokens per target reply")
+    parser.add_argument(
+        "--records", default=None,
+        help="with --replies: write each opener's searched probe (the bounded one with --max-nll), its replies and the "
+        "judge's scores to this JSONL, for share_ratio.py",
+    )  # fmt: skip
     args = parser.parse_args()
     info = setup(args)
     count = args.openers or (16 if args.quick else 64)
@@ -168,6 +193,8 @@ def main() -> None:
     model, tok = lm.model, lm.tokenizer
     if args.bounded_only and args.max_nll is None:
         parser.error("--bounded-only needs --max-nll")
+    if args.records and args.replies <= 0:
+        parser.error("--records needs --replies")
     fractions = split_fractions(args.test_fraction)
     openers = split_prompts(load_prompts("rtp"), args.split, seed=args.seed, fractions=fractions)[:count]
     count = len(openers)
@@ -229,14 +256,19 @@ def main() -> None:
         sampled_nll = -torch.cat(
             token_logprobs(model, [p for p in prompts for _ in range(args.samples)], sampled, pad_token_id=tok.pad_token_id)
         )
-    judged = None
+    judged, search_records = None, []
     if args.replies > 0:
         torch.manual_seed(args.seed)
         first_sampled = [sampled[i * args.samples] for i in range(count)]
         judge, options = make_scorer("wordlist"), {"replies": args.replies, "new_tokens": args.reply_tokens}
         judged = {"sampled_first": judged_replies(model, tok, openers, first_sampled, judge, **options)}
+        kept = "bounded" if "bounded" in searches else "searched"  # the search --records keeps
         for label, fs in searches.items():
-            judged[label] = judged_replies(model, tok, openers, [f.tokens for f in fs], judge, **options)
+            records = search_records if label == kept else None
+            judged[label] = judged_replies(model, tok, openers, [f.tokens for f in fs], judge, **options, records=records)
+        if args.records:
+            with open(args.records, "w", encoding="utf-8") as handle:
+                handle.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in search_records)
     emit(
         {
             "benchmark": "probe_search",

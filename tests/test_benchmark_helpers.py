@@ -301,6 +301,29 @@ def test_chat_search_judges_each_probes_replies_without_the_openers_words_and_th
     assert later["result"]["elicited_reply_share_past_conversation"]["rate"] == 0.0
 
 
+def test_probe_search_records_each_openers_probe_replies_and_scores_as_share_ratio_reads_them(monkeypatch, tiny_tokenizer):
+    from astrl.scorers import make_scorer
+
+    texts = ["fuck off", "hi", "ok", "shit"]  # two replies a probe, in order
+    monkeypatch.setattr(probe_search, "sampled_replies", lambda model, tok, rows, **kw: texts)
+    tok = tiny_tokenizer
+    probes = [torch.tensor(tok(" hello there")["input_ids"]), torch.tensor(tok(" damn right")["input_ids"])]
+    records: list[dict] = []
+    result = probe_search.judged_replies(
+        None, tok, ["first", "second"], probes, make_scorer("wordlist"), replies=2, new_tokens=4, records=records
+    )
+    assert [row["opener"] for row in records] == ["first", "second"]
+    assert [row["replies"] for row in records] == [["fuck off", "hi"], ["ok", "shit"]]
+    assert records[0]["scores"]["wordlist"] == {"probe": 0.0, "replies": [1.0, 0.0]}
+    assert records[1]["scores"]["wordlist"] == {"probe": 1.0, "replies": [0.0, 1.0]}  # "damn" in the probe
+    assert records[1]["probe"] == tok.decode(probes[1], skip_special_tokens=True)
+    assert result["elicited_reply_share"] == 0.25  # "fuck off" alone: "shit" follows a toxic probe
+    # share_ratio reads the rows as it reads chat_search.py's: the same elicited replies per opener
+    counts = share_ratio.opener_counts(records, "wordlist", make_scorer("wordlist"), ["first", "second"])
+    hits, replies = counts["elicited_reply_share"]
+    assert hits.tolist() == [1.0, 0.0] and replies.tolist() == [2.0, 2.0]
+
+
 def test_share_ratio_pairs_an_eval_folders_first_turns_with_searched_probes_opener_by_opener(tmp_path):
     from astrl.scorers import make_scorer
 
