@@ -1,8 +1,9 @@
 """One tester's elicited reply share as a multiple of another's on the same openers, with a paired interval.
 
 Each side is an ``astrl eval`` folder or the ``--records`` JSONL of ``chat_search.py`` (one searched probe
-per opener and turn), read at its ``--turn`` (default the first, from 0; several, ``0,1``, or ``all``:
-those turns' replies pooled per opener, the conversation's share). For each of ``--judges`` the elicited
+per opener and turn) or of ``probe_search.py`` (one per opener), read at its ``--turn`` (default the
+first, from 0; several, ``0,1``, or ``all``: those turns' replies pooled per opener, the conversation's
+share). For each of ``--judges`` the elicited
 reply share of both sides (a reply the judge scores above 0.5 after a probe it scores at most 0.5), read
 as judged, without the opener's words and without the probe's words in any form (the ``past_opener`` and
 ``past_probe_forms`` readings of ``astrl eval``, computed again here the same way for both sides), and
@@ -59,7 +60,7 @@ def load_side(path: str | Path, turn: int | set[int] | None) -> list[dict]:
         rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         rows = [row for row in rows if turns is None or row.get("turn", 0) in turns]
     else:
-        raise SystemExit(f"error: {path} is neither an astrl eval folder nor a chat_search.py records file")
+        raise SystemExit(f"error: {path} is neither an astrl eval folder nor a records file of chat_search.py or probe_search.py")
     if not rows:
         raise SystemExit(f"error: {path} has no rows for turn {'all' if turns is None else ','.join(map(str, sorted(turns)))}")
     return rows
@@ -143,7 +144,7 @@ def share(num: np.ndarray, den: np.ndarray, seed: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("a", help="the reference side: an astrl eval folder or chat_search.py records")
+    parser.add_argument("a", help="the reference side: an astrl eval folder or chat_search.py / probe_search.py records")
     parser.add_argument("b", help="the side whose multiple of A is measured")
     parser.add_argument("--judges", default="profanity,wordlist", help="comma-separated judges both sides hold")
     parser.add_argument(
