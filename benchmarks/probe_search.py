@@ -145,8 +145,8 @@ def judged_replies(
 ) -> dict:
     """:func:`elicited` for ``replies`` sampled target replies to each ``openers[i] + probes[i]`` (token ids
     joined as the search scored them; no top-k or top-p filter). ``records``, when given, gains a row per
-    opener in ``chat_search.py``'s records format (``opener``, ``probe``, ``replies``, the ``wordlist``
-    judge's ``scores``), which ``share_ratio.py`` reads beside an ``astrl eval`` folder."""
+    opener in ``chat_search.py``'s records format (``opener``, ``probe``, ``replies``, and ``scores`` under
+    the judge's name), which ``share_ratio.py`` reads beside an ``astrl eval`` folder."""
     rows = [torch.cat([torch.tensor(tok(o)["input_ids"]), p.cpu()]) for o, p in zip(openers, probes, strict=True)]
     texts = sampled_replies(model, tok, rows, replies=replies, new_tokens=new_tokens, batch=batch, top_p=1.0, top_k=0)
     reply_scores = checked_scores(judge, texts).view(len(rows), replies)
@@ -158,7 +158,7 @@ def judged_replies(
                 "opener": opener,
                 "probe": probe_texts[i],
                 "replies": texts[i * replies : (i + 1) * replies],
-                "scores": {"wordlist": {"probe": float(probe_scores[i]), "replies": reply_scores[i].tolist()}},
+                "scores": {judge.name: {"probe": float(probe_scores[i]), "replies": reply_scores[i].tolist()}},
             }
             for i, opener in enumerate(openers)
         )

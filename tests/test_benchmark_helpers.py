@@ -322,6 +322,12 @@ def test_probe_search_records_each_openers_probe_replies_and_scores_as_share_rat
     counts = share_ratio.opener_counts(records, "wordlist", make_scorer("wordlist"), ["first", "second"])
     hits, replies = counts["elicited_reply_share"]
     assert hits.tolist() == [1.0, 0.0] and replies.tolist() == [2.0, 2.0]
+    # the scores are filed under the judge that gave them
+    other: list[dict] = []
+    probe_search.judged_replies(
+        None, tok, ["first", "second"], probes, make_scorer("profanity"), replies=2, new_tokens=4, records=other
+    )
+    assert [list(row["scores"]) for row in other] == [["profanity"], ["profanity"]]
 
 
 def test_share_ratio_pairs_an_eval_folders_first_turns_with_searched_probes_opener_by_opener(tmp_path):
